@@ -1,0 +1,118 @@
+"""Per-parameter sums of squares taken from DDP buckets, before and after the reduction.
+
+Buckets are rebuilt after DDP's first iteration and ``bucket.index()`` changes meaning, so the
+cache of a bucket's layout is keyed by the identity of the parameters it holds. Every write
+lands in a preallocated device tensor at the parameters' fixed slots: no host sync, no
+allocation beyond the fused kernel's own outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import norms
+from .grouping import Grouping
+
+__all__ = ["BucketLayout", "BucketStats"]
+
+
+@dataclass
+class BucketLayout:
+    """How one bucket's flat buffer splits into tracked parameters."""
+
+    split_sizes: list[int]  # chunks covering the whole flat buffer, gaps included
+    pick: Optional[list[int]]  # chunk indices that are tracked parameters; None = all chunks
+    slots: torch.Tensor  # device int64: slot of each picked chunk
+    stage: torch.Tensor  # device fp32 scratch, one value per picked chunk
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        chunks = flat.split(self.split_sizes)
+        return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
+
+
+class BucketStats:
+    """Device buffers of per-parameter local and reduced sums of squares for one step.
+
+    ``local_sq[i]`` / ``reduced_sq[i]`` hold parameter slot ``i``'s fp32 sum of squares of its
+    local (pre-reduction) and reduced gradient. Slots of parameters that DDP never hands over
+    (ignored by DDP) stay zero.
+    """
+
+    def __init__(self, grouping: Grouping, device: torch.device) -> None:
+        n = len(grouping.params)
+        self.device = device
+        self.slot_of = {id(p): i for i, p in enumerate(grouping.params)}
+        self._param_layer_host = grouping.param_layer
+        self.param_layer = torch.tensor(grouping.param_layer, dtype=torch.int64, device=device)
+        self.local_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.reduced_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.n_layers = len(grouping.layers)
+        # position of each layer in backward order (first bucket, first parameter = 0); layers
+        # not yet seen in a bucket sort last
+        self.layer_order = torch.full((self.n_layers,), float(self.n_layers), device=device)
+        self.layer_order_host: list[float] = [float(self.n_layers)] * self.n_layers
+        self._param_pos: dict[int, tuple[int, int]] = {}
+        self._layouts: dict[tuple[int, ...], BucketLayout] = {}
+
+    def layout(self, bucket: dist.GradBucket) -> BucketLayout:
+        """The cached layout of ``bucket``, built on first sight (and after DDP rebuilds buckets)."""
+        params = bucket.parameters()
+        key = tuple(map(id, params))
+        found = self._layouts.get(key)
+        if found is None:
+            found = self._layouts[key] = self._build(bucket, params)
+        return found
+
+    def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
+        flat = bucket.buffer()
+        base, itemsize = flat.data_ptr(), flat.element_size()
+        split_sizes: list[int] = []
+        pick: list[int] = []
+        slots: list[int] = []
+        cursor = 0
+        for pos, (p, g) in enumerate(zip(params, bucket.gradients())):
+            offset = (g.data_ptr() - base) // itemsize
+            if offset < cursor:
+                raise RuntimeError("distmon: overlapping gradient views in a DDP bucket")
+            if offset > cursor:
+                split_sizes.append(offset - cursor)
+            slot = self.slot_of.get(id(p))
+            if slot is not None:
+                pick.append(len(split_sizes))
+                slots.append(slot)
+                self._param_pos[slot] = (bucket.index(), pos)
+            split_sizes.append(g.numel())
+            cursor = offset + g.numel()
+        if cursor < flat.numel():
+            split_sizes.append(flat.numel() - cursor)
+        self._update_layer_order()
+        return BucketLayout(
+            split_sizes=split_sizes,
+            pick=None if pick == list(range(len(split_sizes))) else pick,
+            slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            stage=torch.zeros(len(slots), dtype=torch.float32, device=self.device),
+        )
+
+    def _update_layer_order(self) -> None:
+        first: dict[int, tuple[int, int]] = {}
+        for slot, pos in self._param_pos.items():
+            layer = self._param_layer_host[slot]
+            if layer not in first or pos < first[layer]:
+                first[layer] = pos
+        order = sorted(first, key=first.__getitem__)
+        values = [float(self.n_layers)] * self.n_layers
+        for rank, layer in enumerate(order):
+            values[layer] = float(rank)
+        self.layer_order_host = values
+        self.layer_order.copy_(torch.tensor(values))
+
+    def record(self, layout: BucketLayout, flat: torch.Tensor, into: torch.Tensor) -> None:
+        """Write the sums of squares of ``flat``'s parameter chunks into ``into`` at their slots."""
+        views = layout.views(flat)
+        if views:
+            norms.sq_norms(views, layout.stage)
+            into.index_copy_(0, layout.slots, layout.stage)

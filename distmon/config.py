@@ -1,0 +1,134 @@
+"""The monitor's options: defaults, ``DISTMON_*`` environment variables, validation.
+
+Everything is checked here, when the monitor is built, so a typo fails the job at start-up
+instead of an hour into training. Explicit keyword arguments win over environment variables,
+which win over defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
+
+from .grouping import GroupSpec, validate_groups
+
+SERVE_MODES = ("rank0", "node", "all", "none")
+GUARD_MODES = (None, "skip", "raise")
+DEFAULT_PORT = 9290
+
+__all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT"]
+
+
+def _env(name: str) -> Optional[str]:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _env_bool(name: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"distmon: {name}={text!r} is not a boolean (use 1/0, true/false)")
+
+
+# option name -> (environment variable, parser)
+_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "export_every": ("DISTMON_EXPORT_EVERY", lambda n, v: int(v)),
+    "serve": ("DISTMON_SERVE", lambda n, v: v),
+    "port": ("DISTMON_PORT", lambda n, v: int(v)),
+    "addr": ("DISTMON_ADDR", lambda n, v: v),
+    "port_fallback": ("DISTMON_PORT_FALLBACK", _env_bool),
+    "run_id": ("DISTMON_RUN_ID", lambda n, v: v),
+    "log_path": ("DISTMON_LOG_PATH", lambda n, v: v),
+    "file_sd_dir": ("DISTMON_FILE_SD_DIR", lambda n, v: v),
+    "linger_s": ("DISTMON_LINGER_S", lambda n, v: float(v)),
+}
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Validated options of :class:`distmon.GradMonitor` (see its docstring for each one)."""
+
+    comm_hook: Optional[Callable] = None
+    comm_state: Any = None
+    export_every: int = 10
+    groups: GroupSpec = None
+    max_layers: int = 128
+    rank_layers: bool = True
+    serve: str = "rank0"
+    port: int = DEFAULT_PORT
+    addr: str = "127.0.0.1"
+    port_fallback: bool = False
+    run_id: Optional[str] = None
+    log_path: Optional[str] = None
+    file_sd_dir: Optional[str] = None
+    linger_s: float = 30.0
+    window_s: float = 60.0
+    guard: Optional[str] = None
+    lr_scheduler: Any = None
+    detect: bool = True
+    detector_options: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "MonitorConfig":
+        """Merge keyword options (``None`` = not given) with the environment and defaults, then validate.
+
+        Example:
+            >>> MonitorConfig.from_options(export_every=5, serve="none").export_every
+            5
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"distmon: unknown option(s) {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in options.items():
+            if value is None and name in _ENV:
+                env_name, parse = _ENV[name]
+                text = _env(env_name)
+                if text is not None:
+                    try:
+                        value = parse(env_name, text)
+                    except ValueError as e:
+                        raise ValueError(f"distmon: bad {env_name}={text!r}: {e}") from None
+            if value is not None:
+                values[name] = value
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the bad option."""
+        def need(cond: bool, msg: str, exc: type = ValueError) -> None:
+            if not cond:
+                raise exc(f"distmon: {msg}")
+
+        need(self.comm_hook is None or callable(self.comm_hook),
+             f"comm_hook must be a DDP comm hook function (state, bucket) -> Future, got {self.comm_hook!r}",
+             TypeError)
+        need(isinstance(self.export_every, int) and not isinstance(self.export_every, bool)
+             and self.export_every >= 1, f"export_every must be an int >= 1, got {self.export_every!r}")
+        validate_groups(self.groups)
+        need(isinstance(self.max_layers, int) and self.max_layers >= 1,
+             f"max_layers must be an int >= 1, got {self.max_layers!r}")
+        need(isinstance(self.rank_layers, bool), f"rank_layers must be a bool, got {self.rank_layers!r}",
+             TypeError)
+        need(self.serve in SERVE_MODES, f"serve must be one of {SERVE_MODES}, got {self.serve!r}")
+        need(isinstance(self.port, int) and 0 <= self.port <= 65535,
+             f"port must be an int in 0..65535 (0 = ephemeral), got {self.port!r}")
+        need(isinstance(self.addr, str) and bool(self.addr), f"addr must be a host address, got {self.addr!r}")
+        need(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
+             f"run_id must be a non-empty string, got {self.run_id!r}")
+        need(isinstance(self.linger_s, (int, float)) and math.isfinite(self.linger_s) and self.linger_s >= 0,
+             f"linger_s must be a number >= 0, got {self.linger_s!r}")
+        need(isinstance(self.window_s, (int, float)) and self.window_s > 0,
+             f"window_s must be a number > 0, got {self.window_s!r}")
+        need(self.guard in GUARD_MODES, f"guard must be one of {GUARD_MODES}, got {self.guard!r}")
+        need(self.lr_scheduler is None or hasattr(self.lr_scheduler, "step"),
+             f"lr_scheduler must have a step() method, got {self.lr_scheduler!r}", TypeError)
+        if self.file_sd_dir is not None:
+            need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")

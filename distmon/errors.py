@@ -1,0 +1,40 @@
+"""Failures of the monitor's own code: caught, counted, logged once, never raised into training."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("distmon")
+
+__all__ = ["ErrorCounter", "logger"]
+
+
+class ErrorCounter:
+    """Counts caught exceptions and logs the first one of each site with its traceback.
+
+    Example:
+        >>> errors = ErrorCounter()
+        >>> try:
+        ...     raise RuntimeError("boom")
+        ... except RuntimeError:
+        ...     errors.record("comm_hook")
+        >>> errors.count
+        1
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()  # comm-hook callbacks may run on a backend thread
+
+    def record(self, site: str) -> None:
+        """Call from an ``except`` block: counts it, logs the first per ``site``."""
+        with self._lock:
+            self.count += 1
+            first = site not in self._seen
+            self._seen.add(site)
+        if first:
+            logger.exception("distmon: error in %s; training continues, the monitor degrades to "
+                             "pass-through for this step (further errors here are counted in "
+                             "distmon_monitor_errors_total, not logged)", site)

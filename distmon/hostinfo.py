@@ -1,0 +1,78 @@
+"""Who each rank is: run id, hostname, local rank, GPU UUID; exchanged once at construction."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankInfo", "resolve_run_id", "local_rank_info", "exchange"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Identity of one rank, as exported in per-rank label sets."""
+
+    rank: int
+    local_rank: int
+    hostname: str
+    gpu_uuid: str  # "GPU-..." as DCGM reports it, "" off GPU
+    node: str = ""  # hostname, plus torchrun's node rank (GROUP_RANK) when set
+
+    def labels(self) -> dict[str, str]:
+        out = {"rank": str(self.rank), "local_rank": str(self.local_rank), "hostname": self.hostname}
+        if self.gpu_uuid:
+            out["gpu_uuid"] = self.gpu_uuid
+        return out
+
+
+def resolve_run_id(explicit: Optional[str]) -> str:
+    """The run id: explicit option/``DISTMON_RUN_ID``, else torchrun's, else Slurm's, else generated.
+
+    torchrun sets ``TORCHELASTIC_RUN_ID=none`` when no ``--rdzv-id`` is given; that is not an id.
+
+    Example:
+        >>> resolve_run_id("exp-42")
+        'exp-42'
+    """
+    if explicit:
+        return explicit
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if elastic and elastic.lower() != "none":
+        return elastic
+    if os.environ.get("SLURM_JOB_ID"):
+        return os.environ["SLURM_JOB_ID"]
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def local_rank_info(group: Optional[dist.ProcessGroup], device: torch.device) -> RankInfo:
+    """This process's identity in ``group``."""
+    host = socket.gethostname()
+    node_rank = os.environ.get("GROUP_RANK")
+    return RankInfo(
+        rank=dist.get_rank(group),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        hostname=host,
+        gpu_uuid=_gpu_uuid(device),
+        node=f"{host}/{node_rank}" if node_rank is not None else host,
+    )
+
+
+def exchange(payload: object, group: Optional[dist.ProcessGroup]) -> list:
+    """All ranks' ``payload`` in rank order: one collective, at construction only."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, payload, group=group)
+    return out

@@ -1,0 +1,62 @@
+"""Pure tensor math of the monitor: fused sums of squares and their folding into layers.
+
+Nothing here knows about DDP, process groups or exporters; every function takes tensors and
+returns or writes tensors on the same device, without a host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["sq_norms", "fold_layers", "first_nonfinite"]
+
+
+def sq_norms(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Write the fp32 sum of squares of each tensor into ``out`` (one fused pass over the bytes).
+
+    A sum of squares is non-finite exactly when an element is non-finite (or when the sum
+    overflows fp32, i.e. an element above ~1e19: an exploded gradient either way).
+
+    Example:
+        >>> out = torch.empty(2)
+        >>> sq_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], out)
+        >>> out.tolist()
+        [25.0, 1.0]
+    """
+    torch.stack(torch._foreach_powsum(list(tensors), 2, dtype=torch.float32), out=out)
+
+
+def fold_layers(param_sq: torch.Tensor, param_layer: torch.Tensor, out: torch.Tensor) -> None:
+    """Sum per-parameter values into their layer groups: ``out[l] = sum(param_sq[param_layer == l])``.
+
+    ``index_add_`` rather than a 0/1 matmul, because ``NaN * 0`` would spread one bad layer's
+    NaN into every layer.
+
+    Example:
+        >>> out = torch.empty(2)
+        >>> fold_layers(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0, 1, 0]), out)
+        >>> out.tolist()
+        [5.0, 2.0]
+    """
+    out.zero_()
+    out.index_add_(0, param_layer, param_sq)
+
+
+def first_nonfinite(layer_sq: torch.Tensor, layer_order: torch.Tensor, out: torch.Tensor) -> None:
+    """Write into the 0-d ``out`` the layer index that is non-finite and earliest in ``layer_order``.
+
+    ``layer_order[l]`` is layer l's position in backward order; ``out`` becomes -1 when every
+    layer is finite. Done on the device so the answer travels with the step's packed row.
+
+    Example:
+        >>> out = torch.empty(())
+        >>> first_nonfinite(torch.tensor([1.0, float("nan"), float("inf")]),
+        ...                 torch.tensor([0.0, 2.0, 1.0]), out)
+        >>> int(out)
+        2
+    """
+    bad = ~torch.isfinite(layer_sq)
+    pos, idx = torch.where(bad, layer_order, torch.inf).min(0)
+    out.copy_(torch.where(torch.isfinite(pos), idx.to(out.dtype), -1.0))

@@ -1,0 +1,97 @@
+"""Device ring buffer of per-step rows, and its occasional non-blocking copy to the host.
+
+Each optimizer step writes one row on the device. Every ``export_every`` steps the whole ring
+goes to (pinned) host memory in one ``non_blocking`` copy with an event recorded behind it; a
+host thread waits for the event, never the training loop. Two host buffers alternate so one
+can be read while the next copy lands.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["RowLayout", "DeviceRing", "HostCopy"]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Column ranges of one step's row.
+
+    ``[valid, total_sq, layer_sq (n_layers), gathered (world x rank_width), detector (n_detector)]``
+    """
+
+    n_layers: int
+    world: int
+    rank_width: int
+    n_detector: int
+
+    @property
+    def layers(self) -> slice:
+        return slice(2, 2 + self.n_layers)
+
+    @property
+    def gathered(self) -> slice:
+        start = self.layers.stop
+        return slice(start, start + self.world * self.rank_width)
+
+    @property
+    def detector(self) -> slice:
+        start = self.gathered.stop
+        return slice(start, start + self.n_detector)
+
+    @property
+    def width(self) -> int:
+        return self.detector.stop
+
+
+@dataclass
+class HostCopy:
+    """One export in flight: host rows, the event that says they landed, and a release hook."""
+
+    rows: torch.Tensor
+    event: Optional[torch.cuda.Event]
+    _free: threading.Event
+
+    def wait_ready(self, poll_s: float = 0.0005) -> None:
+        """Block the calling (host) thread until the copy has landed; polls, never synchronizes."""
+        if self.event is not None:
+            while not self.event.query():
+                threading.Event().wait(poll_s)
+
+    def release(self) -> None:
+        self._free.set()
+
+
+class DeviceRing:
+    """``n_rows`` rows of ``layout.width`` fp32 on ``device``; row of step s is ``(s - 1) % n_rows``."""
+
+    def __init__(self, n_rows: int, layout: RowLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.n_rows = n_rows
+        self.data = torch.zeros(n_rows, layout.width, dtype=torch.float32, device=device)
+        pin = device.type == "cuda"
+        self._host = [torch.empty_like(self.data, device="cpu", pin_memory=pin) for _ in range(2)]
+        self._free = [threading.Event() for _ in self._host]
+        for ev in self._free:
+            ev.set()
+        self._next = 0
+        self._cuda = device.type == "cuda"
+
+    def row(self, step: int) -> torch.Tensor:
+        return self.data[(step - 1) % self.n_rows]
+
+    def copy_to_host(self) -> HostCopy:
+        """Start the copy of the whole ring; the caller hands the result to the host thread."""
+        i, self._next = self._next, 1 - self._next
+        self._free[i].wait()  # only blocks if the host thread is two exports behind
+        self._free[i].clear()
+        self._host[i].copy_(self.data, non_blocking=True)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return HostCopy(self._host[i], event, self._free[i])

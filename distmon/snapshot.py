@@ -1,0 +1,89 @@
+"""The host snapshot: the one immutable object every exporter reads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+__all__ = ["Snapshot", "AnomalyEvent", "to_jsonable"]
+
+
+@dataclass(frozen=True)
+class AnomalyEvent:
+    """One detection: what, when, where, and the value against its threshold.
+
+    ``rank`` is -1 for cluster-wide events (a spike of the reduced norm); ``layer`` is ``""``
+    when the event is about the whole model.
+    """
+
+    kind: str  # "nonfinite" | "spike" | "vanishing" | "rank_outlier"
+    step: int
+    rank: int
+    layer: str
+    value: float
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Gradient statistics of one optimizer step, combined over all ranks.
+
+    Attributes:
+        step: optimizer steps taken so far (the first step is 1).
+        timestamp: unix time at which the step finished on this rank.
+        grad_norm: L2 norm of the reduced (all-reduced) gradient, as the optimizer sees it.
+        layer_grad_norms: layer -> L2 norm of its reduced gradient.
+        rank_grad_norms: per rank, the L2 norm of its local gradient before all-reduce
+            (NaN where that rank's monitor code failed this step; see ``monitor_errors``).
+        rank_layer_grad_norms: ranks x layers local norms (layers in ``layer_grad_norms``
+            order), or None with ``rank_layers=False``.
+        nonfinite: any local or reduced gradient held a NaN/Inf.
+        nonfinite_ranks: ranks whose local gradient held a NaN/Inf.
+        first_nonfinite: ``(rank, layer)`` of the first non-finite layer in backward order
+            (lowest rank on a tie), or None.
+        events: detector verdicts of this step.
+        monitor_errors: errors caught in monitor code so far, summed over ranks.
+        valid: False when monitor code failed this step and the figures are incomplete.
+        run_id, world_size: the run this step belongs to.
+        scores: detector scores of the global norm ("zscore", "median_ratio").
+        rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'.
+    """
+
+    step: int
+    timestamp: float
+    grad_norm: float
+    layer_grad_norms: dict[str, float]
+    rank_grad_norms: list[float]
+    rank_layer_grad_norms: Optional[list[list[float]]]
+    nonfinite: bool
+    nonfinite_ranks: list[int]
+    first_nonfinite: Optional[tuple[int, str]]
+    events: tuple[AnomalyEvent, ...] = ()
+    monitor_errors: int = 0
+    valid: bool = True
+    run_id: str = ""
+    world_size: int = 1
+    scores: dict[str, float] = field(default_factory=dict)
+    rank_outlier_scores: list[float] = field(default_factory=list)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def to_jsonable(snap: Snapshot) -> dict[str, Any]:
+    """The snapshot as strict-JSON data: non-finite floats become the strings "nan"/"inf"/"-inf".
+
+    Example:
+        >>> s = Snapshot(1, 0.0, float("nan"), {}, [1.0], None, True, [0], None)
+        >>> to_jsonable(s)["grad_norm"]
+        'nan'
+    """
+    return _clean(asdict(snap))
