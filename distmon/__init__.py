@@ -11,11 +11,14 @@ Three lines in a DDP training script::
     mon.close()           # or: with distmon.GradMonitor(model, optimizer) as mon: ...
 
 Metrics are served to Prometheus at ``http://127.0.0.1:9290/metrics`` by global rank 0 by
-default. Public names: :class:`GradMonitor`, :class:`Snapshot`, :class:`AnomalyEvent`.
+default. Public names: :class:`GradMonitor`, :class:`Snapshot`, :class:`AnomalyEvent`,
+:class:`DetectorConfig` (detector thresholds), :class:`GradientAnomalyError` (``guard="raise"``).
 """
 
 from ._version import __version__
-from .monitor import GradMonitor
+from .detectors import DetectorConfig
+from .monitor import GradientAnomalyError, GradMonitor
 from .snapshot import AnomalyEvent, Snapshot
 
-__all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "__version__"]
+__all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "GradientAnomalyError",
+           "__version__"]

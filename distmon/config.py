@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
+from .detectors import DetectorConfig
 from .grouping import GroupSpec, validate_groups
 
 SERVE_MODES = ("rank0", "node", "all", "none")
@@ -70,8 +71,7 @@ class MonitorConfig:
     window_s: float = 60.0
     guard: Optional[str] = None
     lr_scheduler: Any = None
-    detect: bool = True
-    detector_options: dict = field(default_factory=dict)
+    detect: Any = True  # bool or DetectorConfig
 
     @classmethod
     def from_options(cls, **options: Any) -> "MonitorConfig":
@@ -130,5 +130,9 @@ class MonitorConfig:
         need(self.guard in GUARD_MODES, f"guard must be one of {GUARD_MODES}, got {self.guard!r}")
         need(self.lr_scheduler is None or hasattr(self.lr_scheduler, "step"),
              f"lr_scheduler must have a step() method, got {self.lr_scheduler!r}", TypeError)
+        need(isinstance(self.detect, (bool, DetectorConfig)),
+             f"detect must be a bool or a distmon.DetectorConfig, got {self.detect!r}", TypeError)
+        need(self.guard is None or self.detect is not False,
+             "guard needs the detectors: pass detect=True or a DetectorConfig")
         if self.file_sd_dir is not None:
             need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")

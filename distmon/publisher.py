@@ -24,10 +24,10 @@ Sink = Callable[[Sequence[Snapshot]], None]
 
 @dataclass(frozen=True)
 class ExportBatch:
-    """Rows to publish: the host copy and, per step, ``(step, ring row, timestamp)``."""
+    """Rows to publish: the host copy and, per step, ``(step, ring row, timestamp, skipped)``."""
 
     copy: HostCopy
-    steps: tuple[tuple[int, int, float], ...]
+    steps: tuple[tuple[int, int, float, bool], ...]
 
 
 def _sqrt(x: float) -> float:
@@ -51,7 +51,7 @@ class RowDecoder:
         self.layer_order = layer_order
         self.decode_detector = decode_detector
 
-    def decode(self, step: int, timestamp: float, row: list[float]) -> Snapshot:
+    def decode(self, step: int, timestamp: float, skipped: bool, row: list[float]) -> Snapshot:
         lay = self.layout
         n_layers = lay.n_layers
         layer_sq = row[lay.layers]
@@ -98,6 +98,7 @@ class RowDecoder:
             valid=all_valid,
             run_id=self.run_id,
             world_size=lay.world,
+            skipped=skipped,
         )
         if self.decode_detector is not None:
             snap = self.decode_detector(step, row[lay.detector], snap)
@@ -150,7 +151,7 @@ class Publisher:
             rows = batch.copy.rows.tolist()  # host memory: no device sync
         finally:
             batch.copy.release()
-        snaps = [self.decoder.decode(step, ts, rows[slot]) for step, slot, ts in batch.steps]
+        snaps = [self.decoder.decode(step, ts, skipped, rows[slot]) for step, slot, ts, skipped in batch.steps]
         if not snaps:
             return
         self.latest = snaps[-1]

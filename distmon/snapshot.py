@@ -48,6 +48,7 @@ class Snapshot:
         run_id, world_size: the run this step belongs to.
         scores: detector scores of the global norm ("zscore", "median_ratio").
         rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'.
+        skipped: the guard (``guard="skip"``) kept the optimizer from taking this step.
     """
 
     step: int
@@ -66,6 +67,7 @@ class Snapshot:
     world_size: int = 1
     scores: dict[str, float] = field(default_factory=dict)
     rank_outlier_scores: list[float] = field(default_factory=list)
+    skipped: bool = False
 
 
 def _clean(value: Any) -> Any:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import norms
 from .bucket_stats import BucketLayout, BucketStats
+from .detectors import DeviceDetector
 from .errors import ErrorCounter
 from .grouping import Grouping
 from .publisher import ExportBatch
@@ -35,13 +36,13 @@ class StepTracker:
 
     def __init__(self, grouping: Grouping, group: Optional[dist.ProcessGroup], device: torch.device,
                  export_every: int, rank_layers: bool, errors: ErrorCounter,
-                 detector: Optional["DeviceDetector"] = None) -> None:
+                 detector_factory: Optional[Callable[[int], DeviceDetector]] = None) -> None:
         self.errors = errors
         self.stats = BucketStats(grouping, device)
         self.gather = RankGather(len(grouping.layers), rank_layers, group, device)
-        self.detector = detector
+        self.detector = detector_factory(self.gather.n_layer_cols) if detector_factory else None
         self.layout = RowLayout(len(grouping.layers), dist.get_world_size(group), self.gather.width,
-                                detector.n_outputs if detector else 0)
+                                self.detector.n_outputs if self.detector else 0)
         self.ring = DeviceRing(export_every, self.layout, device)
         self.export_every = export_every
         self.publish: Callable[[ExportBatch], None] = lambda batch: batch.copy.release()
@@ -49,6 +50,7 @@ class StepTracker:
         self.step = 0
         self._exported_through = 0
         self._timestamps = [0.0] * export_every
+        self._skipped = [False] * export_every
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -126,13 +128,15 @@ class StepTracker:
             row[0].fill_(0.0)
         return row
 
-    def end_step(self) -> None:
-        """Close the step (optimizer post-hook): finalize, timestamp, export on schedule."""
+    def end_step(self, skipped: bool = False) -> None:
+        """Close the step (optimizer post-hook, or the guard skipping it): finalize, export on schedule."""
         if not self.active:
             return
         self.finalize()
         self.step += 1
-        self._timestamps[(self.step - 1) % self.export_every] = time.time()
+        slot = (self.step - 1) % self.export_every
+        self._timestamps[slot] = time.time()
+        self._skipped[slot] = skipped
         self._reset_step()
         if self.step % self.export_every == 0:
             self.export()
@@ -143,7 +147,7 @@ class StepTracker:
             return
         try:
             n = self.export_every
-            steps = tuple((s, (s - 1) % n, self._timestamps[(s - 1) % n])
+            steps = tuple((s, (s - 1) % n, self._timestamps[(s - 1) % n], self._skipped[(s - 1) % n])
                           for s in range(self._exported_through + 1, self.step + 1))
             self._exported_through = self.step
             self.publish(ExportBatch(self.ring.copy_to_host(), steps))
