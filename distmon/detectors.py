@@ -15,9 +15,11 @@ Detectors, all on log-norms (gradient norms span decades, and ratios are what ma
   the baseline while a lasting change of level is absorbed within ~1/alpha steps. Falling
   norms (early-training decay) only make z negative: never an event.
 - vanishing: global norm below ``vanishing_norm`` for ``vanishing_steps`` consecutive steps.
-- rank outlier: per rank, ``|log n_r - median_r log n_r|`` over a robust scale (EMA of the
-  cross-rank MAD x 1.4826, floored at ``outlier_min_scale``), above ``outlier_score``.
-  Needs at least 3 ranks (with 2, "which one is odd" has no answer).
+- rank outlier: per rank, ``|log n_r - median_r log n_r|`` over a scale (the EMA over steps of
+  the ranks' mean squared deviation, each clipped at ``outlier_score`` scales so the outlier
+  cannot inflate it; floored at ``outlier_min_scale``), above ``outlier_score``. A per-step
+  MAD is no scale for a handful of ranks (biased low with 4, degenerate with 2). Needs at
+  least 3 ranks (with 2, "which one is odd" has no answer).
 - non-finite: already flagged by the core per rank and layer; reported as an event here.
 """
 
@@ -91,7 +93,7 @@ class DeviceDetector:
         self.seeded = torch.zeros(n, dtype=torch.bool, device=device)
         self.history = torch.full((cfg.median_window,), math.nan, **f32)
         self.below = torch.zeros((), **f32)
-        self.mad_ema = torch.full((), math.nan, **f32)
+        self.dev_var = torch.full((), math.nan, **f32)  # cross-rank log-norm variance, EMA
         self.updates = 0  # host count of updates: the warm-up rule needs no device read
         self._log_ratio = math.log(cfg.spike_ratio)
 
@@ -151,14 +153,15 @@ class DeviceDetector:
         ok = gathered[:, base + RANK_FIELDS.index("valid")] == 1.0
         x = torch.where(ok, 0.5 * torch.log(total), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
-        med = torch.nanmedian(x)
-        dev = (x - med).abs()
-        mad = torch.nanmedian(dev)
-        mad_ema = torch.where(torch.isnan(self.mad_ema), mad,
-                              (1 - self.cfg.ema_alpha) * self.mad_ema + self.cfg.ema_alpha * mad)
-        self.mad_ema.copy_(torch.where(torch.isfinite(mad), mad_ema, self.mad_ema))
-        scale = torch.clamp(1.4826 * self.mad_ema.nan_to_num(0.0), min=self.cfg.outlier_min_scale)
+        dev = (x - torch.nanmedian(x)).abs()
+        scale = torch.sqrt(self.dev_var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
         score = (dev / scale).nan_to_num(0.0)
+        # scale state: EMA over steps of the mean squared deviation, each rank's deviation
+        # clipped at the threshold so the outlier itself cannot inflate the scale
+        m2 = torch.nanmean(torch.minimum(dev, self.cfg.outlier_score * scale) ** 2)
+        a = self.cfg.ema_alpha
+        new_var = torch.where(torch.isnan(self.dev_var), m2, (1 - a) * self.dev_var + a * m2)
+        self.dev_var.copy_(torch.where(torch.isfinite(m2), new_var, self.dev_var))
         out[len(COLUMNS):] = score
         best_score, best = score.max(0)
         if armed and self.world >= 3:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install distmon and what it needs, on a fresh machine. Idempotent.
+#   bash launch/install.sh          # torch (pinned), prometheus-client, distmon (editable)
+#   bash launch/install.sh --test   # + pytest, pyyaml, and the Prometheus/Alertmanager binaries
+# torch is pinned and installed FIRST: an unpinned `torch` requirement would pull several GB
+# of CUDA wheels on a CPU machine. Set DISTMON_TORCH_SPEC to use another torch build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${DISTMON_TORCH_SPEC:-torch==2.13.0}
+want=${TORCH_SPEC#torch==}
+
+have=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have" != "$want" ]; then
+  echo "[install] torch: have '${have:-none}', installing $TORCH_SPEC"
+  "$PY" -m pip install --quiet "$TORCH_SPEC"
+fi
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+# the pin again, so pip's resolver can never "upgrade" torch while installing the rest
+"$PY" -m pip install --quiet -e ".${extras}" "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+
+if [ "${1:-}" = "--test" ]; then
+  missing=()
+  command -v promtool >/dev/null || missing+=(prometheus)
+  command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || missing+=(prometheus-alertmanager)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "[install] apt-get install ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+"$PY" -c 'import torch, distmon; print(f"[install] ok: torch {torch.__version__}, distmon {distmon.__version__}")'
