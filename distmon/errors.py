@@ -35,6 +35,5 @@ class ErrorCounter:
             first = site not in self._seen
             self._seen.add(site)
         if first:
-            logger.exception("distmon: error in %s; training continues, the monitor degrades to "
-                             "pass-through for this step (further errors here are counted in "
-                             "distmon_monitor_errors_total, not logged)", site)
+            logger.exception("distmon: error in %s; training continues unaffected (further errors "
+                             "here are counted in distmon_monitor_errors_total, not logged)", site)
