@@ -38,7 +38,7 @@ from .snapshot import AnomalyEvent, Snapshot
 __all__ = ["DetectorConfig", "DeviceDetector", "DetectorDecoder"]
 
 # detector columns of a ring row, then one outlier score per rank
-COLUMNS = ("zscore", "median_ratio", "spike_global", "spike_layer", "spike_layer_z", "vanishing",
+COLUMNS = ("zscore", "median_ratio", "layer_zmax", "spike_global", "spike_layer", "spike_layer_z", "vanishing",
            "outlier", "outlier_rank", "outlier_score", "block")
 _C = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -123,6 +123,7 @@ class DeviceDetector:
             out[_C["spike_layer"]] = torch.where(any_layer, best.float(), -1.0)
             out[_C["spike_layer_z"]] = torch.where(any_layer, best_z, 0.0)
         out[_C["zscore"]] = z[0]
+        out[_C["layer_zmax"]] = z[1:].max()
         out[_C["median_ratio"]] = torch.exp(x[0] - median)
 
         # state: seed with the first finite value, then EMA of the clipped deviation
@@ -194,7 +195,8 @@ class DetectorDecoder:
             events.append(AnomalyEvent("rank_outlier", step, int(c["outlier_rank"]), "",
                                        c["outlier_score"], cfg.outlier_score))
         return replace(snap, events=tuple(events),
-                       scores={"zscore": c["zscore"], "median_ratio": c["median_ratio"]},
+                       scores={"zscore": c["zscore"], "median_ratio": c["median_ratio"],
+                               "layer_zmax": c["layer_zmax"]},
                        rank_outlier_scores=cols[len(COLUMNS):])
 
 

@@ -46,7 +46,8 @@ class Snapshot:
         monitor_errors: errors caught in monitor code so far, summed over ranks.
         valid: False when monitor code failed this step and the figures are incomplete.
         run_id, world_size: the run this step belongs to.
-        scores: detector scores of the global norm ("zscore", "median_ratio").
+        scores: detector scores: "zscore" and "median_ratio" of the global norm, "layer_zmax"
+            the largest layer z-score.
         rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'.
         skipped: the guard (``guard="skip"``) kept the optimizer from taking this step.
     """
