@@ -1,0 +1,344 @@
+"""Prometheus rules of distmon: syntax, unit tests, metadata, and that the unit tests can fail.
+
+Runs the real ``promtool`` (Debian package ``prometheus``). Without promtool these
+tests skip, except under CI (``CI=true``), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROM_DIR = ROOT / "deploy" / "prometheus"
+RULES_DIR = PROM_DIR / "rules"
+TESTS_DIR = PROM_DIR / "tests"
+ALERTS_FILE = RULES_DIR / "distmon-alerts.yml"
+RECORDING_FILE = RULES_DIR / "distmon-recording.yml"
+PROM_CONFIG = PROM_DIR / "prometheus.yml"
+AM_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
+
+RULE_FILES = sorted(RULES_DIR.glob("*.yml"))
+TEST_FILES = sorted(TESTS_DIR.glob("*.yml"))
+
+# Metric names of the distmon exporter contract (see the spec / DESIGN.md).
+SPEC_METRICS = {
+    "distmon_run_info",
+    "distmon_grad_norm",
+    "distmon_layer_grad_norm",
+    "distmon_step_grad_norm",  # histogram: _bucket, _sum, _count
+    "distmon_grad_norm_window_max",
+    "distmon_optimizer_steps_total",
+    "distmon_last_step_timestamp_seconds",
+    "distmon_nonfinite_steps_total",
+    "distmon_monitor_errors_total",
+    "distmon_run_finished",
+    "distmon_anomalies_total",
+    "distmon_grad_norm_zscore",
+    "distmon_grad_norm_median_ratio",
+    "distmon_rank_grad_norm",
+    "distmon_rank_nonfinite_steps_total",
+    "distmon_rank_outlier_score",
+}
+HISTOGRAMS = {"distmon_step_grad_norm"}
+
+# The alerts the end-to-end test and the dashboard rely on.
+EXPECTED_ALERTS = {
+    "DistmonNonFiniteGradients",
+    "DistmonNonFiniteGradientsRank",
+    "DistmonGradientExplosion",
+    "DistmonGradientSpikeBetweenScrapes",
+    "DistmonRankOutlier",
+    "DistmonTrainingStalled",
+    "DistmonMetricsVanished",
+    "DistmonTargetDown",
+    "DistmonMonitorErrors",
+    "DistmonAnomalyDetected",
+}
+SEVERITIES = {"critical", "warning", "info"}
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        msg = "promtool not found (apt-get install prometheus)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def _run(*cmd: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def _rules(kind: str) -> list[dict]:
+    out = []
+    for path in RULE_FILES:
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            out += [r for r in group["rules"] if kind in r]
+    return out
+
+
+def _alerts() -> list[dict]:
+    return _rules("alert")
+
+
+def _records() -> list[dict]:
+    return _rules("record")
+
+
+def _metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(distmon[_:][A-Za-z0-9_:]*)", expr))
+
+
+# --------------------------------------------------------------------------------------------
+# Syntax and unit tests
+
+
+def test_rule_and_test_files_present():
+    assert ALERTS_FILE in RULE_FILES and RECORDING_FILE in RULE_FILES
+    assert TEST_FILES, "no promtool unit tests in deploy/prometheus/tests"
+
+
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_promtool_check_rules(promtool, path):
+    r = _run(promtool, "check", "rules", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout
+
+
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)
+def test_promtool_unit_tests(promtool, path):
+    r = _run(promtool, "test", "rules", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout
+
+
+def test_unit_tests_load_the_rule_files():
+    for path in TEST_FILES:
+        doc = yaml.safe_load(path.read_text())
+        loaded = {(path.parent / f).resolve() for f in doc["rule_files"]}
+        assert loaded <= {p.resolve() for p in RULE_FILES}, path
+        assert RECORDING_FILE.resolve() in loaded, f"{path.name} must load the recording rules"
+
+
+def _alert_cases() -> list[dict]:
+    cases = []
+    for path in TEST_FILES:
+        for group in yaml.safe_load(path.read_text())["tests"]:
+            cases += group.get("alert_rule_test") or []
+    return cases
+
+
+def test_every_alert_is_tested_firing_and_not_firing():
+    names = {a["alert"] for a in _alerts()}
+    assert names == EXPECTED_ALERTS
+    cases = _alert_cases()
+    firing = {c["alertname"] for c in cases if c.get("exp_alerts")}
+    silent = {c["alertname"] for c in cases if not c.get("exp_alerts")}
+    assert names - firing == set(), "alerts without a firing test"
+    assert names - silent == set(), "alerts without a not-firing test"
+
+
+def test_every_recording_rule_is_tested():
+    exprs = []
+    for path in TEST_FILES:
+        for group in yaml.safe_load(path.read_text())["tests"]:
+            exprs += [c["expr"] for c in group.get("promql_expr_test") or []]
+    tested = set().union(*(_metric_names(e) for e in exprs))
+    missing = {r["record"] for r in _records()} - tested
+    assert not missing, f"recording rules without a promql_expr_test: {sorted(missing)}"
+
+
+def test_unit_test_series_use_real_metric_names():
+    """A typo in an input series would make a 'does not fire' test pass vacuously."""
+    allowed = SPEC_METRICS | {f"{h}_{s}" for h in HISTOGRAMS for s in ("bucket", "sum", "count")}
+    allowed |= {"up"}
+    for path in TEST_FILES:
+        for group in yaml.safe_load(path.read_text())["tests"]:
+            for s in group.get("input_series") or []:
+                name = s["series"].split("{", 1)[0].strip()
+                assert name in allowed, f"{path.name}: unknown series {name}"
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata
+
+
+@pytest.mark.parametrize("rule", _alerts(), ids=lambda r: r["alert"])
+def test_alert_metadata(rule):
+    labels = rule.get("labels") or {}
+    ann = rule.get("annotations") or {}
+    assert labels.get("severity") in SEVERITIES
+    for key in ("summary", "description", "runbook"):
+        assert ann.get(key, "").strip(), f"{rule['alert']} lacks annotation {key}"
+    assert "$value" in ann["summary"], "summary should show the value"
+    assert "$labels.run_id" in ann["summary"], "summary should name the run"
+    # Every aggregation keeps run_id, so the alert is per run.
+    for by in re.findall(r"\bby\s*\(([^)]*)\)", rule["expr"]):
+        assert "run_id" in [x.strip() for x in by.split(",")], (rule["alert"], by)
+    for on in re.findall(r"\bon\s*\(([^)]*)\)", rule["expr"]):
+        assert "run_id" in [x.strip() for x in on.split(",")], (rule["alert"], on)
+
+
+def test_rule_names_and_metrics_exist():
+    recorded = {r["record"] for r in _records()}
+    allowed = SPEC_METRICS | recorded
+    allowed |= {f"{h}_{s}" for h in HISTOGRAMS for s in ("bucket", "sum", "count")}
+    for rule in _records() + _alerts():
+        unknown = _metric_names(rule["expr"]) - allowed
+        assert not unknown, (rule.get("alert") or rule.get("record"), unknown)
+    for name in recorded:
+        assert re.fullmatch(r"distmon:[a-z0-9_]+:[a-z0-9_]+", name), name
+
+
+# --------------------------------------------------------------------------------------------
+# The unit tests must be able to fail: break one threshold at a time and expect promtool
+# to report failures.
+
+MUTATIONS = {
+    # name: (rule file, text, replacement, occurrences of text)
+    "nonfinite_threshold": (
+        ALERTS_FILE.name,
+        "sum by (run_id) (increase(distmon_nonfinite_steps_total[5m])) > 0",
+        "sum by (run_id) (increase(distmon_nonfinite_steps_total[5m])) > 1000",
+        1,
+    ),
+    "explosion_factor": (
+        ALERTS_FILE.name,
+        "max by (run_id) (distmon_grad_norm < +Inf) / distmon:grad_norm:median_30m > 10",
+        "max by (run_id) (distmon_grad_norm < +Inf) / distmon:grad_norm:median_30m > 100",
+        1,
+    ),
+    "no_history_requirement": (
+        ALERTS_FILE.name,
+        "and on (run_id) distmon:grad_norm:samples_30m >= 20",
+        "and on (run_id) distmon:grad_norm:samples_30m >= 0",
+        2,
+    ),
+    "spike_histogram_factor": (
+        ALERTS_FILE.name,
+        "distmon:step_grad_norm:max_bucket_5m / distmon:grad_norm:median_30m > 25",
+        "distmon:step_grad_norm:max_bucket_5m / distmon:grad_norm:median_30m > 250",
+        1,
+    ),
+    "rank_outlier_with_two_ranks": (
+        ALERTS_FILE.name,
+        "count by (run_id) (distmon_rank_outlier_score) >= 3",
+        "count by (run_id) (distmon_rank_outlier_score) >= 2",
+        1,
+    ),
+    "stall_ignores_finished": (
+        ALERTS_FILE.name,
+        "and on (run_id) max by (run_id) (distmon_run_finished) == 0",
+        "and on (run_id) max by (run_id) (distmon_run_finished) >= 0",
+        1,
+    ),
+    "vanished_ignores_clean_finish": (
+        ALERTS_FILE.name,
+        "max by (run_id) (max_over_time(distmon_run_finished[1h])) == 0",
+        "max by (run_id) (max_over_time(distmon_run_finished[1h])) >= 0",
+        1,
+    ),
+    "median_without_nan_filter": (
+        RECORDING_FILE.name,
+        "max by (run_id) (distmon_grad_norm >= 0 < +Inf)",
+        "max by (run_id) (distmon_grad_norm)",
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_broken_rule_fails_unit_tests(promtool, tmp_path, name):
+    fname, old, new, count = MUTATIONS[name]
+    work = tmp_path / "prometheus"
+    shutil.copytree(RULES_DIR, work / "rules")
+    shutil.copytree(TESTS_DIR, work / "tests")
+    target = work / "rules" / fname
+    text = target.read_text()
+    assert text.count(old) == count, f"mutation {name!r} does not match the rule file"
+    target.write_text(text.replace(old, new))
+    # The mutated file is still valid...
+    r = _run(promtool, "check", "rules", str(target))
+    assert r.returncode == 0, r.stdout + r.stderr
+    # ...but the unit tests catch the change.
+    r = _run(promtool, "test", "rules", *map(str, sorted((work / "tests").glob("*.yml"))))
+    assert r.returncode != 0, f"unit tests did not notice mutation {name!r}:\n{r.stdout}"
+    assert "FAILED" in r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Prometheus / Alertmanager configuration
+
+# Strings the end-to-end test (and site setups) replace; each must occur exactly once
+# outside comments.
+SUBSTITUTIONS = {
+    "scrape_interval: 15s": "scrape_interval: 1s",
+    "evaluation_interval: 15s": "evaluation_interval: 1s",
+    "localhost:9093": "127.0.0.1:{am_port}",
+    "rules/*.yml": "{rules_dir}/*.yml",
+    "file_sd/*.json": "{file_sd_dir}/*.json",
+}
+
+
+def _code_lines(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def test_prometheus_config_structure():
+    cfg = yaml.safe_load(PROM_CONFIG.read_text())
+    assert cfg["global"]["scrape_interval"] == "15s"
+    assert cfg["global"]["evaluation_interval"] == "15s"
+    assert "scrape_timeout" not in cfg["global"], "would break a 1s scrape interval"
+    assert cfg["rule_files"] == ["rules/*.yml"]
+    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "distmon"]
+    assert job["honor_labels"] is True
+    assert job["file_sd_configs"][0]["files"] == ["file_sd/*.json"]
+    targets = cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    assert targets == ["localhost:9093"]
+    code = _code_lines(PROM_CONFIG.read_text())
+    for s in SUBSTITUTIONS:
+        assert code.count(s) == 1, f"{s!r} must occur exactly once outside comments"
+
+
+def test_promtool_check_config(promtool, tmp_path):
+    r = _run(promtool, "check", "config", str(PROM_CONFIG))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    # The end-to-end substitution: 1 s intervals, absolute paths, another port.
+    file_sd = tmp_path / "file_sd"
+    file_sd.mkdir()
+    (file_sd / "run-node0.json").write_text(
+        '[{"targets": ["127.0.0.1:9290"], "labels": {"run_id": "run"}}]')
+    text = PROM_CONFIG.read_text()
+    values = {"am_port": "19093", "rules_dir": str(RULES_DIR), "file_sd_dir": str(file_sd)}
+    for old, new in SUBSTITUTIONS.items():
+        text = text.replace(old, new.format(**values))
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(text)
+    r = _run(promtool, "check", "config", str(cfg))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 rule files found" in r.stdout
+    loaded = yaml.safe_load(text)
+    assert loaded["global"]["scrape_interval"] == "1s"
+
+
+def test_alertmanager_config():
+    cfg = yaml.safe_load(AM_CONFIG.read_text())
+    assert set(cfg["route"]["group_by"]) >= {"alertname", "run_id"}
+    urls = [w["url"] for rcv in cfg["receivers"] for w in rcv.get("webhook_configs", [])]
+    assert "http://127.0.0.1:5001/" in urls
+    amtool = shutil.which("amtool")
+    if amtool:
+        r = _run(amtool, "check-config", str(AM_CONFIG))
+        assert r.returncode == 0, r.stdout + r.stderr
