@@ -16,10 +16,11 @@ Detectors, all on log-norms (gradient norms span decades, and ratios are what ma
   norms (early-training decay) only make z negative: never an event.
 - vanishing: global norm below ``vanishing_norm`` for ``vanishing_steps`` consecutive steps.
 - rank outlier: per rank, ``|log n_r - median_r log n_r|`` over a scale (the EMA over steps of
-  the ranks' mean squared deviation, each clipped at ``outlier_score`` scales so the outlier
-  cannot inflate it; floored at ``outlier_min_scale``), above ``outlier_score``. A per-step
-  MAD is no scale for a handful of ranks (biased low with 4, degenerate with 2). Needs at
-  least 3 ranks (with 2, "which one is odd" has no answer).
+  the ranks' mean squared deviation leaving out the largest, floored at
+  ``outlier_min_scale``), above ``outlier_score``. Leaving the largest out keeps a rank that
+  stays bad, or is bad from step 1, from inflating the scale; a per-step MAD is no scale for
+  a handful of ranks (biased low with 4, degenerate with 2). Needs at least 3 ranks (with 2,
+  "which one is odd" has no answer).
 - non-finite: already flagged by the core per rank and layer; reported as an event here.
 """
 
@@ -77,6 +78,26 @@ class DetectorConfig:
                 raise ValueError(f"distmon: {name} must be an int, got {getattr(self, name)!r}")
 
 
+def _trimmed_consistency(world: int, samples: int = 20000) -> float:
+    """sigma^2 / E[trimmed mean squared deviation from the median] for ``world`` Gaussian ranks.
+
+    Makes the rank-outlier score read in standard deviations whatever the world size (the
+    trimmed mean of a handful of deviations is far below sigma^2). Seeded Monte Carlo, once,
+    at construction.
+
+    Example:
+        >>> round(_trimmed_consistency(64), 1)
+        1.1
+    """
+    if world < 2:
+        return 1.0
+    x = torch.randn(samples, world, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    d2 = (x - x.median(dim=1, keepdim=True).values) ** 2
+    if world >= 3:
+        d2 = d2.sort(dim=1).values[:, :-1]
+    return float(1.0 / d2.mean())
+
+
 class DeviceDetector:
     """Running detector state on the device; one :meth:`update` per optimizer step."""
 
@@ -94,6 +115,7 @@ class DeviceDetector:
         self.history = torch.full((cfg.median_window,), math.nan, **f32)
         self.below = torch.zeros((), **f32)
         self.dev_var = torch.full((), math.nan, **f32)  # cross-rank log-norm variance, EMA
+        self._consistency = _trimmed_consistency(world)
         self.updates = 0  # host count of updates: the warm-up rule needs no device read
         self._log_ratio = math.log(cfg.spike_ratio)
 
@@ -157,9 +179,13 @@ class DeviceDetector:
         dev = (x - torch.nanmedian(x)).abs()
         scale = torch.sqrt(self.dev_var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
         score = (dev / scale).nan_to_num(0.0)
-        # scale state: EMA over steps of the mean squared deviation, each rank's deviation
-        # clipped at the threshold so the outlier itself cannot inflate the scale
-        m2 = torch.nanmean(torch.minimum(dev, self.cfg.outlier_score * scale) ** 2)
+        # scale state: EMA over steps of the ranks' mean squared deviation without the largest
+        # one, so a rank that stays bad (or is bad from the start) never inflates the scale
+        d2 = dev * dev
+        n = (~torch.isnan(d2)).sum()
+        top = torch.where(torch.isnan(d2), 0.0, d2).max()
+        trimmed = (torch.nansum(d2) - torch.where(n >= 3, top, 0.0)) / (n - (n >= 3).long()).clamp(min=1)
+        m2 = torch.where(n >= 2, trimmed * self._consistency, math.nan)
         a = self.cfg.ema_alpha
         new_var = torch.where(torch.isnan(self.dev_var), m2, (1 - a) * self.dev_var + a * m2)
         self.dev_var.copy_(torch.where(torch.isfinite(m2), new_var, self.dev_var))

@@ -124,6 +124,25 @@ def test_rank_outlier_names_the_bad_rank():
     assert found and found[0] == (200, 2) and {r for _, r in found} == {2}
 
 
+@pytest.mark.parametrize("onset", [1, 200])
+def test_a_rank_that_stays_bad_stays_flagged(onset):
+    """Corrupted from the start or from mid-run, a rank x4 is flagged from the first armed
+    step and at >= 90% of the steps after (the scale must not learn the outlier as normal
+    spread: with the old mean-based scale it was flagged for a few steps, then never)."""
+    feed = Feeder()
+    flagged, others = [], []
+    for t, (layers, ranks) in enumerate(series(4, 600, 10.0, 1.0, 100.0, 0.1), start=1):
+        if t >= onset:
+            ranks[3] *= 4.0
+        for e in feed(layers, ranks):
+            (flagged if e.kind == "rank_outlier" and e.rank == 3 else others).append(t)
+    first = max(onset, DEFAULTS.warmup_steps + 1)
+    assert others == []
+    assert flagged[0] == first
+    assert len(flagged) >= 0.9 * (600 - first + 1)
+    assert len([t for t in flagged if t > 500]) >= 90  # still flagged late in the run
+
+
 def test_nonfinite_is_an_event_and_does_not_poison_the_state():
     feed = Feeder()
     for t, (layers, ranks) in enumerate(series(3, 300, 10.0, 1.0, 100.0, 0.1), start=1):
