@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -220,6 +221,7 @@ class GradMonitor:
         inner_step = optimizer.step
         block = block_column(self._tracker.layout)
 
+        @functools.wraps(inner_step)  # keeps e.g. the LR scheduler's marker attribute
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
             verdict = self._tracker.finalize()[block]
             if verdict.item() == 0.0:  # the one opt-in host sync per step
@@ -238,6 +240,7 @@ class GradMonitor:
         if scheduler is not None:
             inner_sched = scheduler.step
 
+            @functools.wraps(inner_sched)
             def guarded_scheduler_step(*args: Any, **kwargs: Any) -> Any:
                 if self._last_skipped:
                     self._last_skipped = False

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Single-node launch of the distmon demo trainer (launch/train.py) under torchrun.
+#
+# Usage:
+#   launch/torchrun_single_node.sh [train.py flags...]
+#   NPROC=8 launch/torchrun_single_node.sh --preset 20m --steps 1000
+#   NPROC=2 launch/torchrun_single_node.sh --nan-step 120 --nan-rank 1
+#
+# Environment:
+#   NPROC      processes on this node (default: number of GPUs, or 2 without GPUs)
+#   DISTMON_*  monitor settings read by distmon (DISTMON_SERVE, DISTMON_PORT, DISTMON_ADDR,
+#              DISTMON_RUN_ID, DISTMON_LOG_PATH, DISTMON_FILE_SD_DIR, DISTMON_LINGER_S, ...)
+#
+# --standalone runs a private c10d rendezvous on a free local port, so several jobs can
+# share the machine. Metrics are served by rank 0 on 127.0.0.1:9290 unless configured.
+set -euo pipefail
+
+script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC=0
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        NPROC="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+    fi
+    if [[ "${NPROC}" -lt 1 ]]; then
+        NPROC=2
+    fi
+fi
+
+exec torchrun --standalone --nproc-per-node "${NPROC}" "${script_dir}/train.py" "$@"
