@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from distmon.prometheus_exporter import METRICS
+
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,26 +30,9 @@ AM_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 RULE_FILES = sorted(RULES_DIR.glob("*.yml"))
 TEST_FILES = sorted(TESTS_DIR.glob("*.yml"))
 
-# Metric names of the distmon exporter contract (see the spec / DESIGN.md).
-SPEC_METRICS = {
-    "distmon_run_info",
-    "distmon_grad_norm",
-    "distmon_layer_grad_norm",
-    "distmon_step_grad_norm",  # histogram: _bucket, _sum, _count
-    "distmon_grad_norm_window_max",
-    "distmon_optimizer_steps_total",
-    "distmon_last_step_timestamp_seconds",
-    "distmon_nonfinite_steps_total",
-    "distmon_monitor_errors_total",
-    "distmon_run_finished",
-    "distmon_anomalies_total",
-    "distmon_grad_norm_zscore",
-    "distmon_grad_norm_median_ratio",
-    "distmon_rank_grad_norm",
-    "distmon_rank_nonfinite_steps_total",
-    "distmon_rank_outlier_score",
-}
-HISTOGRAMS = {"distmon_step_grad_norm"}
+# The exporter's metric table is the single source of metric names.
+SPEC_METRICS = set(METRICS)
+HISTOGRAMS = {name for name, (kind, _, _) in METRICS.items() if kind == "histogram"}
 
 # The alerts the end-to-end test and the dashboard rely on.
 EXPECTED_ALERTS = {
