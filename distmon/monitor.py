@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import time
 from typing import Any, Callable, Optional, Sequence, Union
@@ -136,24 +137,7 @@ class GradMonitor:
         self._target_file: Optional[TargetFile] = None
         self._log: Optional[JsonlLog] = None
 
-        # Bind first, then agree: a taken port on any rank fails every rank at construction
-        # with the same clear error, instead of one rank dying and the others hanging.
-        bind_error = None
-        if _serves(cfg.serve, me.rank, me.local_rank):
-            port0 = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
-            try:
-                self._server = MetricServer.bind(cfg.addr, port0, cfg.port_fallback)
-            except OSError as e:
-                bind_error = f"rank {me.rank} on {me.hostname}: {e.strerror or e}"
-        proposal = hostinfo.resolve_run_id(cfg.run_id)
-        everyone = hostinfo.exchange(
-            (me, proposal, bind_error, self._server.port if self._server else None), group)
-        errors_seen = [e for _, _, e, _ in everyone if e]
-        if errors_seen:
-            if self._server:
-                self._server.close()
-            raise OSError(98, "; ".join(errors_seen))
-
+        everyone = self._bind_and_agree(cfg, me, group)
         self.run_id: str = everyone[0][1]
         self.rank: int = me.rank
         self.world_size: int = len(everyone)
@@ -201,12 +185,35 @@ class GradMonitor:
 
         if cfg.file_sd_dir and me.rank == 0:
             self._target_file = TargetFile(cfg.file_sd_dir, self.run_id)
-            self._target_file.write([
-                (f"{target_host(cfg.addr)}:{port}", {"run_id": self.run_id, "node": info.node})
-                for info, _, _, port in everyone if port is not None])
+            self._target_file.write([(ep, {"run_id": self.run_id, "node": info.node})
+                                     for info, _, _, ep in everyone if ep is not None])
         if self._server is not None:
             logger.info("distmon: serving %s metrics at http://%s:%d/metrics (run_id=%s)",
                         cfg.serve, cfg.addr, self._server.port, self.run_id)
+
+    def _bind_and_agree(self, cfg: MonitorConfig, me: RankInfo,
+                        group: Optional[dist.ProcessGroup]) -> list[tuple]:
+        """Start this rank's server (if it serves), then exchange identities with every rank.
+
+        Bind first, then agree: a taken port on any rank fails every rank at construction
+        with the same clear error, instead of one rank dying and the others hanging. Returns
+        per rank ``(RankInfo, run_id proposal, bind error, "host:port" or None)``.
+        """
+        bind_error = None
+        if _serves(cfg.serve, me.rank, me.local_rank):
+            port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
+            try:
+                self._server = MetricServer.bind(cfg.addr, port, cfg.port_fallback)
+            except OSError as e:
+                bind_error = f"rank {me.rank} on {me.hostname}: {e.strerror or e}"
+        endpoint = f"{target_host(cfg.addr)}:{self._server.port}" if self._server else None
+        everyone = hostinfo.exchange((me, hostinfo.resolve_run_id(cfg.run_id), bind_error, endpoint), group)
+        errors_seen = [e for _, _, e, _ in everyone if e]
+        if errors_seen:
+            if self._server:
+                self._server.close()
+            raise OSError(errno.EADDRINUSE, "; ".join(errors_seen))
+        return everyone
 
     # -- hooks ------------------------------------------------------------------------------
     def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
