@@ -26,12 +26,18 @@ class BucketLayout:
 
     split_sizes: list[int]  # chunks covering the whole flat buffer, gaps included
     pick: Optional[list[int]]  # chunk indices that are tracked parameters; None = all chunks
+    param_pick: Optional[list[int]]  # indices into bucket.gradients() of tracked ones; None = all
     slots: torch.Tensor  # device int64: slot of each picked chunk
     stage: torch.Tensor  # device fp32 scratch, one value per picked chunk
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat tensor laid out like the bucket (a hook's new result)."""
         chunks = flat.split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
+
+    def grad_views(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tracked ones among DDP's own persistent views (``bucket.gradients()``)."""
+        return grads if self.param_pick is None else [grads[i] for i in self.param_pick]
 
 
 class BucketStats:
@@ -72,6 +78,7 @@ class BucketStats:
         base, itemsize = flat.data_ptr(), flat.element_size()
         split_sizes: list[int] = []
         pick: list[int] = []
+        param_pick: list[int] = []
         slots: list[int] = []
         cursor = 0
         for pos, (p, g) in enumerate(zip(params, bucket.gradients())):
@@ -83,6 +90,7 @@ class BucketStats:
             slot = self.slot_of.get(id(p))
             if slot is not None:
                 pick.append(len(split_sizes))
+                param_pick.append(pos)
                 slots.append(slot)
                 self._param_pos[slot] = (bucket.index(), pos)
             split_sizes.append(g.numel())
@@ -93,6 +101,7 @@ class BucketStats:
         return BucketLayout(
             split_sizes=split_sizes,
             pick=None if pick == list(range(len(split_sizes))) else pick,
+            param_pick=None if param_pick == list(range(len(params))) else param_pick,
             slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
             stage=torch.zeros(len(slots), dtype=torch.float32, device=self.device),
         )
@@ -110,9 +119,8 @@ class BucketStats:
         self.layer_order_host = values
         self.layer_order.copy_(torch.tensor(values))
 
-    def record(self, layout: BucketLayout, flat: torch.Tensor, into: torch.Tensor) -> None:
-        """Write the sums of squares of ``flat``'s parameter chunks into ``into`` at their slots."""
-        views = layout.views(flat)
+    def record(self, layout: BucketLayout, views: list[torch.Tensor], into: torch.Tensor) -> None:
+        """Write the sums of squares of a bucket's per-parameter ``views`` into ``into`` at their slots."""
         if views:
             norms.sq_norms(views, layout.stage)
             into.index_copy_(0, layout.slots, layout.stage)

@@ -39,10 +39,10 @@ def monitor_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     never altered.
     """
     tracker = state.tracker
-    layout = tracker.before_reduce(bucket)
+    measure_reduced = tracker.before_reduce(bucket)
     fut = state.inner_hook(state.inner_state, bucket)
     if bucket.is_last():
         tracker.issue_gather()  # on every rank, even after a local failure: never hang peers
-    if layout is None:
+    if measure_reduced is None:
         return fut
-    return fut.then(tracker.after_reduce_callback(layout))
+    return fut.then(measure_reduced)

@@ -63,25 +63,31 @@ class StepTracker:
         self._step_ok = False
 
     # -- comm hook side ---------------------------------------------------------------------
-    def before_reduce(self, bucket: dist.GradBucket) -> Optional[BucketLayout]:
-        """Sums of squares of the bucket's local gradients; None when inactive or on failure."""
+    def before_reduce(self, bucket: dist.GradBucket) -> Optional[Callable[[torch.futures.Future], object]]:
+        """Measure the bucket's local gradients; returns the callback that measures the reduced ones.
+
+        None when inactive or on failure (the hook then passes the user's future through).
+        """
         if not self.active:
             return None
         try:
             layout = self.stats.layout(bucket)
-            self.stats.record(layout, bucket.buffer(), self.stats.local_sq)
-            return layout
+            views = layout.grad_views(bucket.gradients())
+            self.stats.record(layout, views, self.stats.local_sq)
+            return self._after_reduce(layout, views, bucket.buffer())
         except Exception:
             self._fail("comm hook (local gradients)")
             return None
 
-    def after_reduce_callback(self, layout: BucketLayout) -> Callable[[torch.futures.Future], object]:
-        """A ``Future.then`` callback measuring the reduced bucket and passing its value through."""
+    def _after_reduce(self, layout: BucketLayout, views: list[torch.Tensor],
+                      buffer: torch.Tensor) -> Callable[[torch.futures.Future], object]:
         def measure_reduced(fut: torch.futures.Future) -> object:
             result = fut.value()  # the user's hook failing is the user's error: let it raise
             try:
                 flat = result[0] if isinstance(result, (list, tuple)) else result
-                self.stats.record(layout, flat, self.stats.reduced_sq)
+                # an in-place hook (the default all-reduce) reduced DDP's own views: reuse them
+                same = flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
+                self.stats.record(layout, views if same else layout.views(flat), self.stats.reduced_sq)
             except Exception:
                 self._fail("comm hook (reduced gradients)")
             return result

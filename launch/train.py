@@ -20,12 +20,16 @@ gradient of the chosen rank, before DDP's all-reduce, the way a real fault would
   on the chosen layer's parameters.  Autograd runs such a hook on the incoming gradient
   before it is accumulated into ``.grad``; DDP's reducer (and distmon's comm hook) see
   the modified local gradient, and the all-reduce spreads it to every rank.
+  ``--spike-until U`` keeps the spike on through step U (a sustained explosion).
 * ``--corrupt-rank`` scales that rank's loss before ``backward()`` (a bad data shard:
   that rank's whole gradient is off by the factor).
 * ``--hang-step`` stops the loop (sleeping) on all ranks: the process stays alive and
   keeps answering scrapes, which is what distmon's "training stalled" alert is for.
 
 Step numbers are distmon's: step S is the S-th optimizer step (the first is 1).
+``--min-step-s`` makes every step last at least that long (the loop sleeps the rest), so
+a fault's step number maps to a predictable time even on a busy machine (end-to-end
+tests of the alerts rely on it).
 
 Monitoring settings not given on the command line come from distmon's defaults and its
 ``DISTMON_*`` environment variables (``DISTMON_SERVE``, ``DISTMON_PORT``,
@@ -124,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (all but the last under DDP no_sync())")
     g.add_argument("--print-every", type=int, default=10, help="progress line every N steps (rank 0)")
+    g.add_argument("--min-step-s", type=float, default=0.0,
+                   help="throttle: each optimizer step takes at least this many seconds (the loop "
+                   "sleeps the rest), so a step number maps to a predictable time and CPU use stays low")
     g.add_argument("--list-layers", action="store_true", help="print the model's layer names and exit")
 
     m = p.add_argument_group("monitoring (unset options: distmon defaults / DISTMON_* env)")
@@ -148,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--nan-layer", default=None,
                    help="layer for the NaN (default: the middle block's mlp.fc1; see --list-layers)")
     f.add_argument("--spike-step", type=int, default=None, help="multiply a layer's gradient by --spike-factor at step S")
+    f.add_argument("--spike-until", type=int, default=None,
+                   help="last step of the spike: steps --spike-step..U all get it, a sustained explosion "
+                   "(default: --spike-step only)")
     f.add_argument("--spike-factor", type=float, default=100.0, help="gradient multiplier for --spike-step")
     f.add_argument("--spike-layer", default=None, help="layer to spike (default: the middle block's mlp.fc1)")
     f.add_argument("--spike-rank", type=int, default=None, help="rank to spike (default: all ranks)")
@@ -177,6 +187,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--guard needs the monitor (drop --no-monitor)")
     if args.export_every is not None and args.export_every < 1:
         parser.error("--export-every must be >= 1")
+    if not (math.isfinite(args.min_step_s) and args.min_step_s >= 0):
+        parser.error("--min-step-s must be a number >= 0")
+    if args.spike_until is not None:
+        if args.spike_step is None:
+            parser.error("--spike-until needs --spike-step")
+        if args.spike_until < args.spike_step:
+            parser.error(f"--spike-until ({args.spike_until}) must be >= --spike-step ({args.spike_step})")
     return args
 
 
@@ -257,8 +274,11 @@ class FaultInjector:
                 self._hook(model, args.nan_layer, self._nan_hook)
         if args.spike_step is not None:
             who = "all ranks" if args.spike_rank is None else f"rank {args.spike_rank}"
+            until = self.spike_until
+            when = (f"step {args.spike_step}" if until == args.spike_step
+                    else f"steps {args.spike_step}-{until}")
             self.descriptions.append(
-                f"gradient x{args.spike_factor:g} in {args.spike_layer} on {who} at step {args.spike_step}")
+                f"gradient x{args.spike_factor:g} in {args.spike_layer} on {who} at {when}")
             if args.spike_rank is None or rank == args.spike_rank:
                 self._hook(model, args.spike_layer, self._spike_hook)
         if args.corrupt_rank is not None:
@@ -278,8 +298,14 @@ class FaultInjector:
         grad.view(-1)[0] = float("nan")  # one bad element, as an overflow would leave
         return grad
 
+    @property
+    def spike_until(self) -> int | None:
+        """Last step of the spike (``--spike-until``, default ``--spike-step``)."""
+        a = self.args
+        return a.spike_step if a.spike_until is None else a.spike_until
+
     def _spike_hook(self, grad: torch.Tensor) -> torch.Tensor | None:
-        if self.step != self.args.spike_step:
+        if not self.args.spike_step <= self.step <= self.spike_until:
             return None
         return grad * self.args.spike_factor
 
@@ -511,6 +537,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
     try:
         with mon if mon is not None else contextlib.nullcontext():
             for step in range(1, args.steps + 1):
+                t_step = time.perf_counter()
                 injector.step = step
                 if injector.should_hang():
                     say(f"--hang-step {step}: the training loop hangs here on all ranks (sleeping); "
@@ -565,6 +592,8 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                         line += f"  run_id={run_id}"
                     say(line)
                     report_events(anomalies.take_pending(), say)
+                if args.min_step_s > 0:  # --min-step-s: sleep the rest of the step's time
+                    time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - t_step)))
             elapsed = time.perf_counter() - t0
             linger = getattr(getattr(mon, "config", None), "linger_s", None)
             if url and linger:

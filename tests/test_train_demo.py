@@ -100,6 +100,42 @@ def test_spike_on_one_rank_scales_its_local_gradient_before_allreduce():
     assert steps[4][1] < 10 * steps[2][1], proc.stdout  # one step only
 
 
+def test_spike_until_sustains_the_spike_through_that_step():
+    proc = _torchrun("--no-monitor", "--preset", "tiny", "--steps", "6", "--print-every", "1",
+                     "--spike-step", "3", "--spike-until", "5", "--spike-factor", "1000",
+                     "--spike-layer", "blocks.1.mlp.fc2")
+    out = proc.stdout
+    assert "gradient x1000 in blocks.1.mlp.fc2 on all ranks at steps 3-5" in out
+    steps = _progress(out)
+    base = steps[2][1]
+    assert all(steps[s][1] > 50 * base for s in (3, 4, 5)), out  # every step of the range
+    assert steps[6][1] < 10 * base, out  # and no further
+
+
+def test_min_step_s_throttles_every_step():
+    proc = subprocess.run([sys.executable, str(TRAIN), "--no-monitor", "--preset", "tiny", "--steps", "4",
+                           "--min-step-s", "0.5", "--print-every", "1"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(_progress(proc.stdout)) == [1, 2, 3, 4]
+    done = re.search(r"^done: 4 steps in ([\d.]+)s", proc.stdout, re.M)
+    assert done, proc.stdout
+    assert float(done[1]) >= 4 * 0.5 - 0.01, proc.stdout  # unthrottled, 4 tiny steps take ~0.1 s
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--spike-until", "5"], "--spike-until needs --spike-step"),
+    (["--spike-step", "5", "--spike-until", "4"], "--spike-until (4) must be >= --spike-step (5)"),
+    (["--min-step-s", "-1"], "--min-step-s must be a number >= 0"),
+    (["--min-step-s", "inf"], "--min-step-s must be a number >= 0"),
+], ids=["until-without-step", "until-before-step", "negative-min-step", "infinite-min-step"])
+def test_bad_spike_until_and_min_step_s_are_rejected(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--no-monitor", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------- single process
 
 
