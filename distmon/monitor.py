@@ -29,6 +29,9 @@ from .step_tracker import StepTracker
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
 
+_WITHDRAW_GRACE_S = 5.0  # serving after the file_sd target file is removed
+
+
 class GradientAnomalyError(RuntimeError):
     """Raised from ``optimizer.step()`` with ``guard="raise"`` (on every rank alike)."""
 
@@ -365,6 +368,9 @@ class GradMonitor:
             time.sleep(self.config.linger_s)
         if self._target_file is not None and finished:
             self._target_file.remove()
+            # Prometheus needs a moment to notice the withdrawn target; closing at once would
+            # show it as down (up == 0) in between
+            time.sleep(min(_WITHDRAW_GRACE_S, self.config.linger_s))
         if self._server is not None:
             self._server.close()
         if self._log is not None:
