@@ -8,6 +8,7 @@ allocation beyond the fused kernel's own outputs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,14 +64,26 @@ class BucketStats:
         self.layer_order_host: list[float] = [float(self.n_layers)] * self.n_layers
         self._param_pos: dict[int, tuple[int, int]] = {}
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
+        self._by_buffer: dict[int, tuple[weakref.ref, BucketLayout]] = {}
 
     def layout(self, bucket: dist.GradBucket) -> BucketLayout:
-        """The cached layout of ``bucket``, built on first sight (and after DDP rebuilds buckets)."""
+        """The cached layout of ``bucket``, built on first sight (and after DDP rebuilds buckets).
+
+        Fast path: DDP hands out the same live buffer object every step, and a buffer's
+        parameters never change while it lives; the weak reference proves it is that object
+        (an id reused after a rebuild freed the old buffer fails the check). Otherwise the
+        key is the identity of the bucket's parameters, O(parameters in the bucket).
+        """
+        buffer = bucket.buffer()
+        fast = self._by_buffer.get(id(buffer))
+        if fast is not None and fast[0]() is buffer:
+            return fast[1]
         params = bucket.parameters()
         key = tuple(map(id, params))
         found = self._layouts.get(key)
         if found is None:
             found = self._layouts[key] = self._build(bucket, params)
+        self._by_buffer[id(buffer)] = (weakref.ref(buffer), found)
         return found
 
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
