@@ -307,7 +307,17 @@ class DistmonDetailed(Distmon):
     options = dict(export_every=1, rank_layers=True, groups=lambda n, p: n, max_layers=100000)
 
 
-class Tutorial(Approach):
+class _TensorHooks(Approach):
+    """Peers that work through per-parameter ``register_hook`` handles."""
+
+    handles: tuple = ()  # set by attach()
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+class Tutorial(_TensorHooks):
     name, label = "tutorial", "tutorial: register_hook + grad.norm().item()"
     reports = "per-parameter local norms (host floats, every step)"
 
@@ -324,12 +334,8 @@ class Tutorial(Approach):
             return hook
         self.handles = [p.register_hook(make(n)) for n, p in zip(names, self.params)]
 
-    def close(self):
-        for h in self.handles:
-            h.remove()
 
-
-class WandbHist(Approach):
+class WandbHist(_TensorHooks):
     name, label = "wandb-hist", "wandb.watch-style histograms"
     reports = "per-parameter 64-bin histograms of local gradients (host), every N steps"
     every_step = False
@@ -359,10 +365,6 @@ class WandbHist(Approach):
 
     def state(self):
         return [h for h, _, _ in self.hists.values()]
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
 
 
 class WandbHistEvery(WandbHist):
