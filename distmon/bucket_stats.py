@@ -37,7 +37,7 @@ class BucketLayout:
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
 
     def grad_views(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tracked ones among DDP's own persistent views (``bucket.gradients()``)."""
+        """The tracked ones among DDP's per-parameter views of the bucket (``bucket.gradients()``)."""
         return grads if self.param_pick is None else [grads[i] for i in self.param_pick]
 
 
@@ -64,27 +64,31 @@ class BucketStats:
         self.layer_order_host: list[float] = [float(self.n_layers)] * self.n_layers
         self._param_pos: dict[int, tuple[int, int]] = {}
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
-        self._by_buffer: dict[int, tuple[weakref.ref, BucketLayout]] = {}
+        self._by_buffer: dict[int, tuple[weakref.ref, BucketLayout, list[torch.Tensor]]] = {}
 
-    def layout(self, bucket: dist.GradBucket) -> BucketLayout:
-        """The cached layout of ``bucket``, built on first sight (and after DDP rebuilds buckets).
+    def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, list[torch.Tensor]]:
+        """The bucket's cached layout and per-parameter views of its buffer.
 
-        Fast path: DDP hands out the same live buffer object every step, and a buffer's
-        parameters never change while it lives; the weak reference proves it is that object
-        (an id reused after a rebuild freed the old buffer fails the check). Otherwise the
-        key is the identity of the bucket's parameters, O(parameters in the bucket).
+        DDP hands out the same live buffer object every step once its buckets are rebuilt, and
+        a buffer's parameters never change while it lives: the entry is keyed by that object
+        (a weak reference proves identity) and holds views made once, so a step creates no
+        views. The entry is dropped when DDP frees the buffer, so the cached views never keep
+        old gradient memory alive. On a miss, layouts are found by parameter identity.
         """
         buffer = bucket.buffer()
-        fast = self._by_buffer.get(id(buffer))
-        if fast is not None and fast[0]() is buffer:
-            return fast[1]
+        key = id(buffer)
+        hit = self._by_buffer.get(key)
+        if hit is not None and hit[0]() is buffer:
+            return hit[1], hit[2]
         params = bucket.parameters()
-        key = tuple(map(id, params))
-        found = self._layouts.get(key)
+        pkey = tuple(map(id, params))
+        found = self._layouts.get(pkey)
         if found is None:
-            found = self._layouts[key] = self._build(bucket, params)
-        self._by_buffer[id(buffer)] = (weakref.ref(buffer), found)
-        return found
+            found = self._layouts[pkey] = self._build(bucket, params)
+        views = found.grad_views(bucket.gradients())
+        self._by_buffer[key] = (weakref.ref(buffer, lambda _ref: self._by_buffer.pop(key, None)),
+                                found, views)
+        return found, views
 
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
         flat = bucket.buffer()

@@ -71,8 +71,7 @@ class StepTracker:
         if not self.active:
             return None
         try:
-            layout = self.stats.layout(bucket)
-            views = layout.grad_views(bucket.gradients())
+            layout, views = self.stats.layout(bucket)
             self.stats.record(layout, views, self.stats.local_sq)
             return self._after_reduce(layout, views, bucket.buffer())
         except Exception:
