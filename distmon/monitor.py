@@ -36,20 +36,22 @@ class GradientAnomalyError(RuntimeError):
     """Raised from ``optimizer.step()`` with ``guard="raise"`` (on every rank alike)."""
 
 
-def _served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tuple[bool, tuple[RankInfo, ...]]:
-    """(serves cluster-wide families, per-rank series it serves) for this process."""
-    cluster = serve != "none" and me.rank == 0
-    if serve == "rank0":
-        return cluster, tuple(everyone) if me.rank == 0 else ()
-    if serve == "node":
-        return cluster, tuple(i for i in everyone if i.node == me.node) if me.local_rank == 0 else ()
-    if serve == "all":
-        return cluster, (me,)
-    return False, ()
-
-
 def _serves(serve: str, rank: int, local_rank: int) -> bool:
+    """Whether this process runs an HTTP endpoint under ``serve`` (known before the exchange)."""
     return {"rank0": rank == 0, "node": local_rank == 0, "all": True, "none": False}[serve]
+
+
+def _served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tuple[bool, tuple[RankInfo, ...]]:
+    """(serves cluster-wide families, per-rank series it serves) for this process.
+
+    Cluster-wide families come only from global rank 0, so no series is counted twice.
+    """
+    if not _serves(serve, me.rank, me.local_rank):
+        return False, ()
+    ranks = {"rank0": tuple(everyone),
+             "node": tuple(i for i in everyone if i.node == me.node),
+             "all": (me,)}[serve]
+    return me.rank == 0, ranks
 
 
 class GradMonitor:

@@ -12,7 +12,7 @@ import errno
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -128,7 +128,7 @@ class MetricsAggregate:
 
     def mark_finished(self) -> None:
         with self._lock:
-            self.view = _View(**{**self.view.__dict__, "finished": True})
+            self.view = replace(self.view, finished=True)
 
 
 def _fmt_le(x: float) -> str:

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 from .errors import ErrorCounter
 from .reduction import RANK_FIELDS
 from .ring import HostCopy, RowLayout
-from .snapshot import AnomalyEvent, Snapshot
+from .snapshot import Snapshot
 
 __all__ = ["RowDecoder", "Publisher", "ExportBatch"]
 

@@ -81,8 +81,12 @@ class DeviceRing:
         self._next = 0
         self._cuda = device.type == "cuda"
 
+    def slot(self, step: int) -> int:
+        """Ring row of optimizer step ``step`` (the first step is 1)."""
+        return (step - 1) % self.n_rows
+
     def row(self, step: int) -> torch.Tensor:
-        return self.data[(step - 1) % self.n_rows]
+        return self.data[self.slot(step)]
 
     def copy_to_host(self) -> HostCopy:
         """Start the copy of the whole ring; the caller hands the result to the host thread."""

@@ -125,9 +125,10 @@ class StepTracker:
                 row[lay.gathered].zero_()  # no backward this step: every rank reads "invalid"
             norms.fold_layers(self.stats.reduced_sq, self.stats.param_layer, row[lay.layers])
             torch.sum(row[lay.layers], 0, keepdim=True, out=row[1:2])
+            valid = self._step_ok and self._gathered
             if self.detector is not None:
-                self.detector.update(row, lay, valid=self._step_ok and self._gathered)
-            row[0].fill_(1.0 if self._step_ok and self._gathered else 0.0)
+                self.detector.update(row, lay, valid=valid)
+            row[0].fill_(1.0 if valid else 0.0)
         except Exception:
             self._fail("step finalize")
             row[0].fill_(0.0)
@@ -139,7 +140,7 @@ class StepTracker:
             return
         self.finalize()
         self.step += 1
-        slot = (self.step - 1) % self.export_every
+        slot = self.ring.slot(self.step)
         self._timestamps[slot] = time.time()
         self._skipped[slot] = skipped
         self._reset_step()
@@ -151,9 +152,8 @@ class StepTracker:
         if self.step == self._exported_through:
             return
         try:
-            n = self.export_every
-            steps = tuple((s, (s - 1) % n, self._timestamps[(s - 1) % n], self._skipped[(s - 1) % n])
-                          for s in range(self._exported_through + 1, self.step + 1))
+            slots = ((s, self.ring.slot(s)) for s in range(self._exported_through + 1, self.step + 1))
+            steps = tuple((s, i, self._timestamps[i], self._skipped[i]) for s, i in slots)
             self._exported_through = self.step
             self.publish(ExportBatch(self.ring.copy_to_host(), steps))
         except Exception:

@@ -19,7 +19,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,19 +33,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pytest
 
+from ddp_harness import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 TRAIN = ROOT / "launch" / "train.py"
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require_binary(*candidates: str, package: str) -> str:

@@ -6,7 +6,6 @@ tests skip, except under CI (``CI=true``), where they fail.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from distmon.prometheus_exporter import METRICS
+from e2e_stack import require_binary
 
 yaml = pytest.importorskip("yaml")
 
@@ -52,13 +52,7 @@ SEVERITIES = {"critical", "warning", "info"}
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        msg = "promtool not found (apt-get install prometheus)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return path
+    return require_binary("promtool", package="prometheus")
 
 
 def _run(*cmd: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

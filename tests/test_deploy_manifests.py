@@ -8,7 +8,6 @@ CI (``CI=true``), where it fails.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from distmon.prometheus_exporter import METRICS
+from e2e_stack import require_binary
 
 yaml = pytest.importorskip("yaml")
 
@@ -239,12 +239,7 @@ def test_metric_names_are_exported_or_recorded(dashboard):
 
 def test_dashboard_queries_parse_as_promql(dashboard, tmp_path):
     """Every query, with Grafana's variables filled in, is valid PromQL for promtool."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        msg = "promtool not found (apt-get install prometheus)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    promtool = require_binary("promtool", package="prometheus")
     fill = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s",
             "$run_id": "run", "$layer": ".*"}
     rules = []
