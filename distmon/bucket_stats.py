@@ -1,9 +1,9 @@
-"""Per-parameter sums of squares taken from DDP buckets, before and after the reduction.
+"""Per-layer sums of squares taken from DDP buckets, before and after the reduction.
 
 Buckets are rebuilt after DDP's first iteration and ``bucket.index()`` changes meaning, so the
-cache of a bucket's layout is keyed by the identity of the parameters it holds. Every write
-lands in a preallocated device tensor at the parameters' fixed slots: no host sync, no
-allocation beyond the fused kernel's own outputs.
+cache of a bucket's layout is keyed by the identity of the parameters it holds. Each bucket's
+per-parameter sums are added straight into a caller's per-layer device tensor: no host sync,
+no allocation beyond the fused kernel's own outputs, nothing left to fold at the step's end.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class BucketLayout:
     split_sizes: list[int]  # chunks covering the whole flat buffer, gaps included
     pick: Optional[list[int]]  # chunk indices that are tracked parameters; None = all chunks
     param_pick: Optional[list[int]]  # indices into bucket.gradients() of tracked ones; None = all
-    slots: torch.Tensor  # device int64: slot of each picked chunk
+    layers: torch.Tensor  # device int64: layer of each picked chunk
     stage: torch.Tensor  # device fp32 scratch, one value per picked chunk
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -42,21 +42,17 @@ class BucketLayout:
 
 
 class BucketStats:
-    """Device buffers of per-parameter local and reduced sums of squares for one step.
+    """Bucket layouts of the tracked parameters, and the fused sums of squares of a bucket.
 
-    ``local_sq[i]`` / ``reduced_sq[i]`` hold parameter slot ``i``'s fp32 sum of squares of its
-    local (pre-reduction) and reduced gradient. Slots of parameters that DDP never hands over
-    (ignored by DDP) stay zero.
+    :meth:`record` adds the sums of squares of a bucket's parameters into a per-layer tensor
+    (the tracker's local or reduced layer sums). Parameters that DDP never hands over (ignored
+    by DDP) add nothing.
     """
 
     def __init__(self, grouping: Grouping, device: torch.device) -> None:
-        n = len(grouping.params)
         self.device = device
         self.slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self._param_layer_host = grouping.param_layer
-        self.param_layer = torch.tensor(grouping.param_layer, dtype=torch.int64, device=device)
-        self.local_sq = torch.zeros(n, dtype=torch.float32, device=device)
-        self.reduced_sq = torch.zeros(n, dtype=torch.float32, device=device)
         self.n_layers = len(grouping.layers)
         # position of each layer in backward order (first bucket, first parameter = 0); layers
         # not yet seen in a bucket sort last
@@ -96,7 +92,7 @@ class BucketStats:
         split_sizes: list[int] = []
         pick: list[int] = []
         param_pick: list[int] = []
-        slots: list[int] = []
+        layers: list[int] = []
         cursor = 0
         for pos, (p, g) in enumerate(zip(params, bucket.gradients())):
             offset = (g.data_ptr() - base) // itemsize
@@ -108,7 +104,7 @@ class BucketStats:
             if slot is not None:
                 pick.append(len(split_sizes))
                 param_pick.append(pos)
-                slots.append(slot)
+                layers.append(self._param_layer_host[slot])
                 self._param_pos[slot] = (bucket.index(), pos)
             split_sizes.append(g.numel())
             cursor = offset + g.numel()
@@ -119,8 +115,8 @@ class BucketStats:
             split_sizes=split_sizes,
             pick=None if pick == list(range(len(split_sizes))) else pick,
             param_pick=None if param_pick == list(range(len(params))) else param_pick,
-            slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            stage=torch.zeros(len(slots), dtype=torch.float32, device=self.device),
+            layers=torch.tensor(layers, dtype=torch.int64, device=self.device),
+            stage=torch.zeros(len(layers), dtype=torch.float32, device=self.device),
         )
 
     def _update_layer_order(self) -> None:
@@ -136,8 +132,12 @@ class BucketStats:
         self.layer_order_host = values
         self.layer_order.copy_(torch.tensor(values))
 
-    def record(self, layout: BucketLayout, views: list[torch.Tensor], into: torch.Tensor) -> None:
-        """Write the sums of squares of a bucket's per-parameter ``views`` into ``into`` at their slots."""
+    def record(self, layout: BucketLayout, views: list[torch.Tensor], layer_sq: torch.Tensor) -> None:
+        """Add the sums of squares of a bucket's per-parameter ``views`` into their layers of ``layer_sq``.
+
+        ``index_add_`` rather than a 0/1 matmul, because ``NaN * 0`` would spread one bad
+        parameter's NaN into every layer.
+        """
         if views:
             norms.sq_norms(views, layout.stage)
-            into.index_copy_(0, layout.slots, layout.stage)
+            layer_sq.index_add_(0, layout.layers, layout.stage)

@@ -1,9 +1,11 @@
 """Anomaly detectors that run on the device, with state in device tensors and no host sync.
 
-Each step, :meth:`DeviceDetector.update` reads the step's ring row (reduced per-layer sums of
-squares and every rank's gathered figures), updates its running state and writes its
-verdicts into the row's detector columns; the host decodes them into
-:class:`~distmon.snapshot.AnomalyEvent` objects when the row is exported.
+:meth:`DeviceDetector.update` reads a run of finished ring rows (reduced per-layer sums of
+squares and every rank's gathered figures), writes each row's verdicts into its detector
+columns and advances the running state; the host decodes the columns into
+:class:`~distmon.snapshot.AnomalyEvent` objects when the rows are exported. The tracker runs
+it at export time over the steps since the last export (or on every step, before
+``optimizer.step()``, when a guard needs the verdict).
 
 Detectors, all on log-norms (gradient norms span decades, and ratios are what matter):
 
@@ -32,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from .reduction import RANK_FIELDS
+from .reduction import RankFields
 from .ring import RowLayout
 from .snapshot import AnomalyEvent, Snapshot
 
@@ -98,14 +100,45 @@ def _trimmed_consistency(world: int, samples: int = 20000) -> float:
     return float(1.0 / d2.mean())
 
 
-class DeviceDetector:
-    """Running detector state on the device; one :meth:`update` per optimizer step."""
+def _ema(state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``state`` after the EMA ``s <- (1 - alpha) s + alpha y_t`` over the rows of ``y`` where ``mask``.
 
-    def __init__(self, cfg: DetectorConfig, n_layers: int, world: int, rank_layer_cols: int,
+    Closed form over a run of rows: each kept input weighs ``alpha (1 - alpha)^(kept inputs
+    after it)``, the old state ``(1 - alpha)^(kept inputs)``. Rows masked out leave the state
+    as it was, and their (possibly non-finite) values never enter a product.
+
+    Example:
+        >>> s = _ema(torch.tensor([0.0]), torch.tensor([[1.0], [1.0]]), torch.tensor([[True], [True]]), 0.5)
+        >>> s.tolist()  # 0 -> 0.5 -> 0.75
+        [0.75]
+    """
+    m = mask.to(y.dtype)
+    after = m.flip(0).cumsum(0).flip(0) - m
+    weights = alpha * (1 - alpha) ** after * m
+    return (1 - alpha) ** m.sum(0) * state + (weights * torch.where(mask, y, 0.0)).sum(0)
+
+
+def _first(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per column, ``y`` at the first row where ``mask`` holds (any value where it never does)."""
+    return y.gather(0, mask.to(torch.uint8).argmax(0, keepdim=True)).squeeze(0)
+
+
+class DeviceDetector:
+    """Running detector state on the device; :meth:`update` reads runs of finished step rows.
+
+    Without a guard the tracker hands over all valid rows since the last export at once: every
+    step is judged against the baseline as it stood at the run's start (at most
+    ``export_every`` steps old; the decaying EMA barely moves in that time), then the baseline
+    absorbs the whole run. A guard needs each verdict before its step, so there every run is
+    one row, the exact step-by-step recurrence. Everything is batched tensor math over the
+    run's rows: no host sync, no per-step cost on ordinary steps.
+    """
+
+    def __init__(self, cfg: DetectorConfig, n_layers: int, world: int, fields: RankFields,
                  device: torch.device) -> None:
         self.cfg = cfg
         self.world = world
-        self.rank_layer_cols = rank_layer_cols
+        self.fields = fields
         self.n_outputs = len(COLUMNS) + world
         n = n_layers + 1  # global norm first, then layers
         f32 = dict(dtype=torch.float32, device=device)
@@ -116,85 +149,108 @@ class DeviceDetector:
         self.below = torch.zeros((), **f32)
         self.dev_var = torch.full((), math.nan, **f32)  # cross-rank log-norm variance, EMA
         self._consistency = _trimmed_consistency(world)
-        self.updates = 0  # host count of updates: the warm-up rule needs no device read
+        self.updates = 0  # host count of rows seen: the warm-up and history slots need no device read
         self._log_ratio = math.log(cfg.spike_ratio)
+        self._log_floor = math.log(cfg.vanishing_norm)
 
-    def update(self, row: torch.Tensor, layout: RowLayout, valid: bool) -> None:
-        """Read the step's row, write the detector columns, advance the state (device ops only)."""
-        cfg = self.cfg
-        out = row[layout.detector]
+    @staticmethod
+    def blank(out: torch.Tensor) -> None:
+        """Write the "no verdict" detector columns of a row (an invalid step keeps these)."""
         out.zero_()
         out[_C["spike_layer"]] = -1.0
-        if not valid:
+
+    def update(self, rows: torch.Tensor, layout: RowLayout) -> None:
+        """Judge a run of consecutive valid steps' rows, write their detector columns, advance the state.
+
+        ``rows`` is ``(k, layout.width)``, rows of the device ring; device ops only.
+        """
+        window = self.cfg.median_window
+        if len(rows) > window:  # history slots of one run must not collide
+            for i in range(0, len(rows), window):
+                self.update(rows[i:i + window], layout)
             return
-        armed = self.updates >= cfg.warmup_steps
-        x = 0.5 * torch.log(row[1:layout.layers.stop])  # log-norms: global, then layers
+        cfg = self.cfg
+        k = len(rows)
+        armed_from = max(0, cfg.warmup_steps - self.updates)  # first armed row of this run
+        x = 0.5 * torch.log(rows[:, 1:layout.layers.stop])  # log-norms: global, then layers
         finite = torch.isfinite(x)
+        live = finite & self.seeded
         std = torch.sqrt(self.var + 1e-4)
         dev = x - self.mean
-        z = torch.where(finite & self.seeded, dev / std, 0.0)
-        slot = self.updates % cfg.median_window
+        z = torch.where(live, dev / std, 0.0)
         median = torch.nanmedian(self.history)
-        log_ref_dev = torch.cat([(x[:1] - median).nan_to_num(0.0), dev[1:]])  # log(norm / reference)
-        spike = finite & self.seeded & (z > cfg.spike_zscore) & (log_ref_dev > self._log_ratio)
-        if armed:
-            layer_z = torch.where(spike[1:], z[1:], -math.inf)
-            best_z, best = layer_z.max(0)
-            any_layer = spike[1:].any()
-            out[_C["spike_global"]] = spike[0].float()
-            out[_C["spike_layer"]] = torch.where(any_layer, best.float(), -1.0)
-            out[_C["spike_layer_z"]] = torch.where(any_layer, best_z, 0.0)
-        out[_C["zscore"]] = z[0]
-        out[_C["layer_zmax"]] = z[1:].max()
-        out[_C["median_ratio"]] = torch.exp(x[0] - median)
+        log_ref_dev = torch.cat([(x[:, :1] - median).nan_to_num(0.0), dev[:, 1:]], 1)  # log(norm / reference)
+        spike = live & (z > cfg.spike_zscore) & (log_ref_dev > self._log_ratio)
+        spike[:armed_from] = False
+        layer_z = torch.where(spike[:, 1:], z[:, 1:], -math.inf)
+        best_z, best = layer_z.max(1)
+        any_layer = spike[:, 1:].any(1)
 
-        # state: seed with the first finite value, then EMA of the clipped deviation
+        # vanishing: consecutive steps under the floor (carried across runs); fires once, on the N-th
+        below = finite[:, 0] & (x[:, 0] < self._log_floor)
+        count = below.float().cumsum(0)
+        reset = ~below
+        count = count - torch.where(reset, count, 0.0).cummax(0).values \
+            + torch.where(reset.cumsum(0) == 0, self.below, 0.0)
+        self.below.copy_(count[-1])
+
+        score, outlier_rank, outlier_score = self._rank_outliers(rows, layout)
+        outlier = outlier_score > cfg.outlier_score
+        outlier[:armed_from] = False
+        if self.world < 3:
+            outlier.zero_()
+        cols = {
+            "zscore": z[:, 0], "median_ratio": torch.exp(x[:, 0] - median), "layer_zmax": z[:, 1:].max(1).values,
+            "spike_global": spike[:, 0], "spike_layer": torch.where(any_layer, best, -1),
+            "spike_layer_z": torch.where(any_layer, best_z, 0.0), "vanishing": count == cfg.vanishing_steps,
+            "outlier": outlier, "outlier_rank": outlier_rank, "outlier_score": outlier_score,
+            "block": ~finite[:, 0] | spike.any(1),
+        }
+        out = rows[:, layout.detector]
+        out[:, :len(COLUMNS)] = torch.stack([cols[name].float() for name in COLUMNS], 1)
+        out[:, len(COLUMNS):] = score
+
+        # state: seed with the first finite value, then the EMA of deviations clipped at
+        # spike_zscore std, so one spike does not poison the baseline
+        a = cfg.ema_alpha
         bound = cfg.spike_zscore * std
         d = torch.maximum(torch.minimum(dev, bound), -bound)
-        a = cfg.ema_alpha
-        new_mean = torch.where(self.seeded, self.mean + a * d, x)
-        new_var = torch.where(self.seeded, (1 - a) * (self.var + a * d * d), self.var)
-        self.mean.copy_(torch.where(finite, new_mean, self.mean))
-        self.var.copy_(torch.where(finite, new_var, self.var))
-        self.seeded |= finite
-        self.history[slot] = torch.where(finite[0], x[0], self.history[slot])
+        any_finite = finite.any(0)
+        seed = torch.where(any_finite, _first(x, finite), self.mean)
+        self.mean.copy_(torch.where(self.seeded, _ema(self.mean, self.mean + d, finite, a), seed))
+        self.var.copy_(torch.where(self.seeded, _ema(self.var, (1 - a) * d * d, finite, a), self.var))
+        self.seeded |= any_finite
+        start = self.updates % window  # the run's history slots, wrapping once at most
+        n1 = min(k, window - start)
+        for run, slots in ((slice(0, n1), slice(start, start + n1)), (slice(n1, k), slice(0, k - n1))):
+            if run.stop > run.start:
+                seg = self.history[slots]  # a non-finite step keeps the slot's old value
+                seg.copy_(torch.where(finite[run, 0], x[run, 0], seg))
+        self.updates += k
 
-        # vanishing: consecutive steps under the floor; the event fires once, on the N-th
-        below = finite[0] & (x[0] < math.log(cfg.vanishing_norm))
-        self.below.copy_(torch.where(below, self.below + 1, 0.0))
-        out[_C["vanishing"]] = (self.below == cfg.vanishing_steps).float()
-
-        self._rank_outliers(row, layout, out, armed)
-        out[_C["block"]] = (~finite[0] | spike.any() if armed else ~finite[0]).float()
-        self.updates += 1
-
-    def _rank_outliers(self, row: torch.Tensor, layout: RowLayout, out: torch.Tensor, armed: bool) -> None:
-        w = layout.rank_width
-        gathered = row[layout.gathered].view(self.world, w)
-        base = self.rank_layer_cols
-        total = gathered[:, base + RANK_FIELDS.index("total_sq")]
-        ok = gathered[:, base + RANK_FIELDS.index("valid")] == 1.0
-        x = torch.where(ok, 0.5 * torch.log(total), math.nan)
+    def _rank_outliers(self, rows: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, ...]:
+        """Per row: every rank's outlier score, the top rank and its score; advances the scale."""
+        gathered = rows[:, layout.gathered].view(len(rows), self.world, layout.rank_width)
+        ok = gathered[..., self.fields.valid] == 1.0
+        x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
-        dev = (x - torch.nanmedian(x)).abs()
+        dev = (x - torch.nanmedian(x, 1, keepdim=True).values).abs()
         scale = torch.sqrt(self.dev_var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
         score = (dev / scale).nan_to_num(0.0)
         # scale state: EMA over steps of the ranks' mean squared deviation without the largest
         # one, so a rank that stays bad (or is bad from the start) never inflates the scale
         d2 = dev * dev
-        n = (~torch.isnan(d2)).sum()
-        top = torch.where(torch.isnan(d2), 0.0, d2).max()
-        trimmed = (torch.nansum(d2) - torch.where(n >= 3, top, 0.0)) / (n - (n >= 3).long()).clamp(min=1)
+        missing = torch.isnan(d2)
+        n = (~missing).sum(1)
+        top = torch.where(missing, 0.0, d2).max(1).values
+        trim = n >= 3
+        trimmed = (torch.nansum(d2, 1) - torch.where(trim, top, 0.0)) / (n - trim.long()).clamp(min=1)
         m2 = torch.where(n >= 2, trimmed * self._consistency, math.nan)
-        a = self.cfg.ema_alpha
-        new_var = torch.where(torch.isnan(self.dev_var), m2, (1 - a) * self.dev_var + a * m2)
-        self.dev_var.copy_(torch.where(torch.isfinite(m2), new_var, self.dev_var))
-        out[len(COLUMNS):] = score
-        best_score, best = score.max(0)
-        if armed and self.world >= 3:
-            out[_C["outlier"]] = (best_score > self.cfg.outlier_score).float()
-        out[_C["outlier_rank"]] = best.float()
-        out[_C["outlier_score"]] = best_score
+        good = torch.isfinite(m2)
+        seed = torch.where(good.any(), _first(m2, good), self.dev_var)
+        self.dev_var.copy_(torch.where(torch.isnan(self.dev_var), seed, _ema(self.dev_var, m2, good, self.cfg.ema_alpha)))
+        best_score, best = score.max(1)
+        return score, best, best_score
 
 
 class DetectorDecoder:

@@ -150,7 +150,7 @@ class GradMonitor:
         self.layers: tuple[str, ...] = grouping.layers
         self._errors = ErrorCounter()
         det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
-        factory = (lambda cols: DeviceDetector(det_cfg, len(grouping.layers), self.world_size, cols, device)) \
+        factory = (lambda fields: DeviceDetector(det_cfg, len(grouping.layers), self.world_size, fields, device)) \
             if cfg.detect is not False else None
         self._tracker = StepTracker(grouping, group, device, cfg.export_every, cfg.rank_layers,
                                     self._errors, factory)
@@ -168,7 +168,7 @@ class GradMonitor:
             self._log = JsonlLog(cfg.log_path)
             sinks.append(self._log)
         sinks.append(self._dispatch_events)
-        decoder = RowDecoder(self._tracker.layout, grouping.layers, cfg.rank_layers, self.run_id,
+        decoder = RowDecoder(self._tracker.layout, grouping.layers, self._tracker.gather.fields, self.run_id,
                              lambda: self._tracker.stats.layer_order_host,
                              DetectorDecoder(det_cfg, grouping.layers) if factory else None)
         self._publisher = Publisher(decoder, sinks, self._errors)
@@ -235,7 +235,7 @@ class GradMonitor:
 
         @functools.wraps(inner_step)  # keeps e.g. the LR scheduler's marker attribute
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            verdict = self._tracker.finalize()[block]
+            verdict = self._tracker.finalize(complete=True)[block]
             if verdict.item() == 0.0:  # the one opt-in host sync per step
                 self._last_skipped = False
                 return inner_step(*args, **kwargs)
@@ -301,7 +301,7 @@ class GradMonitor:
         """
         if not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ValueError(f"distmon: max_norm must be a positive number, got {max_norm!r}")
-        total = self._tracker.finalize()[1].sqrt()
+        total = self._tracker.finalize(complete=True)[1].sqrt()
         grads = [p.grad for p in self._params if p.grad is not None]
         if grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -1,4 +1,4 @@
-"""Pure tensor math of the monitor: fused sums of squares and their folding into layers.
+"""Pure tensor math of the monitor: fused sums of squares and the first non-finite layer.
 
 Nothing here knows about DDP, process groups or exporters; every function takes tensors and
 returns or writes tensors on the same device, without a host sync.
@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["sq_norms", "fold_layers", "first_nonfinite"]
+__all__ = ["sq_norms", "first_nonfinite"]
 
 
 def sq_norms(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -26,22 +26,6 @@ def sq_norms(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         [25.0, 1.0]
     """
     torch.stack(torch._foreach_powsum(list(tensors), 2, dtype=torch.float32), out=out)
-
-
-def fold_layers(param_sq: torch.Tensor, param_layer: torch.Tensor, out: torch.Tensor) -> None:
-    """Sum per-parameter values into their layer groups: ``out[l] = sum(param_sq[param_layer == l])``.
-
-    ``index_add_`` rather than a 0/1 matmul, because ``NaN * 0`` would spread one bad layer's
-    NaN into every layer.
-
-    Example:
-        >>> out = torch.empty(2)
-        >>> fold_layers(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0, 1, 0]), out)
-        >>> out.tolist()
-        [5.0, 2.0]
-    """
-    out.zero_()
-    out.index_add_(0, param_layer, param_sq)
 
 
 def first_nonfinite(layer_sq: torch.Tensor, layer_order: torch.Tensor, out: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .errors import ErrorCounter
-from .reduction import RANK_FIELDS
+from .reduction import RankFields
 from .ring import HostCopy, RowLayout
 from .snapshot import Snapshot
 
@@ -41,40 +41,39 @@ class RowDecoder:
     were seen); ``decode_detector`` turns the detector columns into events and scores.
     """
 
-    def __init__(self, layout: RowLayout, layers: Sequence[str], rank_layers: bool, run_id: str,
+    def __init__(self, layout: RowLayout, layers: Sequence[str], fields: RankFields, run_id: str,
                  layer_order: Callable[[], Sequence[float]],
                  decode_detector: Optional[Callable[[int, list[float], "Snapshot"], Snapshot]]) -> None:
         self.layout = layout
         self.layers = tuple(layers)
-        self.rank_layers = rank_layers
+        self.fields = fields
         self.run_id = run_id
         self.layer_order = layer_order
         self.decode_detector = decode_detector
 
     def decode(self, step: int, timestamp: float, skipped: bool, row: list[float]) -> Snapshot:
         lay = self.layout
-        n_layers = lay.n_layers
         layer_sq = row[lay.layers]
         gathered = row[lay.gathered]
-        n_cols = n_layers if self.rank_layers else 0
+        f = self.fields
+        order = self.layer_order()
+        ranks = [gathered[r * lay.rank_width:(r + 1) * lay.rank_width] for r in range(lay.world)]
         rank_norms: list[float] = []
         rank_layers: list[list[float]] = []
         bad: list[tuple[int, int]] = []  # (rank, layer)
         errors = 0
         all_valid = row[0] == 1.0
-        for r in range(lay.world):
-            vals = gathered[r * lay.rank_width:(r + 1) * lay.rank_width]
-            total, first_bad, err, valid = vals[n_cols:n_cols + len(RANK_FIELDS)]
-            errors += int(err)
-            ok = valid == 1.0
+        for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):
+            errors += int(vals[f.errors])
+            ok = vals[f.valid] == 1.0
             all_valid &= ok
             rank_norms.append(_sqrt(total) if ok else math.nan)
-            if self.rank_layers:
-                rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[:n_cols]])
-            if ok and first_bad >= 0:
-                bad.append((r, int(first_bad)))
+            if f.n_layer_cols:
+                rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[:f.n_layer_cols]])
+            first_bad = f.first_nonfinite_layer(vals, order) if ok else -1
+            if first_bad >= 0:
+                bad.append((r, first_bad))
         grad_norm = _sqrt(row[1])
-        order = self.layer_order()
         first: Optional[tuple[int, str]] = None
         if bad:
             r, layer = min(bad, key=lambda rl: (order[rl[1]], rl[0]))
@@ -90,7 +89,7 @@ class RowDecoder:
             grad_norm=grad_norm,
             layer_grad_norms={name: _sqrt(v) for name, v in zip(self.layers, layer_sq)},
             rank_grad_norms=rank_norms,
-            rank_layer_grad_norms=rank_layers if self.rank_layers else None,
+            rank_layer_grad_norms=rank_layers if f.n_layer_cols else None,
             nonfinite=first is not None or not math.isfinite(grad_norm),
             nonfinite_ranks=[r for r, _ in bad],
             first_nonfinite=first,

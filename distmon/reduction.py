@@ -8,17 +8,15 @@ own process group right after DDP's last bucket, on every rank, whatever happene
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import norms
 
-__all__ = ["RankGather", "RANK_FIELDS"]
-
-# per-rank fields after the optional per-layer sums
-RANK_FIELDS = ("total_sq", "first_nonfinite", "errors", "valid")
+__all__ = ["RankGather", "RankFields"]
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
@@ -27,43 +25,92 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proce
     return fn(out, inp, group=group, async_op=True)
 
 
-class RankGather:
-    """Packs this rank's local figures and all-gathers them into a caller-given flat view.
+class RankFields:
+    """Where each per-rank figure sits in one rank's ``width`` floats of the gathered row.
 
-    Per rank, ``width`` floats: the per-layer local sums of squares (when ``rank_layers``), then
-    :data:`RANK_FIELDS`.
+    With ``rank_layers`` a rank sends its per-layer local sums of squares, then ``errors`` and
+    ``valid``: its total and first non-finite layer follow from the layer sums, so they are
+    derived where read (the detectors at export, the host decoder) instead of computed on every
+    step. Without, it sends ``total_sq``, ``first_nonfinite`` (layer index, -1 if none),
+    ``errors``, ``valid``: four floats whatever the number of layers.
+
+    Example:
+        >>> f = RankFields(3, rank_layers=True)
+        >>> f.width, f.valid, f.totals([[1.0, 4.0, 4.0, 0.0, 1.0]])
+        (5, 4, [9.0])
     """
 
-    def __init__(self, n_layers: int, rank_layers: bool, group: Optional[dist.ProcessGroup],
-                 device: torch.device) -> None:
+    def __init__(self, n_layers: int, rank_layers: bool) -> None:
         self.n_layer_cols = n_layers if rank_layers else 0
-        self.width = self.n_layer_cols + len(RANK_FIELDS)
+        names = ("errors", "valid") if rank_layers else ("total_sq", "first_nonfinite", "errors", "valid")
+        col = {name: self.n_layer_cols + i for i, name in enumerate(names)}
+        self.total_sq: Optional[int] = col.get("total_sq")
+        self.first_nonfinite: Optional[int] = col.get("first_nonfinite")
+        self.errors, self.valid = col["errors"], col["valid"]
+        self.width = self.n_layer_cols + len(names)
+
+    def totals(self, ranks: Sequence[Sequence[float]]) -> list[float]:
+        """Host side: each rank's local sum of squares from its gathered floats."""
+        if self.total_sq is not None:
+            return [vals[self.total_sq] for vals in ranks]
+        return [sum(vals[: self.n_layer_cols]) for vals in ranks]
+
+    def device_totals(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Device side: ``(..., world, width)`` gathered floats -> ``(..., world)`` local sums of squares."""
+        if self.total_sq is not None:
+            return gathered[..., self.total_sq]
+        return gathered[..., : self.n_layer_cols].sum(-1)
+
+    def first_nonfinite_layer(self, vals: Sequence[float], order: Sequence[float]) -> int:
+        """Host side: the rank's non-finite layer earliest in backward ``order``, or -1."""
+        if self.first_nonfinite is not None:
+            return int(vals[self.first_nonfinite])
+        bad = [i for i in range(self.n_layer_cols) if not math.isfinite(vals[i])]
+        return min(bad, key=order.__getitem__) if bad else -1
+
+
+class RankGather:
+    """This rank's send buffer and the all-gather of it into a caller-given flat view.
+
+    The comm hook accumulates the local per-layer sums of squares straight into
+    :attr:`layer_sq` (the head of the send buffer with ``rank_layers``), so an ordinary step
+    packs nothing: :meth:`pack` writes ``errors``/``valid`` only when they change, plus, without
+    ``rank_layers``, the total and first non-finite layer.
+    """
+
+    def __init__(self, fields: RankFields, n_layers: int, group: Optional[dist.ProcessGroup],
+                 device: torch.device) -> None:
+        self.fields = fields
         self.group = group
-        self.layer_sq = torch.zeros(n_layers, dtype=torch.float32, device=device)
-        self.send = torch.zeros(self.width, dtype=torch.float32, device=device)
-        base = self.n_layer_cols
-        self._total = self.send[base:base + 1]
-        self._first_bad = self.send[base + 1]
-        self._errors = self.send[base + 2]
-        self._valid = self.send[base + 3]
+        self.send = torch.zeros(fields.width, dtype=torch.float32, device=device)
+        self.layer_sq = self.send[:n_layers] if fields.n_layer_cols else \
+            torch.zeros(n_layers, dtype=torch.float32, device=device)
+        self._sent_meta: Optional[tuple[int, bool]] = None  # (errors, valid) now in the send buffer
         self._work: Optional[dist.Work] = None
 
-    def pack(self, local_sq: torch.Tensor, param_layer: torch.Tensor, layer_order: torch.Tensor,
-             errors: int, valid: bool) -> None:
-        """Fold per-parameter local sums into layers and fill the send buffer (device ops only)."""
-        norms.fold_layers(local_sq, param_layer, self.layer_sq)
-        if self.n_layer_cols:
-            self.send[: self.n_layer_cols].copy_(self.layer_sq)
-        torch.sum(self.layer_sq, 0, keepdim=True, out=self._total)
-        norms.first_nonfinite(self.layer_sq, layer_order, self._first_bad)
-        self._errors.fill_(errors)
-        self._valid.fill_(1.0 if valid else 0.0)
+    def begin(self) -> None:
+        """Start a backward pass: finish any gather still reading the buffer, zero the sums."""
+        self.wait()
+        self.layer_sq.zero_()
+
+    def pack(self, layer_order: torch.Tensor, errors: int, valid: bool) -> None:
+        """Fill the send buffer's per-rank fields after the last bucket (device ops only)."""
+        f = self.fields
+        if f.total_sq is not None and f.first_nonfinite is not None:
+            torch.sum(self.layer_sq, 0, keepdim=True, out=self.send[f.total_sq:f.total_sq + 1])
+            norms.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
+        if self._sent_meta != (errors, valid):
+            self.send[f.errors].fill_(errors)
+            self.send[f.valid].fill_(1.0 if valid else 0.0)
+            self._sent_meta = (errors, valid)
 
     def invalidate(self, errors: int) -> None:
         """Send a row that says "no figures from this rank this step" (after a local failure)."""
         self.send.zero_()
-        self._first_bad.fill_(-1.0)
-        self._errors.fill_(errors)
+        if self.fields.first_nonfinite is not None:
+            self.send[self.fields.first_nonfinite].fill_(-1.0)
+        self.send[self.fields.errors].fill_(errors)
+        self._sent_meta = (errors, False)
 
     def issue(self, out: torch.Tensor) -> None:
         """Start the all-gather into ``out`` (world x width floats, flat); waits any earlier one."""

@@ -73,6 +73,9 @@ class DeviceRing:
         self.layout = layout
         self.n_rows = n_rows
         self.data = torch.zeros(n_rows, layout.width, dtype=torch.float32, device=device)
+        # views made once: the hooks index rows every step
+        self._rows = list(self.data.unbind(0))
+        self._gathered = [row[layout.gathered] for row in self._rows]
         pin = device.type == "cuda"
         self._host = [torch.empty_like(self.data, device="cpu", pin_memory=pin) for _ in range(2)]
         self._free = [threading.Event() for _ in self._host]
@@ -86,7 +89,11 @@ class DeviceRing:
         return (step - 1) % self.n_rows
 
     def row(self, step: int) -> torch.Tensor:
-        return self.data[self.slot(step)]
+        return self._rows[self.slot(step)]
+
+    def gathered(self, step: int) -> torch.Tensor:
+        """The gathered columns of step ``step``'s row (the all-gather's output)."""
+        return self._gathered[self.slot(step)]
 
     def copy_to_host(self) -> HostCopy:
         """Start the copy of the whole ring; the caller hands the result to the host thread."""

@@ -14,13 +14,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import norms
 from .bucket_stats import BucketLayout, BucketStats
 from .detectors import DeviceDetector
 from .errors import ErrorCounter
 from .grouping import Grouping
 from .publisher import ExportBatch
-from .reduction import RankGather
+from .reduction import RankFields, RankGather
 from .ring import DeviceRing, RowLayout
 
 __all__ = ["StepTracker"]
@@ -30,27 +29,43 @@ class StepTracker:
     """Device state of the monitor and the per-step schedule.
 
     ``step`` counts finished optimizer steps; the step in progress writes ring row
-    ``step + 1``. Exports happen when ``step % export_every == 0`` (a rule on the step number
-    alone, identical on every rank) and on :meth:`export` (flush/close).
+    ``step + 1``. An ordinary step costs the two fused passes over the gradients (local and
+    reduced, added straight into per-layer sums) and the one all-gather. Everything that only
+    reads a finished row (totals, detectors) is *completed* in one batch over the steps since
+    the last export, when the ring is exported, or at once for a step whose figures are
+    needed before its ``optimizer.step()`` (guard, ``clip_grad_norm_``). Exports happen when
+    ``step % export_every == 0`` (a rule on the step number alone, identical on every rank)
+    and on :meth:`export` (flush/close).
     """
 
     def __init__(self, grouping: Grouping, group: Optional[dist.ProcessGroup], device: torch.device,
                  export_every: int, rank_layers: bool, errors: ErrorCounter,
-                 detector_factory: Optional[Callable[[int], DeviceDetector]] = None) -> None:
+                 detector_factory: Optional[Callable[[RankFields], DeviceDetector]] = None) -> None:
+        n_layers = len(grouping.layers)
         self.errors = errors
         self.stats = BucketStats(grouping, device)
-        self.gather = RankGather(len(grouping.layers), rank_layers, group, device)
-        self.detector = detector_factory(self.gather.n_layer_cols) if detector_factory else None
-        self.layout = RowLayout(len(grouping.layers), dist.get_world_size(group), self.gather.width,
+        fields = RankFields(n_layers, rank_layers)
+        self.gather = RankGather(fields, n_layers, group, device)
+        self.detector = detector_factory(fields) if detector_factory else None
+        self.layout = RowLayout(n_layers, dist.get_world_size(group), fields.width,
                                 self.detector.n_outputs if self.detector else 0)
         self.ring = DeviceRing(export_every, self.layout, device)
+        # a step's row before its buckets arrive: valid, zero sums, the detectors' "no verdict"
+        self._blank = torch.zeros(self.layout.width, dtype=torch.float32, device=device)
+        self._blank[0] = 1.0
+        if self.detector is not None:
+            self.detector.blank(self._blank[self.layout.detector])
         self.export_every = export_every
         self.publish: Callable[[ExportBatch], None] = lambda batch: batch.copy.release()
         self.active = True
         self.step = 0
         self._exported_through = 0
+        self._completed_through = 0
         self._timestamps = [0.0] * export_every
         self._skipped = [False] * export_every
+        self._valid = [False] * export_every
+        self._collecting = False  # between a backward's first bucket and its last
+        self._row_layers = self.ring.row(1)[self.layout.layers]
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -71,22 +86,33 @@ class StepTracker:
         if not self.active:
             return None
         try:
+            if not self._collecting:
+                self._begin_backward()
             layout, views = self.stats.layout(bucket)
-            self.stats.record(layout, views, self.stats.local_sq)
-            return self._after_reduce(layout, views, bucket.buffer())
+            self.stats.record(layout, views, self.gather.layer_sq)
+            return self._after_reduce(layout, views, bucket.buffer(), self._row_layers)
         except Exception:
             self._fail("comm hook (local gradients)")
             return None
 
-    def _after_reduce(self, layout: BucketLayout, views: list[torch.Tensor],
-                      buffer: torch.Tensor) -> Callable[[torch.futures.Future], object]:
+    def _begin_backward(self) -> None:
+        # Zeroed per backward, not per step: a second backward before the step overwrites the
+        # first one's figures, as DDP's buckets do.
+        self._collecting = True
+        self.gather.begin()
+        row = self.ring.row(self.step + 1)
+        row.copy_(self._blank)
+        self._row_layers = row[self.layout.layers]
+
+    def _after_reduce(self, layout: BucketLayout, views: list[torch.Tensor], buffer: torch.Tensor,
+                      layer_sq: torch.Tensor) -> Callable[[torch.futures.Future], object]:
         def measure_reduced(fut: torch.futures.Future) -> object:
             result = fut.value()  # the user's hook failing is the user's error: let it raise
             try:
                 flat = result[0] if isinstance(result, (list, tuple)) else result
                 # an in-place hook (the default all-reduce) reduced DDP's own views: reuse them
                 same = flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
-                self.stats.record(layout, views if same else layout.views(flat), self.stats.reduced_sq)
+                self.stats.record(layout, views if same else layout.views(flat), layer_sq)
             except Exception:
                 self._fail("comm hook (reduced gradients)")
             return result
@@ -96,43 +122,72 @@ class StepTracker:
         """After DDP's last bucket: pack this rank's figures, start the step's one collective."""
         if not self.active:
             return
+        self._collecting = False
         try:
-            self.gather.pack(self.stats.local_sq, self.stats.param_layer, self.stats.layer_order,
-                             self.errors.count, self._step_ok)
+            self.gather.pack(self.stats.layer_order, self.errors.count, self._step_ok)
         except Exception:
             self._fail("rank gather (pack)")
             self.gather.invalidate(self.errors.count)
         try:
-            self.gather.issue(self.ring.row(self.step + 1)[self.layout.gathered])
+            self.gather.issue(self.ring.gathered(self.step + 1))
             self._gathered = True
         except Exception:
             self._fail("rank gather (collective)")
 
     # -- optimizer side ---------------------------------------------------------------------
-    def finalize(self) -> torch.Tensor:
-        """Complete the step's row on the device (idempotent); returns the row.
+    def finalize(self, complete: bool = False) -> torch.Tensor:
+        """Close the step's row on the device (idempotent); returns the row.
 
-        Called before ``optimizer.step()`` when a guard or ``clip_grad_norm_`` needs the
-        figures, else from the step post-hook.
+        ``complete=True`` also fills what is derived from the row (total, detector verdicts)
+        now instead of at the next export: for a guard or ``clip_grad_norm_``, before
+        ``optimizer.step()``.
         """
-        row = self.ring.row(self.step + 1)
-        if self._finalized:
-            return row
-        self._finalized = True
-        lay = self.layout
-        try:
-            if not self.gather.wait():
-                row[lay.gathered].zero_()  # no backward this step: every rank reads "invalid"
-            norms.fold_layers(self.stats.reduced_sq, self.stats.param_layer, row[lay.layers])
-            torch.sum(row[lay.layers], 0, keepdim=True, out=row[1:2])
-            valid = self._step_ok and self._gathered
-            if self.detector is not None:
-                self.detector.update(row, lay, valid=valid)
-            row[0].fill_(1.0 if valid else 0.0)
-        except Exception:
-            self._fail("step finalize")
-            row[0].fill_(0.0)
+        step = self.step + 1
+        row = self.ring.row(step)
+        if not self._finalized:
+            self._finalized = True
+            try:
+                if not self.gather.wait():
+                    row.copy_(self._blank)  # no backward this step: zero sums, every rank "invalid"
+                valid = self._step_ok and self._gathered
+                if not valid:
+                    row[0].fill_(0.0)
+            except Exception:
+                self._fail("step finalize")
+                valid = False
+                row[0].fill_(0.0)
+            self._valid[self.ring.slot(step)] = valid
+        if complete:
+            self._complete(step)
         return row
+
+    def _complete(self, through: int) -> None:
+        """Totals and detector verdicts of steps up to ``through``, in one batch, in step order.
+
+        The steps since the last completion never straddle an export, so their rows are
+        consecutive in the ring; the detectors see each run of valid rows at once.
+        """
+        first = self._completed_through + 1
+        if through < first:
+            return
+        self._completed_through = through
+        try:
+            lay = self.layout
+            a = self.ring.slot(first)
+            rows = self.ring.data[a:a + through - first + 1]
+            rows[:, 1] = rows[:, lay.layers].sum(1)
+            if self.detector is not None:
+                valid = self._valid[a:a + len(rows)]
+                i = 0
+                while i < len(rows):
+                    j = i + 1
+                    while j < len(rows) and valid[j] == valid[i]:
+                        j += 1
+                    if valid[i]:
+                        self.detector.update(rows[i:j], lay)
+                    i = j
+        except Exception:
+            self.errors.record("detectors")
 
     def end_step(self, skipped: bool = False) -> None:
         """Close the step (optimizer post-hook, or the guard skipping it): finalize, export on schedule."""
@@ -148,13 +203,14 @@ class StepTracker:
             self.export()
 
     def export(self) -> None:
-        """Copy the ring to the host (non-blocking) and hand the new steps to the publisher."""
+        """Complete the new rows, copy the ring to the host (non-blocking), hand them to the publisher."""
         if self.step == self._exported_through:
             return
+        self._complete(self.step)
         try:
             slots = ((s, self.ring.slot(s)) for s in range(self._exported_through + 1, self.step + 1))
             steps = tuple((s, i, self._timestamps[i], self._skipped[i]) for s, i in slots)
             self._exported_through = self.step
             self.publish(ExportBatch(self.ring.copy_to_host(), steps))
         except Exception:
-            self._fail("export")
+            self.errors.record("export")

@@ -169,7 +169,7 @@ def number_problems(snap, step, recs_by_rank, world_size, skip=()):
         if (q, None) not in skip and not close(snap["rank_grad_norms"][q], loc["local_total"], REL):
             problems.append(f"{where}: rank_grad_norms[{q}] {snap['rank_grad_norms'][q]!r} != "
                             f"twin {loc['local_total']!r}")
-        for j, layer in enumerate(LAYERS):
+        for j, layer in enumerate(LAYERS if snap["rank_layer_grad_norms"] is not None else ()):
             if (q, layer) in skip:
                 continue
             got = snap["rank_layer_grad_norms"][q][j]
@@ -192,11 +192,11 @@ NONFINITE_STEPS = 7
 INJECT = {3: (1, "blocks.1.fc", float("nan")), 5: (0, "blocks.0.fc", float("inf"))}
 
 
-def _nonfinite_job(rank, world_size):
+def _nonfinite_job(rank, world_size, rank_layers):
     import distmon
 
     model, twin, ddp, opt = _setup()
-    mon = distmon.GradMonitor(ddp, opt, export_every=1, serve="none")
+    mon = distmon.GradMonitor(ddp, opt, export_every=1, serve="none", rank_layers=rank_layers)
     current = {"step": 0}
 
     def make_hook(layer):
@@ -225,13 +225,15 @@ def _nonfinite_job(rank, world_size):
     return recs
 
 
-@pytest.fixture(scope="module")
-def nonfinite_run():
-    return run_ranks(_nonfinite_job, 2, timeout=120)
+@pytest.fixture(scope="module", params=[True, False], ids=["rank_layers", "rank_totals"])
+def nonfinite_run(request):
+    """With the ranks x layers matrix, the first bad layer is found on the host from it;
+    without, each rank finds it on the device and sends it: both must agree."""
+    return run_ranks(_nonfinite_job, 2, request.param, timeout=120), request.param
 
 
 def test_item3_nonfinite_reported_with_rank_and_layer(nonfinite_run):
-    recs = nonfinite_run
+    recs, rank_layers = nonfinite_run
     problems = []
     for r in range(2):  # every rank's monitor reports the same
         for rec in recs[r]:
@@ -239,6 +241,9 @@ def test_item3_nonfinite_reported_with_rank_and_layer(nonfinite_run):
             if snap is None or snap["step"] != step:
                 problems.append(f"rank {r} step {step}: snapshot {snap and snap['step']!r}")
                 continue
+            if (snap["rank_layer_grad_norms"] is None) == rank_layers:
+                problems.append(f"rank {r} step {step}: rank_layer_grad_norms {snap['rank_layer_grad_norms']!r} "
+                                f"with rank_layers={rank_layers}")
             if step in INJECT:
                 bad_rank, bad_layer, _ = INJECT[step]
                 j = LAYERS.index(bad_layer)
@@ -257,7 +262,7 @@ def test_item3_nonfinite_reported_with_rank_and_layer(nonfinite_run):
                     problems.append(f"rank {r} step {step}: layer_grad_norms[{bad_layer}] is finite")
                 if not _isnonfinite(snap["rank_grad_norms"][bad_rank]):
                     problems.append(f"rank {r} step {step}: rank_grad_norms[{bad_rank}] is finite")
-                if not _isnonfinite(snap["rank_layer_grad_norms"][bad_rank][j]):
+                if rank_layers and not _isnonfinite(snap["rank_layer_grad_norms"][bad_rank][j]):
                     problems.append(f"rank {r} step {step}: rank_layer_grad_norms[{bad_rank}][{bad_layer}] "
                                     "is finite")
                 # everything else is still measured exactly: the other rank, the other layers
