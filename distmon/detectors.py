@@ -100,38 +100,55 @@ def _trimmed_consistency(world: int, samples: int = 20000) -> float:
     return float(1.0 / d2.mean())
 
 
-def _ema(state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``state`` after the EMA ``s <- (1 - alpha) s + alpha y_t`` over the rows of ``y`` where ``mask``.
+def _prefix_ema(state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
+                alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EMA ``s <- (1 - alpha) s + alpha y_t`` over the rows of ``y`` where ``mask``, in closed form.
 
-    Closed form over a run of rows: each kept input weighs ``alpha (1 - alpha)^(kept inputs
-    after it)``, the old state ``(1 - alpha)^(kept inputs)``. Rows masked out leave the state
-    as it was, and their (possibly non-finite) values never enter a product.
+    Returns ``(before, after)``: the state before each row (``(k, ...)``) and after the last.
+    Rows masked out leave the state as it was, and their (possibly non-finite) values never
+    enter a product. Exact, with prefix sums instead of a loop over rows: the state before
+    row t is ``(1 - alpha)^N_t (state + sum_{s<t} alpha y_s (1 - alpha)^-N_{s+1})`` with ``N_t``
+    the kept rows before t (runs are short enough that ``(1 - alpha)^-N`` stays moderate).
 
     Example:
-        >>> s = _ema(torch.tensor([0.0]), torch.tensor([[1.0], [1.0]]), torch.tensor([[True], [True]]), 0.5)
-        >>> s.tolist()  # 0 -> 0.5 -> 0.75
-        [0.75]
+        >>> before, after = _prefix_ema(torch.tensor([0.0]), torch.tensor([[1.0], [1.0]]),
+        ...                             torch.tensor([[True], [True]]), 0.5)
+        >>> before.flatten().tolist(), after.tolist()  # 0 -> 0.5 -> 0.75
+        ([0.0, 0.5], [0.75])
     """
     m = mask.to(y.dtype)
-    after = m.flip(0).cumsum(0).flip(0) - m
-    weights = alpha * (1 - alpha) ** after * m
-    return (1 - alpha) ** m.sum(0) * state + (weights * torch.where(mask, y, 0.0)).sum(0)
+    kept_through = m.cumsum(0)
+    contrib = torch.where(mask, alpha * y, 0.0) * (1 - alpha) ** -kept_through
+    through = contrib.cumsum(0)
+    before = (1 - alpha) ** (kept_through - m) * (state + through - contrib)
+    return before, (1 - alpha) ** kept_through[-1] * (state + through[-1])
 
 
-def _first(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per column, ``y`` at the first row where ``mask`` holds (any value where it never does)."""
-    return y.gather(0, mask.to(torch.uint8).argmax(0, keepdim=True)).squeeze(0)
+def _seed(state: torch.Tensor, seeded: torch.Tensor, y: torch.Tensor,
+          mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seed unseeded columns of ``state`` with their first kept value in the run.
+
+    Returns the seeded state, the rows that find the column seeded (for a column seeded in
+    this run, the rows after its seeding row), and the rows that update it (kept and seeded).
+    A column with no kept value stays unseeded, whatever its state holds.
+    """
+    first = mask.to(torch.uint8).argmax(0, keepdim=True)
+    state = torch.where(seeded, state, y.gather(0, first).squeeze(0))
+    judged = seeded | (torch.arange(len(y), device=y.device).view(-1, *[1] * (y.dim() - 1)) > first)
+    return state, judged, mask & judged
 
 
 class DeviceDetector:
     """Running detector state on the device; :meth:`update` reads runs of finished step rows.
 
-    Without a guard the tracker hands over all valid rows since the last export at once: every
-    step is judged against the baseline as it stood at the run's start (at most
-    ``export_every`` steps old; the decaying EMA barely moves in that time), then the baseline
-    absorbs the whole run. A guard needs each verdict before its step, so there every run is
-    one row, the exact step-by-step recurrence. Everything is batched tensor math over the
-    run's rows: no host sync, no per-step cost on ordinary steps.
+    Without a guard the tracker hands over all valid rows since the last export at once; a
+    guard needs each verdict before its step, so there every run is one row. Both give the
+    step-by-step recurrence: the running mean and variance before each row of a run come in
+    closed form from prefix sums (:func:`_prefix_ema`). The one approximation of a longer run:
+    values are winsorized against the baseline at the run's start (at most ``export_every``
+    steps old) rather than the one of the step before, and the global norm's median reference
+    is the run start's. Everything is batched tensor math over the run's rows: no host sync,
+    no per-step cost on ordinary steps.
     """
 
     def __init__(self, cfg: DetectorConfig, n_layers: int, world: int, fields: RankFields,
@@ -152,6 +169,8 @@ class DeviceDetector:
         self.updates = 0  # host count of rows seen: the warm-up and history slots need no device read
         self._log_ratio = math.log(cfg.spike_ratio)
         self._log_floor = math.log(cfg.vanishing_norm)
+        # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
+        self._max_run = max(1, min(cfg.median_window, int(13.8 / -math.log(1 - cfg.ema_alpha))))
 
     @staticmethod
     def blank(out: torch.Tensor) -> None:
@@ -165,19 +184,24 @@ class DeviceDetector:
         ``rows`` is ``(k, layout.width)``, rows of the device ring; device ops only.
         """
         window = self.cfg.median_window
-        if len(rows) > window:  # history slots of one run must not collide
-            for i in range(0, len(rows), window):
-                self.update(rows[i:i + window], layout)
+        if len(rows) > self._max_run:
+            for i in range(0, len(rows), self._max_run):
+                self.update(rows[i:i + self._max_run], layout)
             return
         cfg = self.cfg
         k = len(rows)
         armed_from = max(0, cfg.warmup_steps - self.updates)  # first armed row of this run
         x = 0.5 * torch.log(rows[:, 1:layout.layers.stop])  # log-norms: global, then layers
         finite = torch.isfinite(x)
-        live = finite & self.seeded
-        std = torch.sqrt(self.var + 1e-4)
-        dev = x - self.mean
-        z = torch.where(live, dev / std, 0.0)
+        a = cfg.ema_alpha
+        mean0, _, live = _seed(self.mean, self.seeded, x, finite)
+        bound = cfg.spike_zscore * torch.sqrt(self.var + 1e-4)
+        # winsorized, so one spike does not poison the baseline
+        y = torch.maximum(torch.minimum(x, mean0 + bound), mean0 - bound)
+        mean, mean_after = _prefix_ema(mean0, y, live, a)
+        var, var_after = _prefix_ema(self.var, (1 - a) * (y - mean) ** 2, live, a)
+        dev = x - mean
+        z = torch.where(live, dev / torch.sqrt(var + 1e-4), 0.0)
         median = torch.nanmedian(self.history)
         log_ref_dev = torch.cat([(x[:, :1] - median).nan_to_num(0.0), dev[:, 1:]], 1)  # log(norm / reference)
         spike = live & (z > cfg.spike_zscore) & (log_ref_dev > self._log_ratio)
@@ -210,16 +234,9 @@ class DeviceDetector:
         out[:, :len(COLUMNS)] = torch.stack([cols[name].float() for name in COLUMNS], 1)
         out[:, len(COLUMNS):] = score
 
-        # state: seed with the first finite value, then the EMA of deviations clipped at
-        # spike_zscore std, so one spike does not poison the baseline
-        a = cfg.ema_alpha
-        bound = cfg.spike_zscore * std
-        d = torch.maximum(torch.minimum(dev, bound), -bound)
-        any_finite = finite.any(0)
-        seed = torch.where(any_finite, _first(x, finite), self.mean)
-        self.mean.copy_(torch.where(self.seeded, _ema(self.mean, self.mean + d, finite, a), seed))
-        self.var.copy_(torch.where(self.seeded, _ema(self.var, (1 - a) * d * d, finite, a), self.var))
-        self.seeded |= any_finite
+        self.mean.copy_(mean_after)
+        self.var.copy_(var_after)
+        self.seeded |= finite.any(0)
         start = self.updates % window  # the run's history slots, wrapping once at most
         n1 = min(k, window - start)
         for run, slots in ((slice(0, n1), slice(start, start + n1)), (slice(n1, k), slice(0, k - n1))):
@@ -235,10 +252,8 @@ class DeviceDetector:
         x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
         dev = (x - torch.nanmedian(x, 1, keepdim=True).values).abs()
-        scale = torch.sqrt(self.dev_var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
-        score = (dev / scale).nan_to_num(0.0)
-        # scale state: EMA over steps of the ranks' mean squared deviation without the largest
-        # one, so a rank that stays bad (or is bad from the start) never inflates the scale
+        # scale: EMA over steps of the ranks' mean squared deviation without the largest one,
+        # so a rank that stays bad (or is bad from the start) never inflates the scale
         d2 = dev * dev
         missing = torch.isnan(d2)
         n = (~missing).sum(1)
@@ -246,9 +261,13 @@ class DeviceDetector:
         trim = n >= 3
         trimmed = (torch.nansum(d2, 1) - torch.where(trim, top, 0.0)) / (n - trim.long()).clamp(min=1)
         m2 = torch.where(n >= 2, trimmed * self._consistency, math.nan)
-        good = torch.isfinite(m2)
-        seed = torch.where(good.any(), _first(m2, good), self.dev_var)
-        self.dev_var.copy_(torch.where(torch.isnan(self.dev_var), seed, _ema(self.dev_var, m2, good, self.cfg.ema_alpha)))
+        seeded = ~torch.isnan(self.dev_var)
+        var0, judged, used = _seed(self.dev_var, seeded, m2, torch.isfinite(m2))
+        var, var_after = _prefix_ema(var0, m2, used, self.cfg.ema_alpha)
+        var = torch.where(judged, var, math.nan)  # no scale yet: the floor
+        scale = torch.sqrt(var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
+        score = (dev / scale[:, None]).nan_to_num(0.0)
+        self.dev_var.copy_(var_after)
         best_score, best = score.max(1)
         return score, best, best_score
 

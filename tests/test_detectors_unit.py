@@ -41,6 +41,7 @@ class Feeder:
         self.step = 0
         self.rows = torch.zeros(block, self.layout.width)
         self.pending: list[tuple[int, list[float]]] = []
+        self.scores: list[tuple[dict, list[float]]] = []  # per step, once judged
 
     def __call__(self, layer_norms: list[float], rank_norms: list[float]) -> list:
         self.step += 1
@@ -65,7 +66,9 @@ class Feeder:
         for (step, ranks), vals in zip(self.pending, self.rows[:k].tolist()):
             norm = math.sqrt(vals[1]) if math.isfinite(vals[1]) else math.nan
             snap = Snapshot(step, 0.0, norm, {}, ranks, None, not math.isfinite(norm), [], None)
-            events += self.dec(step, vals[self.layout.detector], snap).events
+            judged = self.dec(step, vals[self.layout.detector], snap)
+            self.scores.append((judged.scores, judged.rank_outlier_scores))
+            events += judged.events
         self.pending = []
         return events
 
@@ -175,16 +178,33 @@ def test_nonfinite_is_an_event_and_does_not_poison_the_state(block):
     assert [(e.step, e.kind) for e in events] == [(100, "nonfinite")]
 
 
-def test_a_run_of_steps_matches_step_by_step_on_a_steady_series():
-    """Judging ten steps at once against the baseline at the run's start gives z-scores
-    within a few percent of the step-by-step recurrence on a stationary series: the block
-    form is an approximation of the per-step EMA, not a different detector."""
-    one, ten = Feeder(block=1), Feeder(block=10)
-    steps = list(series(5, 300, 3.0, 3.0, 1.0, 0.2))
-    run(one, iter(steps)), run(ten, iter(steps))
-    assert torch.allclose(one.det.mean, ten.det.mean, atol=0.05)
-    assert torch.allclose(one.det.var.sqrt(), ten.det.var.sqrt(), rtol=0.15)
-    assert torch.allclose(one.det.dev_var.sqrt(), ten.det.dev_var.sqrt(), rtol=0.2)
+@pytest.mark.parametrize("block", [10, 64])
+def test_runs_of_steps_give_the_step_by_step_scores(block):
+    """Judging a run of steps at once reproduces the step-by-step recurrence (the running
+    mean and variance before each step in closed form): every step's scores agree, through
+    the warm-up, a x20 layer spike (the variance it inflates damps the following steps in
+    both), a level shift and a bad rank. Only the winsorizing bound (from the run's start)
+    and the median reference may differ: measured, no z-score moves by more than 0.2 (0.11
+    with runs of 10), against thresholds of 6; rank scores agree to float rounding."""
+    def faults(t, layers, ranks):
+        if t == 150:
+            layers[2] *= 20.0
+        if t >= 300:
+            layers[1] *= 4.0  # lasting change of level
+        if t >= 200:
+            ranks[1] *= 20.0
+    steps = list(with_changes(series(6, 400, 10.0, 1.0, 100.0, 0.2), faults))
+    one, many = Feeder(block=1), Feeder(block=block)
+    e1, ek = run(one, iter(steps)), run(many, iter(steps))
+    assert [(e.kind, e.step, e.rank, e.layer) for e in ek] == [(e.kind, e.step, e.rank, e.layer) for e in e1]
+    assert [e.value for e in ek] == pytest.approx([e.value for e in e1], rel=0.05)
+    assert {e.kind for e in e1} == {"spike", "rank_outlier"}  # the faults are seen at all
+    for t, ((s1, r1), (sk, rk)) in enumerate(zip(one.scores, many.scores), start=1):
+        for name in ("zscore", "layer_zmax"):
+            assert sk[name] == pytest.approx(s1[name], abs=0.25), (t, name)
+        assert rk == pytest.approx(r1, rel=1e-4, abs=1e-4), t
+    assert torch.allclose(one.det.mean, many.det.mean, atol=1e-3)
+    assert torch.allclose(one.det.var, many.det.var, rtol=1e-2)
 
 
 def test_bad_config_is_rejected():
