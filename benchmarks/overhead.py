@@ -468,8 +468,45 @@ class HandWritten(Approach):
         return getattr(self, "sq", None)
 
 
+class HookRead(Approach):
+    """Reference, not a peer: the floor's one fused read, done where distmon reads.
+
+    A comm hook that reads each local bucket once (``_foreach_norm`` over views of it, made
+    once per bucket buffer) and then all-reduces it: what a single in-place read costs inside
+    the backward pass, with its cache state and its competition for memory, next to the
+    floor timed alone after the step.
+    """
+
+    name, label = "hook-read", "reference: one read of each local bucket in a comm hook"
+    reports = "per-parameter local norms (device), every step: one read of the gradients where distmon reads"
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        super().attach(ddp, opt, names)
+        import torch
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        timer = self.timer
+        views: dict[tuple[int, int], list] = {}
+        self.norms: dict[int, list] = {}
+
+        def hook(state, bucket):  # noqa: ANN001  (no annotations: DDP checks them)
+            t = cpu_s()
+            key = (bucket.index(), bucket.buffer().data_ptr())
+            v = views.get(key)
+            if v is None:
+                v = views[key] = bucket.gradients()
+            self.norms[bucket.index()] = torch._foreach_norm(v)
+            timer.add("bucket read", cpu_s() - t)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+
+    def state(self):
+        return self.norms
+
+
 APPROACHES: list[type[Approach]] = [Baseline, Distmon, DistmonDetailed, Tutorial, WandbHist,
-                                    WandbHistEvery, Lightning, HandWritten]
+                                    WandbHistEvery, Lightning, HandWritten, HookRead]
 
 
 # ------------------------------------------------------------------------------- runner
@@ -1087,6 +1124,19 @@ def summary_table(res: dict) -> list[str]:
 NOISE_SPREAD = 0.03  # block-to-block spread of a ratio above which wall clock cannot resolve 1%
 
 
+def _in_place_read(s: dict) -> str:
+    """What one read costs where distmon reads (the hook-read reference), against distmon's two."""
+    h, d = s["rows"].get("hook-read"), s["rows"]["distmon"]["sites_ms"]
+    if not h:
+        return ""
+    reads = d.get("distmon::local_sums", 0.0) + d.get("distmon::reduced_sums", 0.0)
+    rest = s["rows"]["distmon"]["own_ms"] - reads
+    floor = s["floor_cpu_ms"]
+    return (f"; one read of the local buckets inside a comm hook (hook-read reference) costs {h['own_passes']:.2f} "
+            f"passes, so two in-place reads are {2 * h['own_passes']:.2f}; distmon's two reads measure "
+            f"{reads / floor:.2f} and the rest of its own code {rest / floor:.2f} ({rest:.2f} ms)")
+
+
 def acceptance(sizes: list[dict], gpu: bool = False) -> list[tuple[str, str, str]]:
     """(what, verdict, detail). On CPU, costs are judged on own-code CPU time (resolvable on a noisy
     shared machine); on a GPU, where own-code host time is launch overhead only, on end-to-end wall time.
@@ -1115,7 +1165,8 @@ def acceptance(sizes: list[dict], gpu: bool = False) -> list[tuple[str, str, str
                     f"({'end to end, wall' if gpu else 'own code, CPU time'})", "PASS" if ok else "MISS",
                     f"own code {r['own_passes']:.2f} passes ({r['own_ms']:.2f} ms CPU, floor "
                     f"{s['floor_cpu_ms']:.2f} ms); end to end: wall {r['extra_passes']:.1f} passes "
-                    f"({r['extra_ms']:+.1f} ms), CPU {r['cpu_extra_passes']:.1f} passes ({r['cpu_extra_ms']:+.1f} ms)"))
+                    f"({r['extra_ms']:+.1f} ms), CPU {r['cpu_extra_passes']:.1f} passes ({r['cpu_extra_ms']:+.1f} ms)"
+                    + _in_place_read(s)))
     pers = [(s["info"]["n_tensors"], s["info"]["grad_bytes"], s["rows"]["distmon"]["kept_bytes"], s["info"]["size"])
             for s in sizes]
     if len(pers) >= 2:
