@@ -244,8 +244,11 @@ class Approach:
         return None
 
     def periodic(self) -> tuple[float, int]:
-        """(CPU seconds of own work done every N steps, steps taken), amortized into own code."""
-        return 0.0, 0
+        """(CPU seconds of one run of the own work done every N steps, N), amortized into own code."""
+        return 0.0, 1
+
+    def sample_periodic(self) -> None:
+        """Make sure the periodic work was timed at least once (outside the profiler)."""
 
     def close(self) -> None:
         pass
@@ -267,7 +270,7 @@ class Distmon(Approach):
         import distmon
 
         self.mon = distmon.GradMonitor(ddp, opt, serve="none", **self.options)
-        self.export_s = 0.0
+        self.export_times: list[float] = []
         tr = getattr(self.mon, "_tracker", None)
         # Instrument distmon's own entry points (instance attributes shadow the methods; the
         # comm hook and the optimizer hook look them up at call time). No distmon file is edited.
@@ -293,7 +296,7 @@ class Distmon(Approach):
             tr.after_reduce_callback = after_reduce_callback
         # The export (every export_every steps: totals and detectors over the rows since the last
         # one, host copy) runs inside end_step on few of the timed steps, so a median step hides
-        # it: every export is timed here, and its total is amortized over every step taken.
+        # it: every export outside the profiler is timed here, and its mean is amortized.
         if hasattr(tr, "export"):
             orig_export = tr.export
 
@@ -303,7 +306,8 @@ class Distmon(Approach):
                     return orig_export()
                 finally:
                     dt = cpu_s() - t
-                    self.export_s += dt
+                    if not Profiling.on:
+                        self.export_times.append(dt)
                     timer.add("periodic::distmon::export", dt)
                     timer.add("wall::periodic::distmon::export", now_s() - w)
             tr.export = export
@@ -324,8 +328,13 @@ class Distmon(Approach):
         return getattr(self.mon, "_tracker", None)
 
     def periodic(self) -> tuple[float, int]:
-        """(CPU seconds of every export so far, optimizer steps so far)."""
-        return self.export_s, self.mon.step
+        """(mean CPU seconds of one export, export_every)."""
+        mean = statistics.mean(self.export_times) if self.export_times else 0.0
+        return mean, self.mon.config.export_every
+
+    def sample_periodic(self) -> None:
+        if not self.export_times:  # no export among the steps run so far: time one, of the pending rows
+            self.mon.flush()
 
     def close(self):
         self.mon.close()
@@ -706,6 +715,9 @@ class Bench:
                 print(f"   round {r + 1}/{n_rounds} ({now_s() - t_start:.0f} s)", flush=True)
 
         health = self.health(copies)
+        for c in copies:
+            c.approach.sample_periodic()
+        periodic = {c.approach.name: c.approach.periodic() for c in copies}
         profile = self.profile(size, copies, median(copies[0].times)) if self.args.profile else None
         syncs = self.sync_debug(size, copies) if self.cuda else None
         persistent = {}
@@ -723,7 +735,7 @@ class Bench:
                     cpus={c.approach.name: c.cpus for c in copies},
                     selfs={c.approach.name: c.selfs for c in copies},
                     floors=floors, mem=mem, persistent=persistent, health=health,
-                    periodic={c.approach.name: c.approach.periodic() for c in copies})
+                    periodic=periodic)
         allr = self.gather(mine)
         for c in copies:
             c.approach.close()
@@ -1000,7 +1012,7 @@ def analyse(size_res: dict, repeats: int) -> dict:
         own = [1e3 * statistics.mean(sum(v for k, v in r[i].items() if not k.startswith(("background::", "wall::")))
                                      for r in selfs)
                for i in range(n)]
-        periodic_ms = statistics.mean(1e3 * r["periodic"][a][0] / max(1, r["periodic"][a][1]) for r in ranks)
+        periodic_ms = statistics.mean(1e3 * r["periodic"][a][0] / r["periodic"][a][1] for r in ranks)
         if periodic_ms:
             site_ms["amortized::export"] = periodic_ms
         own_ms = median(own) + periodic_ms
@@ -1261,7 +1273,7 @@ def render_md(res: dict, png: Optional[str]) -> str:
           "local / reduced bucket (comm hook, future callback), `issue_gather` = pack and start the per-step "
           "all-gather, `end_step` = optimizer step hook without its export (wait for the gather), `export` = "
           "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
-          "steps, CPU time of every export amortized over every step taken (no wall figure), `publisher` = host "
+          "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "
           "thread decoding exported rows (off the training thread):", ""]
     for s in sizes:
         for a in ("distmon", "distmon-detailed"):
@@ -1345,7 +1357,8 @@ def method_notes(res: dict) -> list[str]:
         "its call sites: for distmon its comm-hook work (local sums before the inner all-reduce hook, reduced "
         "sums in the future callback, packing and issuing the gather) and its optimizer step hook (wait); its "
         "export (totals, detectors and the host copy, once per `export_every` steps) is timed on every export "
-        "and amortized over every step taken, as a median step would miss it; for the peers their hook bodies or calls. It resolves the differences "
+        "(mean over the exports outside the profiler) and amortized, divided by `export_every`, as a median step "
+        "would miss it; for the peers their hook bodies or calls. It resolves the differences "
         "of a few ms that multi-second steps on a shared machine bury in noise, but not indirect costs "
         "(Python comm-hook dispatch, GIL hand-offs, cache effects): the step columns carry those.",
         f"- wandb-style every {hf} steps: the median step carries only the per-parameter hook; the amortized cost "
@@ -1402,7 +1415,7 @@ def render_readme(res: dict) -> str:
           "all-reduce's future callback, \"gather\" = packing and issuing the one per-step all-gather of per-rank "
           "figures, \"step\" = the optimizer step hook on a step that does not export (the wait for the gather), "
           "\"export\" = once per `export_every` steps, totals and detectors over the rows since the last export and "
-          "the host copy, amortized over every step taken):", ""]
+          "the host copy, one export's CPU time divided by `export_every`):", ""]
     for s in sizes:
         r = s["rows"]["distmon"]["sites_ms"]
         g = lambda k: r.get(k, 0.0)  # noqa: E731
