@@ -2,7 +2,7 @@
 
 A tiny model and a few steps of every approach (bare DDP, distmon at defaults and at its most
 detailed, the tutorial hook, wandb-style histograms, Lightning's grad_norm, the hand-written
-best effort). Timing is not asserted (a tiny model on a shared machine says nothing); that the
+best effort, the hook-read reference). Timing is not asserted (a tiny model on a shared machine says nothing); that the
 benchmark produces its table with every row, that the monitors ran without errors and that
 distmon's global norm equals an independent computation on an identical model copy are.
 """
@@ -15,9 +15,10 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "overhead.py")
-# every peer the benchmark must measure (the issue's list), baseline first
+# every peer the benchmark must measure (the issue's list), baseline first, then the hook-read
+# reference (one read of the local buckets inside a comm hook: what a read costs where distmon reads)
 APPROACHES = ["baseline", "distmon", "distmon-detailed", "tutorial", "wandb-hist", "wandb-hist-1",
-              "lightning", "hand-written"]
+              "lightning", "hand-written", "hook-read"]
 
 
 def _run_smoke(out_dir):
