@@ -150,7 +150,9 @@ def cpu_s() -> float:
     return time.thread_time()
 
 
-def _timed(fn: Callable, timer: SelfTimer, site: str) -> Callable:
+def _timed(fn: Callable, timer: SelfTimer, site: str, samples: Optional[list[float]] = None) -> Callable:
+    """``fn`` timed into ``timer`` under ``site`` (CPU) and ``wall::site``; each call's CPU
+    seconds also go to ``samples`` when given, except under the profiler (which inflates them)."""
     import torch
 
     def wrapper(*a, **kw):
@@ -161,8 +163,11 @@ def _timed(fn: Callable, timer: SelfTimer, site: str) -> Callable:
                     return fn(*a, **kw)
             return fn(*a, **kw)
         finally:
-            timer.add(site, cpu_s() - t)
+            dt = cpu_s() - t
+            timer.add(site, dt)
             timer.add("wall::" + site, now_s() - w)  # includes blocking waits (and preemption)
+            if samples is not None and not Profiling.on:
+                samples.append(dt)
     return wrapper
 
 
@@ -298,19 +303,7 @@ class Distmon(Approach):
         # one, host copy) runs inside end_step on few of the timed steps, so a median step hides
         # it: every export outside the profiler is timed here, and its mean is amortized.
         if hasattr(tr, "export"):
-            orig_export = tr.export
-
-            def export():
-                t, w = cpu_s(), now_s()
-                try:
-                    return orig_export()
-                finally:
-                    dt = cpu_s() - t
-                    if not Profiling.on:
-                        self.export_times.append(dt)
-                    timer.add("periodic::distmon::export", dt)
-                    timer.add("wall::periodic::distmon::export", now_s() - w)
-            tr.export = export
+            tr.export = _timed(tr.export, timer, "periodic::distmon::export", self.export_times)
         for attr, site in (("issue_gather", "distmon::issue_gather"), ("end_step", "distmon::end_step")):
             if hasattr(tr, attr):
                 setattr(tr, attr, _timed(getattr(tr, attr), timer, site))

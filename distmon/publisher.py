@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .errors import ErrorCounter
-from .reduction import RankFields
+from .reduction import RankFields, earliest_nonfinite
 from .ring import HostCopy, RowLayout
 from .snapshot import Snapshot
 
@@ -80,9 +80,9 @@ class RowDecoder:
             first = (r, self.layers[layer])
         elif not math.isfinite(grad_norm):
             # finite on every rank, non-finite after reduction (e.g. fp16 overflow): rank -1
-            layers_bad = [i for i, v in enumerate(layer_sq) if not math.isfinite(v)]
-            if layers_bad:
-                first = (-1, self.layers[min(layers_bad, key=order.__getitem__)])
+            layer = earliest_nonfinite(layer_sq, order)
+            if layer >= 0:
+                first = (-1, self.layers[layer])
         snap = Snapshot(
             step=step,
             timestamp=timestamp,

@@ -16,7 +16,20 @@ import torch.distributed as dist
 
 from . import norms
 
-__all__ = ["RankGather", "RankFields"]
+__all__ = ["RankGather", "RankFields", "earliest_nonfinite"]
+
+
+def earliest_nonfinite(values: Sequence[float], order: Sequence[float]) -> int:
+    """Host side: index of the non-finite value earliest in backward ``order``, or -1.
+
+    The host twin of :func:`distmon.norms.first_nonfinite`, for figures already on the host.
+
+    Example:
+        >>> earliest_nonfinite([1.0, float("nan"), float("inf")], [0.0, 2.0, 1.0])
+        2
+    """
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    return min(bad, key=order.__getitem__) if bad else -1
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
@@ -65,8 +78,7 @@ class RankFields:
         """Host side: the rank's non-finite layer earliest in backward ``order``, or -1."""
         if self.first_nonfinite is not None:
             return int(vals[self.first_nonfinite])
-        bad = [i for i in range(self.n_layer_cols) if not math.isfinite(vals[i])]
-        return min(bad, key=order.__getitem__) if bad else -1
+        return earliest_nonfinite(vals[: self.n_layer_cols], order)
 
 
 class RankGather:

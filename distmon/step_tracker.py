@@ -8,6 +8,7 @@ every step whatever failed locally.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Optional
 
@@ -177,15 +178,12 @@ class StepTracker:
             rows = self.ring.data[a:a + through - first + 1]
             rows[:, 1] = rows[:, lay.layers].sum(1)
             if self.detector is not None:
-                valid = self._valid[a:a + len(rows)]
-                i = 0
-                while i < len(rows):
-                    j = i + 1
-                    while j < len(rows) and valid[j] == valid[i]:
-                        j += 1
-                    if valid[i]:
-                        self.detector.update(rows[i:j], lay)
-                    i = j
+                start = 0
+                for valid, run in itertools.groupby(self._valid[a:a + len(rows)]):
+                    n = len(list(run))
+                    if valid:
+                        self.detector.update(rows[start:start + n], lay)
+                    start += n
         except Exception:
             self.errors.record("detectors")
 
