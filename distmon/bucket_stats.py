@@ -1,9 +1,11 @@
 """Per-layer sums of squares taken from DDP buckets, before and after the reduction.
 
 Buckets are rebuilt after DDP's first iteration and ``bucket.index()`` changes meaning, so the
-cache of a bucket's layout is keyed by the identity of the parameters it holds. Each bucket's
-per-parameter sums are added straight into a caller's per-layer device tensor: no host sync,
-no allocation beyond the fused kernel's own outputs, nothing left to fold at the step's end.
+cache of a bucket's layout is keyed by the identity of the parameters it holds. A bucket's
+measurement is one fused kernel whose per-parameter sums the caller keeps; :meth:`BucketStats.fold`
+turns a whole backward's worth into per-layer sums with two ops, whatever the number of buckets
+(small ops are what a step's bookkeeping costs). No host sync, no allocation beyond the fused
+kernel's own outputs.
 """
 
 from __future__ import annotations
@@ -23,30 +25,36 @@ __all__ = ["BucketLayout", "BucketStats"]
 
 @dataclass
 class BucketLayout:
-    """How one bucket's flat buffer splits into tracked parameters."""
+    """How one bucket's flat buffer splits into runs of tracked parameters.
 
-    split_sizes: list[int]  # chunks covering the whole flat buffer, gaps included
-    pick: Optional[list[int]]  # chunk indices that are tracked parameters; None = all chunks
-    param_pick: Optional[list[int]]  # indices into bucket.gradients() of tracked ones; None = all
-    layers: torch.Tensor  # device int64: layer of each picked chunk
-    stage: torch.Tensor  # device fp32 scratch, one value per picked chunk
+    A run is the parameters of one layer that sit end to end in the buffer (a module's weight
+    and bias, say): one view, one sum, however many parameters. The fused kernel's cost, and
+    the fold's, grow with the number of views, so a run is measured as one.
+    """
+
+    split_sizes: list[int]  # chunks covering the whole flat buffer: runs, untracked parameters, gaps
+    pick: Optional[list[int]]  # chunk indices that are runs; None = all chunks
+    layers: torch.Tensor  # device int64: layer of each run
+    seq: int  # creation order: buckets are folded in this order, whatever order they finish in
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a flat tensor laid out like the bucket (a hook's new result)."""
+        """The runs' views of a flat tensor laid out like the bucket (DDP's buffer or a hook's result)."""
         chunks = flat.split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
-
-    def grad_views(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tracked ones among DDP's per-parameter views of the bucket (``bucket.gradients()``)."""
-        return grads if self.param_pick is None else [grads[i] for i in self.param_pick]
 
 
 class BucketStats:
     """Bucket layouts of the tracked parameters, and the fused sums of squares of a bucket.
 
-    :meth:`record` adds the sums of squares of a bucket's parameters into a per-layer tensor
-    (the tracker's local or reduced layer sums). Parameters that DDP never hands over (ignored
-    by DDP) add nothing.
+    :meth:`fold` turns the sums of squares of a backward's buckets into a per-layer tensor (the
+    tracker's local or reduced layer sums). Parameters that DDP never hands over (ignored by
+    DDP) add nothing.
+
+    Example:
+        >>> stats = BucketStats(grouping, torch.device("cpu"))           # doctest: +SKIP
+        >>> layout, views = stats.layout(bucket)    # in a comm hook       # doctest: +SKIP
+        >>> pending = [(layout, norms.sq_sums(views))]                    # doctest: +SKIP
+        >>> stats.fold(pending, layer_sq)                                 # doctest: +SKIP
     """
 
     def __init__(self, grouping: Grouping, device: torch.device) -> None:
@@ -61,9 +69,12 @@ class BucketStats:
         self._param_pos: dict[int, tuple[int, int]] = {}
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
         self._by_buffer: dict[int, tuple[weakref.ref, BucketLayout, list[torch.Tensor]]] = {}
+        # per set of buckets (by seq): their layers end to end, and the stack's scratch
+        self._plans: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._zeros = torch.zeros(self.n_layers, dtype=torch.float32, device=device)
 
     def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, list[torch.Tensor]]:
-        """The bucket's cached layout and per-parameter views of its buffer.
+        """The bucket's cached layout and its runs' views of the bucket's buffer.
 
         DDP hands out the same live buffer object every step once its buckets are rebuilt, and
         a buffer's parameters never change while it lives: the entry is keyed by that object
@@ -81,7 +92,7 @@ class BucketStats:
         found = self._layouts.get(pkey)
         if found is None:
             found = self._layouts[pkey] = self._build(bucket, params)
-        views = found.grad_views(bucket.gradients())
+        views = found.views(buffer)
         self._by_buffer[key] = (weakref.ref(buffer, lambda _ref: self._by_buffer.pop(key, None)),
                                 found, views)
         return found, views
@@ -89,34 +100,32 @@ class BucketStats:
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
         flat = bucket.buffer()
         base, itemsize = flat.data_ptr(), flat.element_size()
-        split_sizes: list[int] = []
-        pick: list[int] = []
-        param_pick: list[int] = []
-        layers: list[int] = []
+        chunks: list[list[int]] = []  # [size, layer]; layer -1: untracked parameter or gap
         cursor = 0
         for pos, (p, g) in enumerate(zip(params, bucket.gradients())):
             offset = (g.data_ptr() - base) // itemsize
             if offset < cursor:
                 raise RuntimeError("distmon: overlapping gradient views in a DDP bucket")
             if offset > cursor:
-                split_sizes.append(offset - cursor)
+                chunks.append([offset - cursor, -1])
             slot = self.slot_of.get(id(p))
+            layer = -1 if slot is None else self._param_layer_host[slot]
             if slot is not None:
-                pick.append(len(split_sizes))
-                param_pick.append(pos)
-                layers.append(self._param_layer_host[slot])
                 self._param_pos[slot] = (bucket.index(), pos)
-            split_sizes.append(g.numel())
+            if layer >= 0 and chunks and chunks[-1][1] == layer:
+                chunks[-1][0] += g.numel()  # right after a parameter of the same layer: one run
+            else:
+                chunks.append([g.numel(), layer])
             cursor = offset + g.numel()
         if cursor < flat.numel():
-            split_sizes.append(flat.numel() - cursor)
+            chunks.append([flat.numel() - cursor, -1])
         self._update_layer_order()
+        pick = [i for i, (_, layer) in enumerate(chunks) if layer >= 0]
         return BucketLayout(
-            split_sizes=split_sizes,
-            pick=None if pick == list(range(len(split_sizes))) else pick,
-            param_pick=None if param_pick == list(range(len(params))) else param_pick,
-            layers=torch.tensor(layers, dtype=torch.int64, device=self.device),
-            stage=torch.zeros(len(layers), dtype=torch.float32, device=self.device),
+            split_sizes=[size for size, _ in chunks],
+            pick=None if len(pick) == len(chunks) else pick,
+            layers=torch.tensor([chunks[i][1] for i in pick], dtype=torch.int64, device=self.device),
+            seq=len(self._layouts),
         )
 
     def _update_layer_order(self) -> None:
@@ -132,12 +141,20 @@ class BucketStats:
         self.layer_order_host = values
         self.layer_order.copy_(torch.tensor(values))
 
-    def record(self, layout: BucketLayout, views: list[torch.Tensor], layer_sq: torch.Tensor) -> None:
-        """Add the sums of squares of a bucket's per-parameter ``views`` into their layers of ``layer_sq``.
+    def fold(self, pending: list[tuple[BucketLayout, list[torch.Tensor]]], layer_sq: torch.Tensor) -> None:
+        """Write into ``layer_sq`` the per-layer totals of a backward's ``(layout, sums)`` buckets.
 
-        ``index_add_`` rather than a 0/1 matmul, because ``NaN * 0`` would spread one bad
-        parameter's NaN into every layer.
+        ``pending`` is sorted in place into creation order, so each set of buckets (one before
+        DDP's rebuild, one after) has one cached plan whatever order its buckets finished in.
         """
-        if views:
-            norms.sq_norms(views, layout.stage)
-            layer_sq.index_add_(0, layout.layers, layout.stage)
+        if not pending:
+            layer_sq.zero_()
+            return
+        if len(pending) > 1:
+            pending.sort(key=lambda entry: entry[0].seq)
+        key = tuple(layout.seq for layout, _ in pending)
+        plan = self._plans.get(key)
+        if plan is None:
+            layer_of = torch.cat([layout.layers for layout, _ in pending])
+            plan = self._plans[key] = (layer_of, torch.zeros(len(layer_of), device=self.device))
+        norms.fold_layers([s for _, sums in pending for s in sums], plan[0], plan[1], self._zeros, layer_sq)

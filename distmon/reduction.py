@@ -84,9 +84,8 @@ class RankFields:
 class RankGather:
     """This rank's send buffer and the all-gather of it into a caller-given flat view.
 
-    The comm hook accumulates the local per-layer sums of squares straight into
-    :attr:`layer_sq` (the head of the send buffer with ``rank_layers``), so an ordinary step
-    packs nothing: :meth:`pack` writes ``errors``/``valid`` only when they change, plus, without
+    The tracker folds the local per-layer sums of squares straight into :attr:`layer_sq` (the
+    head of the send buffer with ``rank_layers``), so an ordinary step packs nothing else: :meth:`pack` writes ``errors``/``valid`` only when they change, plus, without
     ``rank_layers``, the total and first non-finite layer.
     """
 
@@ -99,11 +98,6 @@ class RankGather:
             torch.zeros(n_layers, dtype=torch.float32, device=device)
         self._sent_meta: Optional[tuple[int, bool]] = None  # (errors, valid) now in the send buffer
         self._work: Optional[dist.Work] = None
-
-    def begin(self) -> None:
-        """Start a backward pass: finish any gather still reading the buffer, zero the sums."""
-        self.wait()
-        self.layer_sq.zero_()
 
     def pack(self, layer_order: torch.Tensor, errors: int, valid: bool) -> None:
         """Fill the send buffer's per-rank fields after the last bucket (device ops only)."""

@@ -75,6 +75,7 @@ class DeviceRing:
         self.data = torch.zeros(n_rows, layout.width, dtype=torch.float32, device=device)
         # views made once: the hooks index rows every step
         self._rows = list(self.data.unbind(0))
+        self._layers = [row[layout.layers] for row in self._rows]
         self._gathered = [row[layout.gathered] for row in self._rows]
         pin = device.type == "cuda"
         self._host = [torch.empty_like(self.data, device="cpu", pin_memory=pin) for _ in range(2)]
@@ -91,9 +92,25 @@ class DeviceRing:
     def row(self, step: int) -> torch.Tensor:
         return self._rows[self.slot(step)]
 
+    def layers(self, step: int) -> torch.Tensor:
+        """The reduced per-layer sums of squares of step ``step``'s row."""
+        return self._layers[self.slot(step)]
+
     def gathered(self, step: int) -> torch.Tensor:
         """The gathered columns of step ``step``'s row (the all-gather's output)."""
         return self._gathered[self.slot(step)]
+
+    def reset(self, first: int, last: int, blank: torch.Tensor) -> None:
+        """Write the row ``blank`` into the rows of steps ``first..last`` (at most ``n_rows`` steps).
+
+        One copy per contiguous stretch of the ring (two when it wraps), so rows are reset
+        once per export rather than once per step.
+        """
+        start, n = self.slot(first), last - first + 1
+        head = min(n, self.n_rows - start)
+        self.data[start:start + head].copy_(blank.expand(head, -1))
+        if n > head:
+            self.data[:n - head].copy_(blank.expand(n - head, -1))
 
     def copy_to_host(self) -> HostCopy:
         """Start the copy of the whole ring; the caller hands the result to the host thread."""

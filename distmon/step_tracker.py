@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import norms
 from .bucket_stats import BucketLayout, BucketStats
 from .detectors import DeviceDetector
 from .errors import ErrorCounter
@@ -31,7 +32,8 @@ class StepTracker:
 
     ``step`` counts finished optimizer steps; the step in progress writes ring row
     ``step + 1``. An ordinary step costs the two fused passes over the gradients (local and
-    reduced, added straight into per-layer sums) and the one all-gather. Everything that only
+    reduced), one fold of each into per-layer sums (before the gather, and when the step
+    closes) and the one all-gather. Everything that only
     reads a finished row (totals, detectors) is *completed* in one batch over the steps since
     the last export, when the ring is exported, or at once for a step whose figures are
     needed before its ``optimizer.step()`` (guard, ``clip_grad_norm_``). Exports happen when
@@ -51,11 +53,13 @@ class StepTracker:
         self.layout = RowLayout(n_layers, dist.get_world_size(group), fields.width,
                                 self.detector.n_outputs if self.detector else 0)
         self.ring = DeviceRing(export_every, self.layout, device)
-        # a step's row before its buckets arrive: valid, zero sums, the detectors' "no verdict"
+        # a step's row before its buckets arrive: valid, zero sums, the detectors' "no verdict";
+        # rows are reset to it in bulk when exported, so a step writes only what it measures
         self._blank = torch.zeros(self.layout.width, dtype=torch.float32, device=device)
         self._blank[0] = 1.0
         if self.detector is not None:
             self.detector.blank(self._blank[self.layout.detector])
+        self.ring.reset(1, export_every, self._blank)
         self.export_every = export_every
         self.publish: Callable[[ExportBatch], None] = lambda batch: batch.copy.release()
         self.active = True
@@ -66,7 +70,11 @@ class StepTracker:
         self._skipped = [False] * export_every
         self._valid = [False] * export_every
         self._collecting = False  # between a backward's first bucket and its last
-        self._row_layers = self.ring.row(1)[self.layout.layers]
+        # (layout, per-parameter sums) of this backward's buckets, folded into layers later:
+        # the local ones before the gather, the reduced ones (appended by gloo/NCCL callback
+        # threads; DDP waits for them before backward returns) when the step closes
+        self._local: list[tuple[BucketLayout, list[torch.Tensor]]] = []
+        self._reduced: list[tuple[BucketLayout, list[torch.Tensor]]] = []
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -90,30 +98,31 @@ class StepTracker:
             if not self._collecting:
                 self._begin_backward()
             layout, views = self.stats.layout(bucket)
-            self.stats.record(layout, views, self.gather.layer_sq)
-            return self._after_reduce(layout, views, bucket.buffer(), self._row_layers)
+            if views:
+                self._local.append((layout, norms.sq_sums(views)))
+            return self._after_reduce(layout, views, bucket.buffer())
         except Exception:
             self._fail("comm hook (local gradients)")
             return None
 
     def _begin_backward(self) -> None:
-        # Zeroed per backward, not per step: a second backward before the step overwrites the
-        # first one's figures, as DDP's buckets do.
+        # Per backward, not per step: a second backward before the step replaces the first
+        # one's figures, as DDP's buckets do.
         self._collecting = True
-        self.gather.begin()
-        row = self.ring.row(self.step + 1)
-        row.copy_(self._blank)
-        self._row_layers = row[self.layout.layers]
+        self.gather.wait()  # a gather still reading the send buffer (a second backward)
+        self._local.clear()
+        self._reduced.clear()
 
-    def _after_reduce(self, layout: BucketLayout, views: list[torch.Tensor], buffer: torch.Tensor,
-                      layer_sq: torch.Tensor) -> Callable[[torch.futures.Future], object]:
+    def _after_reduce(self, layout: BucketLayout, views: list[torch.Tensor],
+                      buffer: torch.Tensor) -> Callable[[torch.futures.Future], object]:
         def measure_reduced(fut: torch.futures.Future) -> object:
             result = fut.value()  # the user's hook failing is the user's error: let it raise
             try:
                 flat = result[0] if isinstance(result, (list, tuple)) else result
                 # an in-place hook (the default all-reduce) reduced DDP's own views: reuse them
                 same = flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
-                self.stats.record(layout, views if same else layout.views(flat), layer_sq)
+                if views:
+                    self._reduced.append((layout, norms.sq_sums(views if same else layout.views(flat))))
             except Exception:
                 self._fail("comm hook (reduced gradients)")
             return result
@@ -125,6 +134,8 @@ class StepTracker:
             return
         self._collecting = False
         try:
+            self.stats.fold(self._local, self.gather.layer_sq)
+            self._local.clear()
             self.gather.pack(self.stats.layer_order, self.errors.count, self._step_ok)
         except Exception:
             self._fail("rank gather (pack)")
@@ -148,8 +159,10 @@ class StepTracker:
         if not self._finalized:
             self._finalized = True
             try:
-                if not self.gather.wait():
-                    row.copy_(self._blank)  # no backward this step: zero sums, every rank "invalid"
+                # without a backward this step the row stays blank: zero sums, every rank "invalid"
+                if self.gather.wait():
+                    self.stats.fold(self._reduced, self.ring.layers(step))
+                    self._reduced.clear()
                 valid = self._step_ok and self._gathered
                 if not valid:
                     row[0].fill_(0.0)
@@ -201,14 +214,22 @@ class StepTracker:
             self.export()
 
     def export(self) -> None:
-        """Complete the new rows, copy the ring to the host (non-blocking), hand them to the publisher."""
-        if self.step == self._exported_through:
+        """Complete the new rows, copy the ring to the host (non-blocking), hand them to the publisher.
+
+        The exported rows are then reset to the blank row (ordered after the copy on the device),
+        ready for the steps that reuse them. Fewer than ``export_every`` steps are ever pending,
+        so the row of a step in progress is never among them.
+        """
+        first, last = self._exported_through + 1, self.step
+        if last < first:
             return
-        self._complete(self.step)
+        self._complete(last)
+        self._exported_through = last
         try:
-            slots = ((s, self.ring.slot(s)) for s in range(self._exported_through + 1, self.step + 1))
-            steps = tuple((s, i, self._timestamps[i], self._skipped[i]) for s, i in slots)
-            self._exported_through = self.step
-            self.publish(ExportBatch(self.ring.copy_to_host(), steps))
+            steps = tuple((s, i, self._timestamps[i], self._skipped[i])
+                          for s, i in ((s, self.ring.slot(s)) for s in range(first, last + 1)))
+            copy = self.ring.copy_to_host()
+            self.ring.reset(first, last, self._blank)
+            self.publish(ExportBatch(copy, steps))
         except Exception:
             self.errors.record("export")
