@@ -43,3 +43,43 @@ def test_cache_holds_only_live_buffers_and_numbers_stay_right():
         assert layouts >= entries
         for a, b in zip(ours, refs):
             assert abs(a - b) <= 1e-5 * b
+
+
+def _runs_job(rank: int, world: int, groups) -> tuple[list[dict], list[dict], int, list[int], int]:  # noqa: ANN001
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    model = DDP(net, bucket_cap_mb=0.003)  # about two layers per bucket
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = distmon.GradMonitor(model, opt, serve="none", export_every=1, groups=groups)
+    layer_of = dict(zip(mon._tracker.stats.slot_of, mon._tracker.stats._param_layer_host))
+    ours, refs = [], []
+    for step in range(4):
+        torch.manual_seed(10 + step + 100 * rank)
+        opt.zero_grad()
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        # independent reference: float64 sums of the reduced p.grad, per layer
+        sq = [0.0] * len(mon.layers)
+        for p in net.parameters():
+            sq[layer_of[id(p)]] += p.grad.double().pow(2).sum().item()
+        refs.append({name: v ** 0.5 for name, v in zip(mon.layers, sq)})
+        opt.step()
+        ours.append(mon.flush().layer_grad_norms)
+    stats = mon._tracker.stats
+    buckets = sum(1 for ref, _, _ in stats._by_buffer.values() if ref() is not None)
+    # views read per backward, for each set of buckets seen (before and after DDP's rebuild)
+    views = [len(layer_of) for layer_of, _ in stats._plans.values()]
+    mon.close()
+    return ours, refs, buckets, views, len(list(net.parameters()))
+
+
+def test_a_layers_adjacent_parameters_are_read_as_one_view_and_layers_stay_right():
+    # default groups: each Linear's weight and bias lie end to end in a bucket (one view);
+    # weights vs biases: the two layers alternate through the buckets (one view per parameter)
+    for groups, merged in ((None, True), ([(r"weight$", "weights"), (r"bias$", "biases")], False)):
+        for ours, refs, buckets, views, n_params in run_ranks(_runs_job, 2, groups):
+            assert buckets >= 2
+            assert all((v < n_params) if merged else (v == n_params) for v in views), (groups, views)
+            for got, want in zip(ours, refs):
+                assert got.keys() == want.keys()
+                for name in want:
+                    assert abs(got[name] - want[name]) <= 1e-5 * want[name], (groups, name)
