@@ -34,13 +34,23 @@ class BucketLayout:
 
     split_sizes: list[int]  # chunks covering the whole flat buffer: runs, untracked parameters, gaps
     pick: Optional[list[int]]  # chunk indices that are runs; None = all chunks
-    layers: torch.Tensor  # device int64: layer of each run
+    layer_ids: tuple[int, ...]  # layer of each run
+    layers: torch.Tensor  # the same on the device (int64)
     seq: int  # creation order: buckets are folded in this order, whatever order they finish in
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The runs' views of a flat tensor laid out like the bucket (DDP's buffer or a hook's result)."""
         chunks = flat.split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
+
+
+@dataclass(frozen=True)
+class _FoldPlan:
+    """How the run sums of one set of buckets become per-layer sums."""
+
+    order: Optional[list[int]]  # every layer exactly once: the sums in layer order, one stack folds them
+    layer_of: torch.Tensor  # otherwise: the layer of each sum, for an index_add
+    stage: torch.Tensor  # ...from this scratch
 
 
 class BucketStats:
@@ -70,7 +80,7 @@ class BucketStats:
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
         self._by_buffer: dict[int, tuple[weakref.ref, BucketLayout, list[torch.Tensor]]] = {}
         # per set of buckets (by seq): their layers end to end, and the stack's scratch
-        self._plans: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plans: dict[tuple[int, ...], _FoldPlan] = {}
         self._zeros = torch.zeros(self.n_layers, dtype=torch.float32, device=device)
 
     def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, list[torch.Tensor]]:
@@ -124,6 +134,7 @@ class BucketStats:
         return BucketLayout(
             split_sizes=[size for size, _ in chunks],
             pick=None if len(pick) == len(chunks) else pick,
+            layer_ids=tuple(chunks[i][1] for i in pick),
             layers=torch.tensor([chunks[i][1] for i in pick], dtype=torch.int64, device=self.device),
             seq=len(self._layouts),
         )
@@ -146,6 +157,8 @@ class BucketStats:
 
         ``pending`` is sorted in place into creation order, so each set of buckets (one before
         DDP's rebuild, one after) has one cached plan whatever order its buckets finished in.
+        With the default grouping every layer is usually one run (a module's parameters lie
+        end to end in one bucket): then one stack in layer order is the whole fold.
         """
         if not pending:
             layer_sq.zero_()
@@ -153,8 +166,18 @@ class BucketStats:
         if len(pending) > 1:
             pending.sort(key=lambda entry: entry[0].seq)
         key = tuple(layout.seq for layout, _ in pending)
-        plan = self._plans.get(key)
-        if plan is None:
-            layer_of = torch.cat([layout.layers for layout, _ in pending])
-            plan = self._plans[key] = (layer_of, torch.zeros(len(layer_of), device=self.device))
-        norms.fold_layers([s for _, sums in pending for s in sums], plan[0], plan[1], self._zeros, layer_sq)
+        plan = self._plans.get(key) or self._plan(key, pending)
+        sums = [s for _, bucket_sums in pending for s in bucket_sums]
+        if plan.order is not None:
+            torch.stack([sums[i] for i in plan.order], out=layer_sq)
+        else:
+            norms.fold_layers(sums, plan.layer_of, plan.stage, self._zeros, layer_sq)
+
+    def _plan(self, key: tuple[int, ...], pending: list[tuple[BucketLayout, list[torch.Tensor]]]) -> _FoldPlan:
+        ids = [layer for layout, _ in pending for layer in layout.layer_ids]
+        bijective = sorted(ids) == list(range(self.n_layers))
+        plan = _FoldPlan(order=sorted(range(len(ids)), key=ids.__getitem__) if bijective else None,
+                         layer_of=torch.cat([layout.layers for layout, _ in pending]),
+                         stage=torch.zeros(len(ids), device=self.device))
+        self._plans[key] = plan
+        return plan

@@ -45,7 +45,7 @@ def test_cache_holds_only_live_buffers_and_numbers_stay_right():
             assert abs(a - b) <= 1e-5 * b
 
 
-def _runs_job(rank: int, world: int, groups) -> tuple[list[dict], list[dict], int, list[int], int]:  # noqa: ANN001
+def _runs_job(rank: int, world: int, groups) -> tuple[list[dict], list[dict], int, list, int]:  # noqa: ANN001
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     model = DDP(net, bucket_cap_mb=0.003)  # about two layers per bucket
@@ -66,19 +66,22 @@ def _runs_job(rank: int, world: int, groups) -> tuple[list[dict], list[dict], in
         ours.append(mon.flush().layer_grad_norms)
     stats = mon._tracker.stats
     buckets = sum(1 for ref, _, _ in stats._by_buffer.values() if ref() is not None)
-    # views read per backward, for each set of buckets seen (before and after DDP's rebuild)
-    views = [len(layer_of) for layer_of, _ in stats._plans.values()]
+    # per set of buckets seen (before and after DDP's rebuild): views read per backward, and
+    # whether each layer is one view (folded by the stack alone) or not (index_add)
+    views = [(len(plan.layer_of), plan.order is not None) for plan in stats._plans.values()]
     mon.close()
     return ours, refs, buckets, views, len(list(net.parameters()))
 
 
 def test_a_layers_adjacent_parameters_are_read_as_one_view_and_layers_stay_right():
-    # default groups: each Linear's weight and bias lie end to end in a bucket (one view);
-    # weights vs biases: the two layers alternate through the buckets (one view per parameter)
+    # default groups: each Linear's weight and bias lie end to end in a bucket (one view, one
+    # layer each); weights vs biases: the two layers alternate through the buckets (one view
+    # per parameter, several per layer)
     for groups, merged in ((None, True), ([(r"weight$", "weights"), (r"bias$", "biases")], False)):
         for ours, refs, buckets, views, n_params in run_ranks(_runs_job, 2, groups):
             assert buckets >= 2
-            assert all((v < n_params) if merged else (v == n_params) for v in views), (groups, views)
+            assert all((v < n_params and direct) if merged else (v == n_params and not direct)
+                       for v, direct in views), (groups, views)
             for got, want in zip(ours, refs):
                 assert got.keys() == want.keys()
                 for name in want:
