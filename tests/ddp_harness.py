@@ -80,7 +80,9 @@ def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env
     os.environ.update(env or {})
     torch.set_num_threads(1)
     stack_file = open(os.path.join(workdir, f"stacks-{rank}.txt"), "w")
-    # Dump every thread's stack shortly before the parent gives up on us.
+    # Dump every thread's stack on a fatal signal (a C++ abort, say), and shortly before the
+    # parent gives up on us.
+    faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.dump_traceback_later(max(5.0, timeout_s - 8.0), exit=False, file=stack_file)
     dist.init_process_group(
         "gloo",

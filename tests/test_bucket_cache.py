@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -45,7 +46,10 @@ def test_cache_holds_only_live_buffers_and_numbers_stay_right():
             assert abs(a - b) <= 1e-5 * b
 
 
-def _runs_job(rank: int, world: int, groups) -> tuple[list[dict], list[dict], int, list, int]:  # noqa: ANN001
+def _runs_job(rank: int, world: int, groups, slack: int) -> tuple[list[dict], list[dict], int, list, list[int]]:  # noqa: ANN001
+    from distmon import bucket_stats
+
+    bucket_stats.RUN_SLACK = slack  # this rank's process only
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     model = DDP(net, bucket_cap_mb=0.003)  # about two layers per bucket
@@ -69,20 +73,32 @@ def _runs_job(rank: int, world: int, groups) -> tuple[list[dict], list[dict], in
     # per set of buckets seen (before and after DDP's rebuild): views read per backward, and
     # whether each layer is one view (folded by the stack alone) or not (index_add)
     views = [(len(plan.layer_of), plan.order is not None) for plan in stats._plans.values()]
+    runs = [layout.split_sizes[i] for layout in stats._layouts.values()
+            for i in (layout.pick or range(len(layout.split_sizes)))]
     mon.close()
-    return ours, refs, buckets, views, len(list(net.parameters()))
+    return ours, refs, buckets, views, runs
 
 
-def test_a_layers_adjacent_parameters_are_read_as_one_view_and_layers_stay_right():
-    # default groups: each Linear's weight and bias lie end to end in a bucket (one view, one
-    # layer each); weights vs biases: the two layers alternate through the buckets (one view
-    # per parameter, several per layer)
-    for groups, merged in ((None, True), ([(r"weight$", "weights"), (r"bias$", "biases")], False)):
-        for ours, refs, buckets, views, n_params in run_ranks(_runs_job, 2, groups):
-            assert buckets >= 2
-            assert all((v < n_params and direct) if merged else (v == n_params and not direct)
-                       for v, direct in views), (groups, views)
-            for got, want in zip(ours, refs):
-                assert got.keys() == want.keys()
-                for name in want:
-                    assert abs(got[name] - want[name]) <= 1e-5 * want[name], (groups, name)
+# (groups, RUN_SLACK, views per backward, each layer one view). Each Linear(16, 16) is a
+# 256-element weight and a 16-element bias; 8 parameters in all.
+RUN_CASES = [
+    # default groups: each Linear's weight and bias lie end to end in a bucket: one view each
+    (None, 1 << 16, 4, True),
+    # weights vs biases: the two layers alternate through the buckets: one view per parameter
+    ([(r"weight$", "weights"), (r"bias$", "biases")], 1 << 16, 8, False),
+    # one layer, runs capped at 256 + 300 elements: a run takes two Linears (544), never three
+    ([(r".", "all")], 300, None, False),
+]
+
+
+@pytest.mark.parametrize("groups,slack,n_views,direct", RUN_CASES)
+def test_a_layers_adjacent_parameters_are_read_as_one_view_and_layers_stay_right(groups, slack, n_views, direct):
+    for ours, refs, buckets, views, runs in run_ranks(_runs_job, 2, groups, slack):
+        assert buckets >= 2
+        for v, is_direct in views:
+            assert is_direct == direct and (v == n_views if n_views else 2 <= v < 8), (groups, views)
+        assert max(runs) <= 256 + slack, runs
+        for got, want in zip(ours, refs):
+            assert got.keys() == want.keys()
+            for name in want:
+                assert abs(got[name] - want[name]) <= 1e-5 * want[name], (groups, name)
