@@ -85,7 +85,8 @@ class RankGather:
     """This rank's send buffer and the all-gather of it into a caller-given flat view.
 
     The tracker folds the local per-layer sums of squares straight into :attr:`layer_sq` (the
-    head of the send buffer with ``rank_layers``), so an ordinary step packs nothing else: :meth:`pack` writes ``errors``/``valid`` only when they change, plus, without
+    head of the send buffer with ``rank_layers``), so an ordinary step packs nothing else:
+    :meth:`pack` writes ``errors``/``valid`` only when they change, plus, without
     ``rank_layers``, the total and first non-finite layer.
     """
 

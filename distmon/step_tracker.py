@@ -33,10 +33,10 @@ class StepTracker:
     ``step`` counts finished optimizer steps; the step in progress writes ring row
     ``step + 1``. An ordinary step costs the two fused passes over the gradients (local and
     reduced), one fold of each into per-layer sums (before the gather, and when the step
-    closes) and the one all-gather. Everything that only
-    reads a finished row (totals, detectors) is *completed* in one batch over the steps since
-    the last export, when the ring is exported, or at once for a step whose figures are
-    needed before its ``optimizer.step()`` (guard, ``clip_grad_norm_``). Exports happen when
+    closes) and the one all-gather. Everything that only reads a finished row (totals,
+    detectors) is *completed* in one batch over the steps since the last export, when the
+    ring is exported, or at once for a step whose figures are needed before its
+    ``optimizer.step()`` (guard, ``clip_grad_norm_``). Exports happen when
     ``step % export_every == 0`` (a rule on the step number alone, identical on every rank)
     and on :meth:`export` (flush/close).
     """
@@ -70,7 +70,7 @@ class StepTracker:
         self._skipped = [False] * export_every
         self._valid = [False] * export_every
         self._collecting = False  # between a backward's first bucket and its last
-        # (layout, per-parameter sums) of this backward's buckets, folded into layers later:
+        # (layout, per-run sums) of this backward's buckets, folded into layers later:
         # the local ones before the gather, the reduced ones (appended by gloo/NCCL callback
         # threads; DDP waits for them before backward returns) when the step closes
         self._local: list[tuple[BucketLayout, list[torch.Tensor]]] = []
