@@ -287,18 +287,12 @@ class Distmon(Approach):
             before = _timed(tr.before_reduce, timer, "distmon::local_sums")
 
             def before_reduce(bucket):  # noqa: ANN001
-                measure_reduced = before(bucket)  # newer distmon: returns the reduced-side callback
+                measure_reduced = before(bucket)  # the reduced-side callback, or None
                 return _timed(measure_reduced, timer, "distmon::reduced_sums") if callable(measure_reduced) \
                     else measure_reduced
             tr.before_reduce = before_reduce
         else:
             self.uninstrumented.append("local_sums")
-        if hasattr(tr, "after_reduce_callback"):  # older distmon: the hook asks for the callback
-            orig_cb = tr.after_reduce_callback
-
-            def after_reduce_callback(layout):  # noqa: ANN001
-                return _timed(orig_cb(layout), timer, "distmon::reduced_sums")
-            tr.after_reduce_callback = after_reduce_callback
         # The export (every export_every steps: totals and detectors over the rows since the last
         # one, host copy) runs inside end_step on few of the timed steps, so a median step hides
         # it: every export outside the profiler is timed here, and its mean is amortized.

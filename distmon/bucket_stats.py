@@ -68,7 +68,7 @@ class BucketStats:
 
     Example:
         >>> stats = BucketStats(grouping, torch.device("cpu"))           # doctest: +SKIP
-        >>> layout, views = stats.layout(bucket)    # in a comm hook       # doctest: +SKIP
+        >>> layout, views, _ = stats.layout(bucket)  # in a comm hook     # doctest: +SKIP
         >>> pending = [(layout, norms.sq_sums(views))]                    # doctest: +SKIP
         >>> stats.fold(pending, layer_sq)                                 # doctest: +SKIP
     """
@@ -89,8 +89,8 @@ class BucketStats:
         self._plans: dict[tuple[int, ...], _FoldPlan] = {}
         self._zeros = torch.zeros(self.n_layers, dtype=torch.float32, device=device)
 
-    def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, list[torch.Tensor]]:
-        """The bucket's cached layout and its runs' views of the bucket's buffer.
+    def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, list[torch.Tensor], torch.Tensor]:
+        """The bucket's cached layout, its runs' views of the bucket's buffer, and the buffer.
 
         DDP hands out the same live buffer object every step once its buckets are rebuilt, and
         a buffer's parameters never change while it lives: the entry is keyed by that object
@@ -102,7 +102,7 @@ class BucketStats:
         key = id(buffer)
         hit = self._by_buffer.get(key)
         if hit is not None and hit[0]() is buffer:
-            return hit[1], hit[2]
+            return hit[1], hit[2], buffer
         params = bucket.parameters()
         pkey = tuple(map(id, params))
         found = self._layouts.get(pkey)
@@ -111,7 +111,7 @@ class BucketStats:
         views = found.views(buffer)
         self._by_buffer[key] = (weakref.ref(buffer, lambda _ref: self._by_buffer.pop(key, None)),
                                 found, views)
-        return found, views
+        return found, views, buffer
 
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
         flat = bucket.buffer()

@@ -90,17 +90,19 @@ class StepTracker:
     def before_reduce(self, bucket: dist.GradBucket) -> Optional[Callable[[torch.futures.Future], object]]:
         """Measure the bucket's local gradients; returns the callback that measures the reduced ones.
 
-        None when inactive or on failure (the hook then passes the user's future through).
+        None when inactive, on failure or for a bucket with nothing tracked (the hook then passes
+        the user's future through).
         """
         if not self.active:
             return None
         try:
             if not self._collecting:
                 self._begin_backward()
-            layout, views = self.stats.layout(bucket)
-            if views:
-                self._local.append((layout, norms.sq_sums(views)))
-            return self._after_reduce(layout, views, bucket.buffer())
+            layout, views, buffer = self.stats.layout(bucket)
+            if not views:
+                return None  # no tracked parameter in this bucket: nothing to measure either side
+            self._local.append((layout, norms.sq_sums(views)))
+            return self._after_reduce(layout, views, buffer)
         except Exception:
             self._fail("comm hook (local gradients)")
             return None
@@ -121,8 +123,7 @@ class StepTracker:
                 flat = result[0] if isinstance(result, (list, tuple)) else result
                 # an in-place hook (the default all-reduce) reduced DDP's own views: reuse them
                 same = flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
-                if views:
-                    self._reduced.append((layout, norms.sq_sums(views if same else layout.views(flat))))
+                self._reduced.append((layout, norms.sq_sums(views if same else layout.views(flat))))
             except Exception:
                 self._fail("comm hook (reduced gradients)")
             return result
