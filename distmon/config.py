@@ -128,8 +128,9 @@ class MonitorConfig:
         need(isinstance(self.window_s, (int, float)) and self.window_s > 0,
              f"window_s must be a number > 0, got {self.window_s!r}")
         need(self.guard in GUARD_MODES, f"guard must be one of {GUARD_MODES}, got {self.guard!r}")
-        need(self.lr_scheduler is None or hasattr(self.lr_scheduler, "step"),
-             f"lr_scheduler must have a step() method, got {self.lr_scheduler!r}", TypeError)
+        schedulers = self.lr_scheduler if isinstance(self.lr_scheduler, (list, tuple)) else [self.lr_scheduler]
+        need(all(s is None or hasattr(s, "step") for s in schedulers),
+             f"lr_scheduler must have a step() method (or be a list of such), got {self.lr_scheduler!r}", TypeError)
         need(isinstance(self.detect, (bool, DetectorConfig)),
              f"detect must be a bool or a distmon.DetectorConfig, got {self.detect!r}", TypeError)
         need(self.guard is None or self.detect is not False,

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from .reduction import RankFields
+from .collective import RankFields
 from .ring import RowLayout
 from .snapshot import AnomalyEvent, Snapshot
 

@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import tempfile
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["TargetFile", "target_host"]
 
@@ -28,29 +28,52 @@ def target_host(addr: str) -> str:
 
 
 class TargetFile:
-    """Writes and removes one run's target file.
+    """One run's target file: reserved when the monitor starts, published, removed at a clean finish.
 
-    ``targets`` holds ``(host:port, labels)`` per serving process.
+    The constructor creates the directory and a temporary file in it, so an unusable
+    directory fails the monitor's start-up (on every rank) rather than after hooks are
+    installed; :meth:`write` fills that file and renames it into place (Prometheus never reads
+    a half-written file); :meth:`discard` drops the reservation. ``targets`` holds
+    ``(host:port, labels)`` per serving process.
 
     Example:
-        >>> f = TargetFile("/tmp/sd", "run-1")                          # doctest: +SKIP
-        >>> f.write([("127.0.0.1:9290", {"run_id": "run-1", "node": "n0"})])  # doctest: +SKIP
+        >>> import json, tempfile
+        >>> f = TargetFile(tempfile.mkdtemp(), "run-1")
+        >>> f.write([("127.0.0.1:9290", {"run_id": "run-1", "node": "n0"})])
+        >>> json.load(open(f.path))[0]["targets"]
+        ['127.0.0.1:9290']
+        >>> f.remove()
     """
 
     def __init__(self, directory: str, run_id: str) -> None:
         os.makedirs(directory, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
         self.path = os.path.join(directory, f"{safe}.json")
+        self._fd: Optional[int] = None
+        self._reserve()
+
+    def _reserve(self) -> None:
+        self._fd, self._tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".distmon-", suffix=".tmp")
 
     def write(self, targets: Sequence[tuple[str, dict[str, str]]]) -> None:
         groups = [{"targets": [t], "labels": labels} for t, labels in targets]
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".distmon-", suffix=".tmp")
+        if self._fd is None:  # written before
+            self._reserve()
+        fd, tmp, self._fd = self._fd, self._tmp, None
         with os.fdopen(fd, "w") as f:
             json.dump(groups, f, indent=1)
         os.chmod(tmp, 0o644)
         os.replace(tmp, self.path)
 
+    def discard(self) -> None:
+        """Drop the reserved temporary file (a start-up that did not complete)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            os.unlink(self._tmp)
+
     def remove(self) -> None:
+        self.discard()
         try:
             os.unlink(self.path)
         except FileNotFoundError:

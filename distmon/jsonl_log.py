@@ -14,15 +14,23 @@ __all__ = ["JsonlLog"]
 class JsonlLog:
     """Appends each snapshot as a JSON object line (non-finite floats as "nan"/"inf").
 
+    The file is opened (and its directory created) by the constructor, so an unusable path
+    fails the monitor's start-up; :meth:`discard` undoes that when the start-up does not
+    complete (the file goes if this log created it and wrote nothing).
+
     Example:
-        >>> log = JsonlLog("/tmp/run.jsonl")   # doctest: +SKIP
-        >>> log([snap]); log.close()           # doctest: +SKIP
+        >>> import os, tempfile
+        >>> log = JsonlLog(os.path.join(tempfile.mkdtemp(), "run.jsonl"))
+        >>> log([Snapshot(1, 0.0, 0.5, {}, [0.5], None, False, [], None)]); log.close()
+        >>> open(log.path).read().count("\\n")
+        1
     """
 
     def __init__(self, path: str) -> None:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         self.path = path
+        self._created = not os.path.exists(path)
         self._file = open(path, "a", encoding="utf-8")
 
     def __call__(self, snaps: Sequence[Snapshot]) -> None:
@@ -32,3 +40,9 @@ class JsonlLog:
 
     def close(self) -> None:
         self._file.close()
+
+    def discard(self) -> None:
+        """Close, and remove the file if this log created it and it is still empty."""
+        self.close()
+        if self._created and os.path.getsize(self.path) == 0:
+            os.unlink(self.path)

@@ -1,30 +1,28 @@
-"""GradMonitor: wires the comm hook, the optimizer hooks, the host thread and the exporters."""
+"""GradMonitor: the composition root. Builds the source, the step tracker, the exporters and the
+optimizer hooks; starts on every rank or on none; shuts them down in order.
+"""
 
 from __future__ import annotations
 
-import errno
-import functools
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from . import hostinfo
 from ._version import __version__
-from .comm_hook import HookState, monitor_hook
 from .config import MonitorConfig
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector, block_column
 from .errors import ErrorCounter, logger
-from .file_sd import TargetFile, target_host
 from .grouping import GroupSpec, build_grouping
+from .guard import GradientAnomalyError, StepHooks, warn_uncovered
 from .hostinfo import RankInfo
-from .jsonl_log import JsonlLog
-from .prometheus_exporter import GradCollector, MetricsAggregate, MetricServer
+from .prometheus_exporter import GradCollector, MetricsAggregate
 from .publisher import Publisher, RowDecoder
 from .snapshot import AnomalyEvent, Snapshot
-from .step_tracker import StepTracker
+from .sources import source_for
+from .startup import Prepared, agree, prepare, served_ranks
+from .tracker import StepTracker
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
@@ -32,43 +30,40 @@ __all__ = ["GradMonitor", "GradientAnomalyError"]
 _WITHDRAW_GRACE_S = 5.0  # serving after the file_sd target file is removed
 
 
-class GradientAnomalyError(RuntimeError):
-    """Raised from ``optimizer.step()`` with ``guard="raise"`` (on every rank alike)."""
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _serves(serve: str, rank: int, local_rank: int) -> bool:
-    """Whether this process runs an HTTP endpoint under ``serve`` (known before the exchange)."""
-    return {"rank0": rank == 0, "node": local_rank == 0, "all": True, "none": False}[serve]
-
-
-def _served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tuple[bool, tuple[RankInfo, ...]]:
-    """(serves cluster-wide families, per-rank series it serves) for this process.
-
-    Cluster-wide families come only from global rank 0, so no series is counted twice.
-    """
-    if not _serves(serve, me.rank, me.local_rank):
-        return False, ()
-    ranks = {"rank0": tuple(everyone),
-             "node": tuple(i for i in everyone if i.node == me.node),
-             "all": (me,)}[serve]
-    return me.rank == 0, ranks
+def _check_optimizers(optimizers: Sequence[Any]) -> None:
+    if not optimizers:
+        raise ValueError("distmon: pass the optimizer (or a list of optimizers) that steps the model")
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"distmon: optimizer must be a torch.optim.Optimizer (or a list of them), "
+                            f"got {type(opt).__name__}")
 
 
 class GradMonitor:
     """Always-on gradient monitor for a DDP model, served to Prometheus.
 
-    Wraps DDP's communication hook (around ``comm_hook``, default all-reduce) to measure
-    every bucket's local and reduced gradients on the device, hooks ``optimizer.step`` to
-    close each step, and publishes host snapshots every ``export_every`` steps from a
-    background thread. Build it on every rank, after ``DDP(...)`` and the optimizer, and
-    close it on every rank (or use it as a context manager).
+    Wraps DDP's communication hook (around ``comm_hook``, default DDP's own reduction) to
+    measure every bucket's local and reduced gradients on the device, hooks the optimizers'
+    ``step`` to begin and end each training step, and publishes host snapshots every
+    ``export_every`` steps from a background thread. Build it on every rank, after
+    ``DDP(...)`` and the optimizers, and close it on every rank (or use it as a context
+    manager). Construction is all or nothing on every rank: if anything fails on any rank
+    (an option, a port, the log file, the file_sd directory), every rank releases what it
+    prepared and raises the same error, naming the rank, the option and the path.
 
     Args:
         model: the ``DistributedDataParallel`` model. It must not have a comm hook yet: pass
             yours as ``comm_hook`` and the monitor wraps it.
-        optimizer: the optimizer whose ``step()`` ends a training step.
-        comm_hook, comm_state: the DDP comm hook to wrap and its state (default
-            ``default_hooks.allreduce_hook``).
+        optimizer: the optimizer that steps the model, or a list of them: a training step
+            is one backward and one ``step()`` of each (a warning names trainable parameters
+            none of them steps).
+        comm_hook, comm_state: the DDP comm hook to wrap and its state, called exactly as
+            given (default: DDP's own reduction over DDP's process group, bit-identical to
+            DDP without a hook).
         export_every: steps between host copies (``DISTMON_EXPORT_EVERY``; default 10).
         groups: how parameters fold into layers: None (owning module's qualified name),
             a callable ``(name, param) -> group``, or ``[(regex, group), ...]`` rules
@@ -95,11 +90,13 @@ class GradMonitor:
         guard: ``None`` (default: observe only), ``"skip"`` (do not take an optimizer step
             whose reduced gradient is non-finite or spiked: parameters, optimizer state and
             ``lr_scheduler`` stay untouched, on every rank) or ``"raise"`` (raise
-            :class:`GradientAnomalyError` from ``optimizer.step()``, on every rank). The
+            :class:`GradientAnomalyError` from ``optimizer.step()``, on every rank); every
+            monitored optimizer obeys the same verdict. The
             verdict comes from reduced statistics, identical on all ranks, so no collective
             is added; it costs ONE small host sync per step (a few microseconds on CPU, one
             device round trip on GPU).
-        lr_scheduler: the scheduler to hold back on skipped steps (with ``guard="skip"``).
+        lr_scheduler: the scheduler (or list of schedulers) to hold back on skipped steps
+            (with ``guard="skip"``).
 
     Example:
         >>> model = DDP(net)                                           # doctest: +SKIP
@@ -110,7 +107,8 @@ class GradMonitor:
         ...     print(mon.latest().grad_norm)
     """
 
-    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: torch.nn.Module,
+                 optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], *,
                  comm_hook: Optional[Callable] = None, comm_state: Any = None,
                  export_every: Optional[int] = None, groups: GroupSpec = None,
                  max_layers: Optional[int] = None, rank_layers: Optional[bool] = None,
@@ -120,147 +118,82 @@ class GradMonitor:
                  linger_s: Optional[float] = None, window_s: Optional[float] = None,
                  detect: Union[bool, DetectorConfig, None] = None, guard: Optional[str] = None,
                  lr_scheduler: Any = None) -> None:
-        self.config = cfg = MonitorConfig.from_options(
-            comm_hook=comm_hook, comm_state=comm_state, export_every=export_every, groups=groups,
-            max_layers=max_layers, rank_layers=rank_layers, serve=serve, port=port, addr=addr,
-            port_fallback=port_fallback, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
-            linger_s=linger_s, window_s=window_s, detect=detect, guard=guard, lr_scheduler=lr_scheduler)
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"distmon: GradMonitor needs a DistributedDataParallel model, got "
-                            f"{type(model).__name__} (FSDP and single-process training are not supported yet)")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"distmon: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError("distmon: torch.distributed is not initialized (call init_process_group first)")
+        self._closed = True  # until every rank has started
+        optimizers = _as_tuple(optimizer)
+        source = source_for(model, comm_hook, comm_state)  # the model's type: the same on every rank
+        me = hostinfo.local_rank_info(source.group, source.device)
+        # Everything that can fail, on this rank; nothing is installed yet.
+        run_id: Optional[str] = None
+        prepared = Prepared()
+        failure: Optional[Exception] = None
+        try:
+            self.config = cfg = MonitorConfig.from_options(
+                comm_hook=comm_hook, comm_state=comm_state, export_every=export_every, groups=groups,
+                max_layers=max_layers, rank_layers=rank_layers, serve=serve, port=port, addr=addr,
+                port_fallback=port_fallback, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
+                linger_s=linger_s, window_s=window_s, detect=detect, guard=guard, lr_scheduler=lr_scheduler)
+            _check_optimizers(optimizers)
+            source.check()
+            grouping = build_grouping(source.module, cfg.groups, cfg.max_layers)
+            self._errors = ErrorCounter()
+            det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
+            world = source.group.size()
+            factory = (lambda fields: DeviceDetector(det_cfg, len(grouping.layers), world, fields, source.device)) \
+                if cfg.detect is not False else None
+            self._tracker = tracker = StepTracker(len(grouping.layers), source.group, source.device,
+                                                  cfg.export_every, cfg.rank_layers, self._errors, factory)
+            source.bind(tracker, grouping)
+            run_id = hostinfo.resolve_run_id(cfg.run_id)
+            prepared = prepare(cfg, me, run_id)
+        except Exception as e:
+            failure = e
+        try:
+            peers = agree(me, run_id, prepared.endpoint, failure, source.group)
+        except BaseException:
+            prepared.release()
+            raise
 
-        group = model.process_group
-        device = next(p.device for p in model.module.parameters())
-        grouping = build_grouping(model.module, cfg.groups, cfg.max_layers)
-        me = hostinfo.local_rank_info(group, device)
-        self._closed = False
-        self._server: Optional[MetricServer] = None
-        self._target_file: Optional[TargetFile] = None
-        self._log: Optional[JsonlLog] = None
-
-        everyone = self._bind_and_agree(cfg, me, group)
-        self.run_id: str = everyone[0][1]
+        # Every rank is ready: install. Nothing below raises into the training job.
+        self.run_id: str = peers[0].run_id
         self.rank: int = me.rank
-        self.world_size: int = len(everyone)
-        self.rank_infos: tuple[RankInfo, ...] = tuple(info for info, *_ in everyone)
+        self.world_size: int = len(peers)
+        self.rank_infos: tuple[RankInfo, ...] = tuple(p.info for p in peers)
         self.layers: tuple[str, ...] = grouping.layers
-        self._errors = ErrorCounter()
-        det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
-        factory = (lambda fields: DeviceDetector(det_cfg, len(grouping.layers), self.world_size, fields, device)) \
-            if cfg.detect is not False else None
-        self._tracker = StepTracker(grouping, group, device, cfg.export_every, cfg.rank_layers,
-                                    self._errors, factory)
         self._params = grouping.params
+        self._server, self._log, self._target = prepared.server, prepared.log, prepared.target
         self._callbacks: list[Callable[[AnomalyEvent, Snapshot], None]] = []
         sinks: list[Callable[[Sequence[Snapshot]], None]] = []
-        cluster, served = _served_ranks(cfg.serve, me, self.rank_infos)
         self._aggregate: Optional[MetricsAggregate] = None
         if self._server is not None:
+            cluster, served = served_ranks(cfg.serve, me, self.rank_infos)
             self._aggregate = MetricsAggregate(self.run_id, self.world_size, __version__, cfg.serve,
-                                               cluster, served, cfg.window_s)
+                                               cluster, served, cfg.window_s, me.rank, lambda: self._errors.count)
             self._server.attach(GradCollector(self._aggregate))
             sinks.append(self._aggregate.add)
-        if cfg.log_path and me.rank == 0:
-            self._log = JsonlLog(cfg.log_path)
+        if self._log is not None:
             sinks.append(self._log)
         sinks.append(self._dispatch_events)
-        decoder = RowDecoder(self._tracker.layout, grouping.layers, self._tracker.gather.fields, self.run_id,
-                             lambda: self._tracker.stats.layer_order_host,
+        decoder = RowDecoder(tracker.layout, grouping.layers, tracker.gather.fields, self.run_id,
+                             lambda: tracker.layer_order_host,
                              DetectorDecoder(det_cfg, grouping.layers) if factory else None)
         self._publisher = Publisher(decoder, sinks, self._errors)
-        self._tracker.publish = self._publisher.submit
-
-        try:
-            model.register_comm_hook(HookState(self._tracker, cfg.comm_hook, cfg.comm_state), monitor_hook)
-        except RuntimeError as e:
-            self._shutdown_io(finished=False)
-            raise RuntimeError(
-                "distmon: the DDP model already has a comm hook (registered by you, or by "
-                "DDP(mixed_precision=...)); DDP accepts one. Pass your hook as "
-                f"GradMonitor(..., comm_hook=hook, comm_state=state) and distmon wraps it. ({e})") from e
-        self._hooks = [optimizer.register_step_post_hook(self._on_step)]
-        self._last_skipped = False
-        self._restore: list[Callable[[], Any]] = []
-        if cfg.guard is not None:
-            self._install_guard(optimizer, cfg.lr_scheduler)
-
-        if cfg.file_sd_dir and me.rank == 0:
-            self._target_file = TargetFile(cfg.file_sd_dir, self.run_id)
-            self._target_file.write([(ep, {"run_id": self.run_id, "node": info.node})
-                                     for info, _, _, ep in everyone if ep is not None])
+        tracker.publish_batch = self._publisher.submit
+        self._source = source
+        source.install()
+        self._hooks = StepHooks(tracker, optimizers, cfg.guard, _as_tuple(cfg.lr_scheduler or ()),
+                                block_column(tracker.layout))
+        self._hooks.install()
+        self._closed = False
+        warn_uncovered(list(zip(grouping.param_names, grouping.params)), optimizers)
+        if self._target is not None:
+            try:
+                self._target.write([(p.endpoint, {"run_id": self.run_id, "node": p.info.node})
+                                    for p in peers if p.endpoint is not None])
+            except OSError:
+                self._errors.record("file_sd target file")
         if self._server is not None:
             logger.info("distmon: serving %s metrics at http://%s:%d/metrics (run_id=%s)",
                         cfg.serve, cfg.addr, self._server.port, self.run_id)
-
-    def _bind_and_agree(self, cfg: MonitorConfig, me: RankInfo,
-                        group: Optional[dist.ProcessGroup]) -> list[tuple]:
-        """Start this rank's server (if it serves), then exchange identities with every rank.
-
-        Bind first, then agree: a taken port on any rank fails every rank at construction
-        with the same clear error, instead of one rank dying and the others hanging. Returns
-        per rank ``(RankInfo, run_id proposal, bind error, "host:port" or None)``.
-        """
-        bind_error = None
-        if _serves(cfg.serve, me.rank, me.local_rank):
-            port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
-            try:
-                self._server = MetricServer.bind(cfg.addr, port, cfg.port_fallback)
-            except OSError as e:
-                bind_error = f"rank {me.rank} on {me.hostname}: {e.strerror or e}"
-        endpoint = f"{target_host(cfg.addr)}:{self._server.port}" if self._server else None
-        everyone = hostinfo.exchange((me, hostinfo.resolve_run_id(cfg.run_id), bind_error, endpoint), group)
-        errors_seen = [e for _, _, e, _ in everyone if e]
-        if errors_seen:
-            if self._server:
-                self._server.close()
-            raise OSError(errno.EADDRINUSE, "; ".join(errors_seen))
-        return everyone
-
-    # -- hooks ------------------------------------------------------------------------------
-    def _on_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        try:
-            self._tracker.end_step()
-        except Exception:
-            self._errors.record("optimizer step hook")
-
-    def _install_guard(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-        # An instance attribute shadows the class's step(): the only way to not take a step;
-        # hooks cannot cancel one. Whatever step() was (e.g. a scheduler's wrapper) stays inside.
-        inner_step = optimizer.step
-        block = block_column(self._tracker.layout)
-
-        @functools.wraps(inner_step)  # keeps e.g. the LR scheduler's marker attribute
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            verdict = self._tracker.finalize(complete=True)[block]
-            if verdict.item() == 0.0:  # the one opt-in host sync per step
-                self._last_skipped = False
-                return inner_step(*args, **kwargs)
-            step = self._tracker.step + 1
-            self._tracker.end_step(skipped=True)
-            if self.config.guard == "raise":
-                raise GradientAnomalyError(f"distmon: non-finite or spiking gradient at step {step}; "
-                                           f"optimizer step not taken")
-            self._last_skipped = True
-            return None
-
-        optimizer.step = guarded_step
-        self._restore.append(lambda: optimizer.__dict__.pop("step", None))
-        if scheduler is not None:
-            inner_sched = scheduler.step
-
-            @functools.wraps(inner_sched)
-            def guarded_scheduler_step(*args: Any, **kwargs: Any) -> Any:
-                if self._last_skipped:
-                    self._last_skipped = False
-                    return None
-                return inner_sched(*args, **kwargs)
-
-            scheduler.step = guarded_scheduler_step
-            self._restore.append(lambda: scheduler.__dict__.pop("step", None))
 
     def _dispatch_events(self, snaps: Sequence[Snapshot]) -> None:
         for snap in snaps:
@@ -287,35 +220,46 @@ class GradMonitor:
         self._callbacks.append(fn)
         return fn
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip gradients by the global norm the monitor already computed; returns that norm.
+    def clip_grad_norm_(self, max_norm: Union[float, torch.Tensor], norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the monitored parameters, with the norm already measured.
 
-        Same result as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
-        (scale ``max_norm / (norm + 1e-6)`` clamped to 1) without its pass over the gradients.
-        Call after ``backward()`` and before ``optimizer.step()``. No host sync.
+        Same return value and same resulting gradients as torch's (its own
+        ``clip_grads_with_norm_`` scales them), without its pass over the gradients. Call
+        after ``backward()`` and before the optimizer step. No host sync (but with
+        ``error_if_nonfinite=True``, as in torch). A closed monitor measures nothing: it
+        raises rather than clip by a stale norm.
 
         Example:
             >>> loss.backward()                  # doctest: +SKIP
             >>> norm = mon.clip_grad_norm_(1.0)  # doctest: +SKIP
             >>> opt.step()                       # doctest: +SKIP
         """
-        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-            raise ValueError(f"distmon: max_norm must be a positive number, got {max_norm!r}")
-        total = self._tracker.finalize(complete=True)[1].sqrt()
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if grads:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
+        if self._closed:
+            raise RuntimeError("distmon: clip_grad_norm_ on a closed GradMonitor (it no longer measures "
+                               "gradients); use torch.nn.utils.clip_grad_norm_")
+        if not (isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1
+                or isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
+            raise ValueError(f"distmon: max_norm must be a positive number (or a 1-element tensor), got {max_norm!r}")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"distmon: clip_grad_norm_ clips by the L2 norm distmon measures; norm_type "
+                             f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_")
+        total = self._tracker.total_sq().sqrt()
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and scale the "
+                               "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total, foreach)
         return total
 
     @property
     def port(self) -> Optional[int]:
-        """The port this process serves metrics on, or None if it does not serve."""
-        return self._server.port if self._server else None
+        """The port this process serves metrics on, or None if it does not serve (or is closed)."""
+        return self._server.port if self._server and not self._closed else None
 
     @property
     def step(self) -> int:
-        """Optimizer steps finished so far."""
+        """Training steps finished so far (the first is 1): what a snapshot's ``step`` counts."""
         return self._tracker.step
 
     def latest(self) -> Optional[Snapshot]:
@@ -332,10 +276,11 @@ class GradMonitor:
 
         May synchronize with the device: call it in tests, at evaluation points or at the
         end of training, not every step. Call it on every rank (it issues no collective).
-        Returns :meth:`latest`.
+        After ``close()`` it only returns :meth:`latest`.
         """
-        self._tracker.export()
-        self._publisher.drain()
+        if not self._closed:
+            self._tracker.publish()
+            self._publisher.drain()
         return self.latest()
 
     def close(self, finished: bool = True) -> None:
@@ -343,23 +288,34 @@ class GradMonitor:
 
         Call on every rank at the same point of training (the monitor's per-step collective
         stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark
-        and the linger, so the run reads as having died.
+        and the linger, so the run reads as having died. Afterwards ``latest()``, ``step`` and
+        ``flush()`` report the final state, ``clip_grad_norm_`` raises, and the model keeps
+        training exactly as without distmon (a new monitor can be built on it).
         """
         if self._closed:
             return
-        self._closed = True
         try:
             self.flush()
         finally:
+            self._closed = True
             self._tracker.active = False
-            for h in self._hooks:
-                h.remove()
-            for undo in self._restore:
-                undo()
+            self._source.remove()
+            self._hooks.remove()
             self._shutdown_io(finished)
 
     def _shutdown_io(self, finished: bool) -> None:
-        self._publisher.stop()
+        """Stop the publisher, linger, withdraw the target, stop serving, close the log.
+
+        Each part on its own: one failing (a full disk under the log, say) is counted and
+        logged, and the rest still shuts down; nothing raises into the training job.
+        """
+        def quietly(site: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except Exception:
+                self._errors.record(site)
+
+        quietly("publisher shutdown", self._publisher.stop)
         if self._aggregate is not None and finished:
             self._aggregate.mark_finished()
         if self._server is not None and finished and self.config.linger_s > 0:
@@ -368,15 +324,15 @@ class GradMonitor:
             logger.info("distmon: run finished; serving final metrics for %.0f s (DISTMON_LINGER_S)",
                         self.config.linger_s)
             time.sleep(self.config.linger_s)
-        if self._target_file is not None and finished:
-            self._target_file.remove()
+        if self._target is not None and finished:
+            quietly("file_sd target file", self._target.remove)
             # Prometheus needs a moment to notice the withdrawn target; closing at once would
             # show it as down (up == 0) in between
             time.sleep(min(_WITHDRAW_GRACE_S, self.config.linger_s))
         if self._server is not None:
-            self._server.close()
+            quietly("metrics server shutdown", self._server.close)
         if self._log is not None:
-            self._log.close()
+            quietly("JSONL log", self._log.close)
 
     def __enter__(self) -> "GradMonitor":
         return self

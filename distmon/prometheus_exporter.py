@@ -3,19 +3,21 @@
 The publisher thread folds every snapshot into :class:`MetricsAggregate` (counters, the
 histogram of every step's norm, the window maximum) and swaps in a new immutable view;
 ``collect()`` only reads that view, so a scrape never touches torch or blocks training.
+Gauges show the latest step whose figures were measured: a step that measured nothing (no
+backward, a monitor failure) leaves them at their last measured values, never at a
+real-looking made-up number; counters, the step count and the step timestamp still advance.
 """
 
 from __future__ import annotations
 
-import bisect
 import errno
 import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
 from prometheus_client.registry import Collector
@@ -24,47 +26,68 @@ from .hostinfo import RankInfo
 from .snapshot import Snapshot
 
 __all__ = ["MetricsAggregate", "GradCollector", "MetricServer", "ANOMALY_KINDS", "NORM_BUCKETS",
-           "METRICS"]
+           "METRICS", "MetricSpec"]
 
 ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier")
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
 NORM_BUCKETS = tuple(m * 10.0 ** k for k in range(-4, 5) for m in (1.0, 2.5, 5.0))
+RANK_LABELS = ("rank", "local_rank", "hostname", "gpu_uuid")
 
-# name -> (type, extra labels, help); the README's metric table and the deploy tests read this
-METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "distmon_run_info": ("gauge", ("world_size", "version", "serve"), "Run metadata; value 1."),
-    "distmon_grad_norm": ("gauge", (), "L2 norm of the reduced gradient at the latest step."),
-    "distmon_layer_grad_norm": ("gauge", ("layer", "depth"),
-                                "L2 norm of one layer's reduced gradient at the latest step; depth = position in model order."),
-    "distmon_step_grad_norm": ("histogram", (), "Every step's finite global gradient norm (spikes between scrapes)."),
-    "distmon_grad_norm_window_max": ("gauge", (), "Largest global gradient norm over the last window_s seconds."),
-    "distmon_optimizer_steps_total": ("counter", (), "Optimizer steps taken."),
-    "distmon_last_step_timestamp_seconds": ("gauge", (), "Unix time of the latest optimizer step."),
-    "distmon_nonfinite_steps_total": ("counter", (), "Steps whose gradient held a NaN or Inf on some rank."),
-    "distmon_monitor_errors_total": ("counter", (), "Errors caught in distmon's own code, all ranks."),
-    "distmon_run_finished": ("gauge", (), "1 after a clean finish (served a while longer), else 0."),
-    "distmon_anomalies_total": ("counter", ("kind",), "Detector events by kind."),
-    "distmon_grad_norm_zscore": ("gauge", (), "Spike score: z-score of the log global norm against its EMA."),
-    "distmon_grad_norm_median_ratio": ("gauge", (), "Global norm over the running median of recent norms."),
-    "distmon_rank_grad_norm": ("gauge", ("rank", "local_rank", "hostname", "gpu_uuid"),
-                               "A rank's local gradient norm before all-reduce, latest step."),
-    "distmon_rank_nonfinite_steps_total": ("counter", ("rank", "local_rank", "hostname", "gpu_uuid"),
-                                           "Steps whose local gradient held a NaN or Inf on this rank."),
-    "distmon_rank_outlier_score": ("gauge", ("rank", "local_rank", "hostname", "gpu_uuid"),
-                                   "Robust distance of a rank's log-norm from the other ranks'."),
+
+class MetricSpec(NamedTuple):
+    """One metric: its type, its labels besides ``run_id``, its help text."""
+
+    kind: str  # "gauge" | "counter" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+
+
+# The one description of every metric: the collector builds its families from it, and the
+# README's metric table and the deploy tests read it.
+METRICS: dict[str, MetricSpec] = {
+    "distmon_run_info": MetricSpec("gauge", ("world_size", "version", "serve"), "Run metadata; value 1."),
+    "distmon_grad_norm": MetricSpec("gauge", (), "L2 norm of the reduced gradient at the latest measured step."),
+    "distmon_layer_grad_norm": MetricSpec(
+        "gauge", ("layer", "depth"),
+        "L2 norm of one layer's reduced gradient at the latest measured step; depth = position in model order."),
+    "distmon_step_grad_norm": MetricSpec("histogram", (),
+                                         "Every step's finite global gradient norm (spikes between scrapes)."),
+    "distmon_grad_norm_window_max": MetricSpec("gauge", (), "Largest global gradient norm over the last window_s seconds."),
+    "distmon_optimizer_steps_total": MetricSpec("counter", (), "Optimizer steps taken."),
+    "distmon_last_step_timestamp_seconds": MetricSpec("gauge", (), "Unix time of the latest optimizer step."),
+    "distmon_nonfinite_steps_total": MetricSpec("counter", (), "Steps whose gradient held a NaN or Inf on some rank."),
+    "distmon_monitor_errors_total": MetricSpec("counter", (), "Errors caught in distmon's own code, all ranks."),
+    "distmon_run_finished": MetricSpec("gauge", (), "1 after a clean finish (served a while longer), else 0."),
+    "distmon_anomalies_total": MetricSpec("counter", ("kind",), "Detector events by kind."),
+    "distmon_grad_norm_zscore": MetricSpec("gauge", (), "Spike score: z-score of the log global norm against its EMA."),
+    "distmon_grad_norm_median_ratio": MetricSpec("gauge", (), "Global norm over the running median of recent norms."),
+    "distmon_rank_grad_norm": MetricSpec("gauge", RANK_LABELS,
+                                         "A rank's local gradient norm before all-reduce, latest measured step."),
+    "distmon_rank_nonfinite_steps_total": MetricSpec("counter", RANK_LABELS,
+                                                     "Steps whose local gradient held a NaN or Inf on this rank."),
+    "distmon_rank_outlier_score": MetricSpec("gauge", RANK_LABELS,
+                                             "Robust distance of a rank's log-norm from the other ranks'."),
 }
+
+
+def _family(name: str, gpu: bool = True) -> Metric:
+    """An empty family of metric ``name`` with ``run_id`` and its labels (``gpu_uuid`` only on GPUs)."""
+    spec = METRICS[name]
+    labels = ["run_id"] + [label for label in spec.labels if gpu or label != "gpu_uuid"]
+    if spec.kind == "counter":
+        return CounterMetricFamily(name.removesuffix("_total"), spec.help, labels=labels)
+    if spec.kind == "histogram":
+        return HistogramMetricFamily(name, spec.help, labels=labels)
+    return GaugeMetricFamily(name, spec.help, labels=labels)
 
 
 @dataclass(frozen=True)
 class _View:
-    latest: Optional[Snapshot] = None
-    steps: int = 0
+    latest: Optional[Snapshot] = None  # the newest step
+    measured: Optional[Snapshot] = None  # the newest step whose figures were all measured
     nonfinite_steps: int = 0
     rank_nonfinite: tuple[int, ...] = ()
-    anomalies: tuple[tuple[str, int], ...] = ()
-    hist_counts: tuple[int, ...] = ()
-    hist_sum: float = 0.0
-    hist_count: int = 0
+    anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
     window_max: float = math.nan
     finished: bool = False
 
@@ -74,7 +97,9 @@ class MetricsAggregate:
     """Host-side accumulation of snapshots into what the collector serves.
 
     ``cluster`` says whether this process serves the cluster-wide families; ``ranks`` are the
-    ranks whose per-rank series it serves.
+    ranks whose per-rank series it serves. ``own_errors`` reads this process's live error
+    count, so errors it counts after its last published step (a full disk under the JSONL
+    log during the final publication, say) still reach the served total.
     """
 
     run_id: str
@@ -84,29 +109,30 @@ class MetricsAggregate:
     cluster: bool
     ranks: tuple[RankInfo, ...]
     window_s: float = 60.0
+    rank: int = 0
+    own_errors: Callable[[], int] = lambda: 0
     view: _View = field(default_factory=_View)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._window: deque[tuple[float, float]] = deque()
-        self._counts = [0] * len(NORM_BUCKETS)
-        self._anomalies = dict.fromkeys(ANOMALY_KINDS, 0)
+        self._hist = Histogram("distmon_step_grad_norm", METRICS["distmon_step_grad_norm"].help, ["run_id"],
+                               buckets=NORM_BUCKETS, registry=None)
+        self._hist_child = self._hist.labels(self.run_id)
+        self._anomalies = dict(self.view.anomalies)
         self._rank_nonfinite = [0] * self.world_size
-        self._sum = 0.0
-        self._n = 0
         self._nonfinite = 0
 
     def add(self, snaps: Sequence[Snapshot]) -> None:
         """Fold snapshots (in step order) in and publish a new view."""
         with self._lock:
+            measured = self.view.measured
             for s in snaps:
-                if math.isfinite(s.grad_norm):
-                    i = bisect.bisect_left(NORM_BUCKETS, s.grad_norm)  # first bucket with le >= norm
-                    if i < len(NORM_BUCKETS):  # above the top bucket: only +Inf counts it
-                        self._counts[i] += 1
-                    self._sum += s.grad_norm
-                    self._n += 1
-                    self._window.append((s.timestamp, s.grad_norm))
+                if s.valid:
+                    measured = s
+                    if math.isfinite(s.grad_norm):
+                        self._hist_child.observe(s.grad_norm)
+                        self._window.append((s.timestamp, s.grad_norm))
                 self._nonfinite += s.nonfinite
                 for r in s.nonfinite_ranks:
                     self._rank_nonfinite[r] += 1
@@ -115,106 +141,95 @@ class MetricsAggregate:
             last = snaps[-1]
             while self._window and self._window[0][0] < last.timestamp - self.window_s:
                 self._window.popleft()
-            cumulative, acc = [], 0
-            for c in self._counts:
-                acc += c
-                cumulative.append(acc)
-            self.view = _View(
-                latest=last, steps=last.step, nonfinite_steps=self._nonfinite,
+            self.view = replace(
+                self.view, latest=last, measured=measured, nonfinite_steps=self._nonfinite,
                 rank_nonfinite=tuple(self._rank_nonfinite), anomalies=tuple(self._anomalies.items()),
-                hist_counts=tuple(cumulative), hist_sum=self._sum, hist_count=self._n,
-                window_max=max((v for _, v in self._window), default=math.nan),
-                finished=self.view.finished)
+                window_max=max((v for _, v in self._window), default=math.nan))
 
     def mark_finished(self) -> None:
         with self._lock:
             self.view = replace(self.view, finished=True)
 
+    def monitor_errors(self) -> int:
+        """Errors summed over ranks as of the latest step, with this process's later ones."""
+        latest = self.view.latest
+        if latest is None or not latest.rank_monitor_errors:
+            return self.own_errors()
+        return latest.monitor_errors - latest.rank_monitor_errors[self.rank] + self.own_errors()
 
-def _fmt_le(x: float) -> str:
-    return repr(x) if x < 1e-3 else f"{x:g}"
+    def histogram(self) -> Iterable[Metric]:
+        """The histogram of every step's norm, as the client library counts it (no ``_created``)."""
+        for metric in self._hist.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
 
 
 class GradCollector(Collector):
-    """Yields distmon's metric families from the aggregate's current view (never touches torch)."""
+    """Yields distmon's metric families from the aggregate's current view (never touches torch).
+
+    Example:
+        >>> agg = MetricsAggregate("run-1", 1, "0.1.0", "rank0", True, ())
+        >>> registry = CollectorRegistry()
+        >>> registry.register(GradCollector(agg))
+        >>> registry.get_sample_value("distmon_optimizer_steps_total", {"run_id": "run-1"})
+        0
+    """
 
     def __init__(self, agg: MetricsAggregate) -> None:
         self.agg = agg
 
+    def describe(self) -> Iterable[Metric]:
+        """Every family this collector can yield, empty: lets a registry answer ``?name[]=`` queries."""
+        return [_family(name) for name in METRICS]
+
     def collect(self) -> Iterable[Metric]:
         agg, v = self.agg, self.agg.view
         run = [agg.run_id]
-        ranks = agg.ranks
-        rank_keys = ["run_id", "rank", "local_rank", "hostname"] + (
-            ["gpu_uuid"] if ranks and ranks[0].gpu_uuid else [])
-
-        def rank_values(info: RankInfo) -> list[str]:
-            return [agg.run_id] + list(info.labels().values())
-
+        gpu = bool(agg.ranks and agg.ranks[0].gpu_uuid)
         if agg.cluster:
-            info = GaugeMetricFamily("distmon_run_info", METRICS["distmon_run_info"][2],
-                                     labels=["run_id", "world_size", "version", "serve"])
-            info.add_metric(run + [str(agg.world_size), agg.version, agg.serve], 1.0)
-            yield info
-            yield self._gauge("distmon_run_finished", 1.0 if v.finished else 0.0)
-            yield self._counter("distmon_optimizer_steps", v.steps)
-            yield self._counter("distmon_nonfinite_steps", v.nonfinite_steps)
-            yield self._counter("distmon_monitor_errors", v.latest.monitor_errors if v.latest else 0)
-            anomalies = CounterMetricFamily("distmon_anomalies", METRICS["distmon_anomalies_total"][2],
-                                            labels=["run_id", "kind"])
-            for kind, n in v.anomalies or tuple((k, 0) for k in ANOMALY_KINDS):
+            yield self._one("distmon_run_info", 1.0, str(agg.world_size), agg.version, agg.serve)
+            yield self._one("distmon_run_finished", 1.0 if v.finished else 0.0)
+            yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)
+            yield self._one("distmon_nonfinite_steps_total", v.nonfinite_steps)
+            yield self._one("distmon_monitor_errors_total", agg.monitor_errors())
+            anomalies = _family("distmon_anomalies_total")
+            for kind, n in v.anomalies:
                 anomalies.add_metric(run + [kind], n)
             yield anomalies
-            hist = HistogramMetricFamily("distmon_step_grad_norm", METRICS["distmon_step_grad_norm"][2],
-                                         labels=["run_id"])
-            counts = v.hist_counts or (0,) * len(NORM_BUCKETS)
-            buckets = [(_fmt_le(le), c) for le, c in zip(NORM_BUCKETS, counts)]
-            hist.add_metric(run, buckets + [("+Inf", v.hist_count)], v.hist_sum)
-            yield hist
+            yield from agg.histogram()
             if v.latest is not None:
-                s = v.latest
-                yield self._gauge("distmon_grad_norm", s.grad_norm)
-                yield self._gauge("distmon_last_step_timestamp_seconds", s.timestamp)
-                yield self._gauge("distmon_grad_norm_window_max", v.window_max)
+                yield self._one("distmon_last_step_timestamp_seconds", v.latest.timestamp)
+            m = v.measured
+            if m is not None:
+                yield self._one("distmon_grad_norm", m.grad_norm)
+                yield self._one("distmon_grad_norm_window_max", v.window_max)
                 for name, key in (("distmon_grad_norm_zscore", "zscore"),
                                   ("distmon_grad_norm_median_ratio", "median_ratio")):
-                    if key in s.scores:
-                        yield self._gauge(name, s.scores[key])
-                layers = GaugeMetricFamily("distmon_layer_grad_norm", METRICS["distmon_layer_grad_norm"][2],
-                                           labels=["run_id", "layer", "depth"])
-                for depth, (layer, norm) in enumerate(s.layer_grad_norms.items()):
+                    if key in m.scores:
+                        yield self._one(name, m.scores[key])
+                layers = _family("distmon_layer_grad_norm")
+                for depth, (layer, norm) in enumerate(m.layer_grad_norms.items()):
                     layers.add_metric(run + [layer, f"{depth:04d}"], norm)
                 yield layers
-        if ranks:
-            s = v.latest
-            nonfinite = CounterMetricFamily("distmon_rank_nonfinite_steps",
-                                            METRICS["distmon_rank_nonfinite_steps_total"][2], labels=rank_keys)
-            for info in ranks:
-                count = v.rank_nonfinite[info.rank] if v.rank_nonfinite else 0
-                nonfinite.add_metric(rank_values(info), count)
-            yield nonfinite
-            if s is not None:
-                norms = GaugeMetricFamily("distmon_rank_grad_norm", METRICS["distmon_rank_grad_norm"][2],
-                                          labels=rank_keys)
-                for info in ranks:
-                    norms.add_metric(rank_values(info), s.rank_grad_norms[info.rank])
-                yield norms
-                if s.rank_outlier_scores:
-                    outlier = GaugeMetricFamily("distmon_rank_outlier_score",
-                                                METRICS["distmon_rank_outlier_score"][2], labels=rank_keys)
-                    for info in ranks:
-                        outlier.add_metric(rank_values(info), s.rank_outlier_scores[info.rank])
-                    yield outlier
+        if agg.ranks:
+            def per_rank(name: str, value_of: Callable[[int], float]) -> Metric:
+                family = _family(name, gpu)
+                for info in agg.ranks:
+                    family.add_metric(run + list(info.labels().values()), value_of(info.rank))
+                return family
 
-    def _gauge(self, name: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, METRICS[name][2], labels=["run_id"])
-        g.add_metric([self.agg.run_id], value)
-        return g
+            yield per_rank("distmon_rank_nonfinite_steps_total",
+                           lambda r: v.rank_nonfinite[r] if v.rank_nonfinite else 0)
+            m = v.measured
+            if m is not None:
+                yield per_rank("distmon_rank_grad_norm", m.rank_grad_norms.__getitem__)
+                if m.rank_outlier_scores:
+                    yield per_rank("distmon_rank_outlier_score", m.rank_outlier_scores.__getitem__)
 
-    def _counter(self, base: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(base, METRICS[base + "_total"][2], labels=["run_id"])
-        c.add_metric([self.agg.run_id], value)
-        return c
+    def _one(self, name: str, value: float, *labels: str) -> Metric:
+        family = _family(name)
+        family.add_metric([self.agg.run_id, *labels], value)
+        return family
 
 
 class MetricServer:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .errors import ErrorCounter
-from .reduction import RankFields, earliest_nonfinite
+from .collective import RankFields, earliest_nonfinite
 from .ring import HostCopy, RowLayout
 from .snapshot import Snapshot
 
@@ -61,10 +61,11 @@ class RowDecoder:
         rank_norms: list[float] = []
         rank_layers: list[list[float]] = []
         bad: list[tuple[int, int]] = []  # (rank, layer)
-        errors = 0
-        all_valid = row[0] == 1.0
+        rank_errors: list[int] = []
+        measured = row[0] == 1.0  # this rank measured the reduced gradient (what it reports globally)
+        all_valid = measured
         for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):
-            errors += int(vals[f.errors])
+            rank_errors.append(int(vals[f.errors]))
             ok = vals[f.valid] == 1.0
             all_valid &= ok
             rank_norms.append(_sqrt(total) if ok else math.nan)
@@ -73,12 +74,13 @@ class RowDecoder:
             first_bad = f.first_nonfinite_layer(vals, order) if ok else -1
             if first_bad >= 0:
                 bad.append((r, first_bad))
-        grad_norm = _sqrt(row[1])
+        # a figure that was not measured is NaN, never a real-looking number (and not "non-finite")
+        grad_norm = _sqrt(row[1]) if measured else math.nan
         first: Optional[tuple[int, str]] = None
         if bad:
             r, layer = min(bad, key=lambda rl: (order[rl[1]], rl[0]))
             first = (r, self.layers[layer])
-        elif not math.isfinite(grad_norm):
+        elif measured and not math.isfinite(grad_norm):
             # finite on every rank, non-finite after reduction (e.g. fp16 overflow): rank -1
             layer = earliest_nonfinite(layer_sq, order)
             if layer >= 0:
@@ -87,13 +89,14 @@ class RowDecoder:
             step=step,
             timestamp=timestamp,
             grad_norm=grad_norm,
-            layer_grad_norms={name: _sqrt(v) for name, v in zip(self.layers, layer_sq)},
+            layer_grad_norms={name: _sqrt(v) if measured else math.nan for name, v in zip(self.layers, layer_sq)},
             rank_grad_norms=rank_norms,
             rank_layer_grad_norms=rank_layers if f.n_layer_cols else None,
-            nonfinite=first is not None or not math.isfinite(grad_norm),
+            nonfinite=first is not None or (measured and not math.isfinite(grad_norm)),
             nonfinite_ranks=[r for r, _ in bad],
             first_nonfinite=first,
-            monitor_errors=errors,
+            monitor_errors=sum(rank_errors),
+            rank_monitor_errors=rank_errors,
             valid=all_valid,
             run_id=self.run_id,
             world_size=lay.world,
@@ -158,4 +161,4 @@ class Publisher:
             try:
                 sink(snaps)
             except Exception:
-                self.errors.record(f"sink {getattr(sink, '__qualname__', sink)}")
+                self.errors.record(f"sink {getattr(sink, '__qualname__', type(sink).__name__)}")

@@ -32,10 +32,12 @@ class Snapshot:
     Attributes:
         step: optimizer steps taken so far (the first step is 1).
         timestamp: unix time at which the step finished on this rank.
-        grad_norm: L2 norm of the reduced (all-reduced) gradient, as the optimizer sees it.
-        layer_grad_norms: layer -> L2 norm of its reduced gradient.
+        grad_norm: L2 norm of the reduced (all-reduced) gradient, as the optimizer sees it
+            (NaN when it was not measured: no backward this step, or this rank's monitor
+            code failed; ``valid`` is then False).
+        layer_grad_norms: layer -> L2 norm of its reduced gradient (NaN when not measured).
         rank_grad_norms: per rank, the L2 norm of its local gradient before all-reduce
-            (NaN where that rank's monitor code failed this step; see ``monitor_errors``).
+            (NaN where it was not measured; see ``monitor_errors``).
         rank_layer_grad_norms: ranks x layers local norms (layers in ``layer_grad_norms``
             order), or None with ``rank_layers=False``.
         nonfinite: any local or reduced gradient held a NaN/Inf.
@@ -44,7 +46,10 @@ class Snapshot:
             (lowest rank on a tie), or None.
         events: detector verdicts of this step.
         monitor_errors: errors caught in monitor code so far, summed over ranks.
-        valid: False when monitor code failed this step and the figures are incomplete.
+        rank_monitor_errors: the same per rank.
+        valid: every figure was measured. False when monitor code failed on some rank or no
+            backward preceded the optimizer step; the figures not measured are NaN (and do not
+            count as non-finite).
         run_id, world_size: the run this step belongs to.
         scores: detector scores: "zscore" and "median_ratio" of the global norm, "layer_zmax"
             the largest layer z-score.
@@ -69,6 +74,7 @@ class Snapshot:
     scores: dict[str, float] = field(default_factory=dict)
     rank_outlier_scores: list[float] = field(default_factory=list)
     skipped: bool = False
+    rank_monitor_errors: list[int] = field(default_factory=list)
 
 
 def _clean(value: Any) -> Any:

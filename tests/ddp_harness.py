@@ -416,16 +416,30 @@ class Block(nn.Module):
         self.fc = nn.Linear(dim, dim)
 
 
-class TinyLM(nn.Module):
-    """Embedding -> residual (LayerNorm, Linear) blocks -> [optional branch] -> LayerNorm -> head.
+class Phase(nn.Module):
+    """A complex parameter: h + re(rot) + im(rot) / 2, so its gradient has both parts."""
 
-    Layers in model order: emb, blocks.0.ln, blocks.0.fc, blocks.1.ln, blocks.1.fc,
-    [extra], norm, head.
+    def __init__(self, dim):
+        super().__init__()
+        self.rot = nn.Parameter(0.1 * torch.randn(dim, dtype=torch.cfloat))
+
+    def forward(self, h):
+        return h + self.rot.real + 0.5 * self.rot.imag
+
+
+class TinyLM(nn.Module):
+    """Embedding -> [complex phase] -> residual (LayerNorm, Linear) blocks -> [optional branch]
+    -> LayerNorm -> head.
+
+    Layers in model order: emb, [phase], blocks.0.ln, blocks.0.fc, blocks.1.ln, blocks.1.fc,
+    [extra], norm, head. ``sparse=True`` gives the embedding sparse gradients.
     """
 
-    def __init__(self, vocab=VOCAB, dim=DIM, n_blocks=2, tied=False, branch=False):
+    def __init__(self, vocab=VOCAB, dim=DIM, n_blocks=2, tied=False, branch=False, sparse=False,
+                 complex_param=False):
         super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
+        self.emb = nn.Embedding(vocab, dim, sparse=sparse)
+        self.phase = Phase(dim) if complex_param else None
         self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
         self.extra = nn.Linear(dim, dim) if branch else None
         self.norm = nn.LayerNorm(dim)
@@ -435,6 +449,8 @@ class TinyLM(nn.Module):
 
     def forward(self, idx, use_extra=True):
         h = self.emb(idx)
+        if self.phase is not None:
+            h = self.phase(h)
         for b in self.blocks:
             h = h + b.fc(torch.tanh(b.ln(h)))
         if self.extra is not None and use_extra:
@@ -458,19 +474,30 @@ def layer_of(param_name):
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
+def as_float64(grad):
+    """A gradient as a dense real float64 tensor: a sparse one densified (duplicate indices
+    summed), a complex one as its (real, imag) pairs, so its L2 norm is that of the gradient."""
+    g = grad.detach()
+    if g.is_sparse:
+        g = g.to_dense()
+    if g.is_complex():
+        g = torch.view_as_real(g)
+    return g.double()
+
+
 def reference_norms(named_grads):
     """(total, {layer: norm}) in float64 from (name, grad-or-None) pairs in model order.
 
     total uses torch.nn.utils.get_total_norm; a None gradient counts as zero.
     Computed here, never by distmon.
     """
-    grads = [g.detach().double() for _, g in named_grads if g is not None]
+    grads = [as_float64(g) for _, g in named_grads if g is not None]
     total = float(torch.nn.utils.get_total_norm(grads, 2.0)) if grads else 0.0
     by_layer = {}
     for name, g in named_grads:
         by_layer.setdefault(layer_of(name), [])
         if g is not None:
-            by_layer[layer_of(name)].append(g.detach().double())
+            by_layer[layer_of(name)].append(as_float64(g))
     layers = {
         k: (float(torch.nn.utils.get_total_norm(v, 2.0)) if v else 0.0) for k, v in by_layer.items()
     }

@@ -29,9 +29,9 @@ def _job(rank: int, world: int) -> tuple[int, int, int, list[float], list[float]
         opt.step()
         ours.append(mon.flush().grad_norm)
     gc.collect()
-    cache = mon._tracker.stats._by_buffer
+    cache = mon._source.layouts._by_buffer
     alive = sum(1 for ref, _, _ in cache.values() if ref() is not None)
-    layouts = len(mon._tracker.stats._layouts)
+    layouts = len(mon._source.layouts._layouts)
     mon.close()
     return len(cache), alive, layouts, ours, refs
 
@@ -47,15 +47,15 @@ def test_cache_holds_only_live_buffers_and_numbers_stay_right():
 
 
 def _runs_job(rank: int, world: int, groups, slack: int) -> tuple[list[dict], list[dict], int, list, list[int]]:  # noqa: ANN001
-    from distmon import bucket_stats
+    from distmon.sources import ddp
 
-    bucket_stats.RUN_SLACK = slack  # this rank's process only
+    ddp.RUN_SLACK = slack  # this rank's process only
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     model = DDP(net, bucket_cap_mb=0.003)  # about two layers per bucket
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = distmon.GradMonitor(model, opt, serve="none", export_every=1, groups=groups)
-    layer_of = dict(zip(mon._tracker.stats.slot_of, mon._tracker.stats._param_layer_host))
+    layer_of = dict(zip(mon._source.layouts.slot_of, mon._source.layouts.param_layer))
     ours, refs = [], []
     for step in range(4):
         torch.manual_seed(10 + step + 100 * rank)
@@ -68,11 +68,11 @@ def _runs_job(rank: int, world: int, groups, slack: int) -> tuple[list[dict], li
         refs.append({name: v ** 0.5 for name, v in zip(mon.layers, sq)})
         opt.step()
         ours.append(mon.flush().layer_grad_norms)
-    stats = mon._tracker.stats
+    stats = mon._source.layouts
     buckets = sum(1 for ref, _, _ in stats._by_buffer.values() if ref() is not None)
     # per set of buckets seen (before and after DDP's rebuild): views read per backward, and
     # whether each layer is one view (folded by the stack alone) or not (index_add)
-    views = [(len(plan.layer_of), plan.order is not None) for plan in stats._plans.values()]
+    views = [(len(plan.layer_of), plan.order is not None) for plan in mon._tracker.fold._plans.values()]
     runs = [layout.split_sizes[i] for layout in stats._layouts.values()
             for i in (layout.pick or range(len(layout.split_sizes)))]
     mon.close()

@@ -641,7 +641,7 @@ class InjectedFailure(RuntimeError):
 class FailureInjector:
     """Make distmon's tensor math raise while `active`.
 
-    Patches every public function of `distmon.norms` (wherever distmon modules hold a
+    Patches every public function of `distmon.sums` (wherever distmon modules hold a
     reference to it) and, for calls made from distmon code, torch's fused norm kernels
     (`torch._foreach_powsum`, `torch._foreach_norm`).
     """
@@ -667,7 +667,7 @@ class FailureInjector:
         self.dm_dir = distmon_dir()
         targets = {}
         try:
-            norms = importlib.import_module("distmon.norms")
+            norms = importlib.import_module("distmon.sums")
         except ImportError:
             norms = None
         if norms is not None:

@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_harness import (
     BUCKET_CAP_MB,
     TinyLM,
+    as_float64,
     close,
     lm_loss,
     make_batch,
@@ -83,6 +84,10 @@ VARIANTS = {
     "bf16_parameters": {"dtype": "bf16"},
     "fp16_compress_hook": {"hook": "fp16_compress"},
     "custom_user_hook": {"hook": "half_mean"},
+    # |z|^2 summed over real and imaginary parts (a complex gradient once read as half its numel)
+    "complex_parameter": {"model": {"complex_param": True}},
+    # nn.Embedding(sparse=True): its own sparse bucket, duplicate indices summed
+    "sparse_embedding": {"model": {"sparse": True}},
 }
 VARIANTS_2 = list(VARIANTS)
 # Item 1 asks for 2 and 3 ranks; the variants are cheap, so all of them run on both
@@ -163,8 +168,8 @@ def _run_variant(rank, world_size, name, steps):
                 torch.equal(g, g.half().to(g.dtype)) for _, g in reduced if g is not None
             )
         # the gradients themselves, to check that the monitor left DDP's result alone
-        rec["reduced_grads"] = {n: None if g is None else g.detach().clone() for n, g in reduced}
-        rec["local_grads"] = {n: None if g is None else g.detach().clone() for n, g in local}
+        rec["reduced_grads"] = {n: None if g is None else as_float64(g) for n, g in reduced}
+        rec["local_grads"] = {n: None if g is None else as_float64(g) for n, g in local}
         opt.step()
         mon.flush()
         rec["snap"] = snapshot_dict(mon.latest())

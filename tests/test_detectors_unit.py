@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distmon.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
-from distmon.reduction import RankFields
+from distmon.collective import RankFields
 from distmon.ring import RowLayout
 from distmon.snapshot import Snapshot
 

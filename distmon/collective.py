@@ -1,9 +1,12 @@
 """The monitor's one collective per step: every rank's packed local figures, all-gathered.
 
 Reduced gradients are identical on every rank, so global norms need no collective; only the
-per-rank (pre-reduction) figures do. They travel in ONE small tensor per step, issued on DDP's
-own process group right after DDP's last bucket, on every rank, whatever happened locally
-(a collective issued on some ranks only would hang the job).
+per-rank (pre-reduction) figures do. They travel in ONE small tensor per step on the
+source's process group, issued by the training thread when the optimizer step begins: on
+every rank, whatever happened locally (a collective issued on some ranks only would hang the
+job), and after the gradient reduction and every collective a user's comm hook issued from
+its callbacks have completed (a collective issued while those may still start could be
+matched against one of them on another rank, and hang the job).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import norms
+from . import sums
 
 __all__ = ["RankGather", "RankFields", "earliest_nonfinite"]
 
@@ -22,7 +25,7 @@ __all__ = ["RankGather", "RankFields", "earliest_nonfinite"]
 def earliest_nonfinite(values: Sequence[float], order: Sequence[float]) -> int:
     """Host side: index of the non-finite value earliest in backward ``order``, or -1.
 
-    The host twin of :func:`distmon.norms.first_nonfinite`, for figures already on the host.
+    The host twin of :func:`distmon.sums.first_nonfinite`, for figures already on the host.
 
     Example:
         >>> earliest_nonfinite([1.0, float("nan"), float("inf")], [0.0, 2.0, 1.0])
@@ -30,12 +33,6 @@ def earliest_nonfinite(values: Sequence[float], order: Sequence[float]) -> int:
     """
     bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
     return min(bad, key=order.__getitem__) if bad else -1
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
-    # looked up at call time: all_gather_single is the newer name of all_gather_into_tensor
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
 
 
 class RankFields:
@@ -105,7 +102,7 @@ class RankGather:
         f = self.fields
         if f.total_sq is not None and f.first_nonfinite is not None:
             torch.sum(self.layer_sq, 0, keepdim=True, out=self.send[f.total_sq:f.total_sq + 1])
-            norms.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
+            sums.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
         if self._sent_meta != (errors, valid):
             self.send[f.errors].fill_(errors)
             self.send[f.valid].fill_(1.0 if valid else 0.0)
@@ -122,7 +119,7 @@ class RankGather:
     def issue(self, out: torch.Tensor) -> None:
         """Start the all-gather into ``out`` (world x width floats, flat); waits any earlier one."""
         self.wait()
-        self._work = _all_gather(out, self.send, self.group)
+        self._work = dist.all_gather_single(out, self.send, group=self.group, async_op=True)
 
     def wait(self) -> bool:
         """Complete the pending gather (a stream wait on NCCL); True if there was one."""

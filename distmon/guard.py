@@ -1,0 +1,146 @@
+"""The optimizer side: where a training step begins and ends, and the guard that may skip it.
+
+A training step is one backward followed by one ``step()`` of every monitored optimizer, in
+any order. The first monitored ``step()`` begins it (the step's collective starts there, on
+every rank, after the gradient reduction has completed); it ends when every monitored
+optimizer has stepped, or when one steps a second time before the others did. With a guard
+(``"skip"`` or ``"raise"``) every monitored optimizer's ``step()`` is wrapped: the step's
+verdict, from reduced figures identical on every rank, is read once per step (the one opt-in
+host sync) and every optimizer of that step obeys it, so no part of the model takes a step
+the guard refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .tracker import StepTracker
+
+__all__ = ["GradientAnomalyError", "StepHooks", "uncovered_parameters"]
+
+
+class GradientAnomalyError(RuntimeError):
+    """Raised from ``optimizer.step()`` with ``guard="raise"`` (on every rank alike)."""
+
+
+def uncovered_parameters(named: Sequence[tuple[str, torch.nn.Parameter]],
+                         optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+    """Names of the trainable parameters that none of ``optimizers`` steps.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> uncovered_parameters(list(net.named_parameters()), [torch.optim.SGD(net[0].parameters(), 0.1)])
+        ['1.weight', '1.bias']
+    """
+    covered = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    return [name for name, p in named if id(p) not in covered]
+
+
+def warn_uncovered(named: Sequence[tuple[str, torch.nn.Parameter]],
+                   optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Warn (once, at construction) when the monitored optimizers do not step the whole model."""
+    missing = uncovered_parameters(named, optimizers)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        warnings.warn(f"distmon: {len(missing)} trainable parameter(s) are stepped by none of the monitored "
+                      f"optimizers ({shown}): steps are counted, and a guard applied, only where those "
+                      f"optimizers step. Pass every optimizer that steps the model: "
+                      f"GradMonitor(model, [opt1, opt2, ...]).", stacklevel=3)
+
+
+class StepHooks:
+    """Begins and ends the tracker's steps from the monitored optimizers' ``step()`` calls.
+
+    Without a guard, step pre- and post-hooks (``Optimizer.register_step_pre_hook``); with
+    one, each optimizer's ``step`` is shadowed by an instance attribute, the only way not to
+    take a step (hooks cannot cancel one); whatever ``step`` was (a scheduler's wrapper, say)
+    stays inside. ``schedulers`` are held back once after every skipped step.
+
+    Example:
+        >>> hooks = StepHooks(tracker, [opt], guard=None, schedulers=[], verdict_column=0)  # doctest: +SKIP
+        >>> hooks.install(); ...; hooks.remove()                                           # doctest: +SKIP
+    """
+
+    def __init__(self, tracker: StepTracker, optimizers: Sequence[torch.optim.Optimizer], guard: Optional[str],
+                 schedulers: Sequence[Any], verdict_column: int) -> None:
+        self.tracker = tracker
+        self.optimizers = tuple(optimizers)
+        self.guard = guard
+        self.schedulers = tuple(schedulers)
+        self._column = verdict_column
+        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this training step
+        self._verdict: Optional[bool] = None  # True: the guard refuses this training step
+        self._hold: set[int] = set()  # ids of the schedulers to hold back once
+        self._undo: list[Callable[[], Any]] = []
+
+    def install(self) -> None:
+        for opt in self.optimizers:
+            if self.guard is None:
+                pre = opt.register_step_pre_hook(lambda o, args, kwargs: self._begin(o))
+                post = opt.register_step_post_hook(lambda o, args, kwargs: self._finish(o))
+                self._undo += [pre.remove, post.remove]
+            else:
+                opt.step = self._guarded(opt, opt.step)
+                self._undo.append(functools.partial(opt.__dict__.pop, "step", None))
+        if self.guard is not None:
+            for sched in self.schedulers:
+                sched.step = self._held(sched, sched.step)
+                self._undo.append(functools.partial(sched.__dict__.pop, "step", None))
+
+    def remove(self) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo.clear()
+
+    def _begin(self, opt: torch.optim.Optimizer) -> None:
+        if id(opt) in self._stepped:  # stepped again before the others: that training step is over
+            self._end()
+        self.tracker.before_step()
+
+    def _finish(self, opt: torch.optim.Optimizer) -> None:
+        self._stepped.add(id(opt))
+        if len(self._stepped) == len(self.optimizers):
+            self._end()
+
+    def _end(self) -> None:
+        skipped = bool(self._verdict)
+        self._stepped.clear()
+        self._verdict = None
+        self.tracker.after_step(skipped)
+
+    def _refused(self) -> bool:
+        if self._verdict is None:
+            row = self.tracker.judge_now()
+            self._verdict = row[self._column].item() != 0.0  # the one opt-in host sync per step
+        return self._verdict
+
+    def _guarded(self, opt: torch.optim.Optimizer, inner_step: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner_step)  # keeps e.g. the LR scheduler's marker attribute
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            self._begin(opt)
+            if not self._refused():
+                self._hold.clear()  # a step taken: a scheduler not stepped since the skip keeps its pace
+                result = inner_step(*args, **kwargs)
+                self._finish(opt)
+                return result
+            step = self.tracker.step + 1
+            self._hold = {id(s) for s in self.schedulers}
+            self._finish(opt)
+            if self.guard == "raise":
+                raise GradientAnomalyError(f"distmon: non-finite or spiking gradient at step {step}; "
+                                           "optimizer step not taken")
+            return None
+        return guarded_step
+
+    def _held(self, sched: Any, inner_step: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner_step)
+        def held_step(*args: Any, **kwargs: Any) -> Any:
+            if id(sched) in self._hold:
+                self._hold.discard(id(sched))
+                return None
+            return inner_step(*args, **kwargs)
+        return held_step

@@ -1,0 +1,141 @@
+"""All-or-nothing start-up: every rank prepares what can fail, all ranks agree, then all go on or none.
+
+A monitor that starts on some ranks and not on others hangs the job at its first collective;
+one that fails after its hooks are installed leaves them running. So the constructor
+prepares on each rank everything that can fail (options, the HTTP endpoint's port, the JSONL
+log, the file_sd directory), the ranks exchange their outcomes in one collective, and then
+either every rank installs its hooks, or every rank releases what it prepared and raises the
+same error, naming the rank, the option and the path.
+"""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
+
+from . import hostinfo
+from .config import MonitorConfig
+from .file_sd import TargetFile, target_host
+from .hostinfo import RankInfo
+from .jsonl_log import JsonlLog
+from .prometheus_exporter import MetricServer
+
+__all__ = ["Peer", "Prepared", "prepare", "agree", "serves", "served_ranks"]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What one rank tells the others at start-up."""
+
+    info: RankInfo
+    run_id: Optional[str]  # its proposal; rank 0's wins
+    endpoint: Optional[str]  # "host:port" it serves metrics on, if it serves
+    failure: Optional[tuple[str, int, str]] = None  # (exception type, errno, message) if it cannot start
+
+
+def serves(serve: str, rank: int, local_rank: int) -> bool:
+    """Whether a process runs an HTTP endpoint under ``serve`` (known before the exchange).
+
+    Example:
+        >>> serves("node", rank=5, local_rank=0), serves("rank0", rank=5, local_rank=0)
+        (True, False)
+    """
+    return {"rank0": rank == 0, "node": local_rank == 0, "all": True, "none": False}[serve]
+
+
+def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tuple[bool, tuple[RankInfo, ...]]:
+    """(serves the cluster-wide families, ranks whose per-rank series it serves) for this process.
+
+    Cluster-wide families come only from global rank 0, so no series is counted twice.
+    """
+    if not serves(serve, me.rank, me.local_rank):
+        return False, ()
+    ranks = {"rank0": tuple(everyone),
+             "node": tuple(i for i in everyone if i.node == me.node),
+             "all": (me,)}[serve]
+    return me.rank == 0, ranks
+
+
+@dataclass
+class Prepared:
+    """What a rank opened at start-up, released again if the start-up does not complete."""
+
+    server: Optional[MetricServer] = None
+    endpoint: Optional[str] = None
+    log: Optional[JsonlLog] = None
+    target: Optional[TargetFile] = None
+
+    def release(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.log is not None:
+            self.log.discard()
+        if self.target is not None:
+            self.target.discard()
+        self.server = self.log = self.target = None
+
+
+def _usable(option: str, path: str, make: Any) -> Any:
+    try:
+        return make(path)
+    except OSError as e:
+        raise OSError(e.errno, f"distmon: {option} {path!r} is not usable: {e.strerror or e}") from e
+
+
+def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
+    """Open this rank's endpoint, log and target file; on failure release them and raise.
+
+    Example:
+        >>> prepared = prepare(cfg, me, "run-1")   # every rank, before agree()  # doctest: +SKIP
+    """
+    out = Prepared()
+    try:
+        if serves(cfg.serve, me.rank, me.local_rank):
+            port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
+            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback)
+            out.endpoint = f"{target_host(cfg.addr)}:{out.server.port}"
+        if cfg.log_path and me.rank == 0:
+            out.log = _usable("log_path", cfg.log_path, JsonlLog)
+        if cfg.file_sd_dir and me.rank == 0:
+            out.target = _usable("file_sd_dir", cfg.file_sd_dir, lambda d: TargetFile(d, run_id))
+    except BaseException:
+        out.release()
+        raise
+    return out
+
+
+_KINDS: dict[str, type[Exception]] = {"OSError": OSError, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def _describe(exc: BaseException) -> tuple[str, int, str]:
+    kind = next((name for name, cls in _KINDS.items() if isinstance(exc, cls)), "RuntimeError")
+    # an OSError's str() repeats "[Errno n]": its strerror is the message
+    message = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) or type(exc).__name__
+    return kind, getattr(exc, "errno", None) or 0, message.removeprefix("distmon: ")
+
+
+def agree(me: RankInfo, run_id: Optional[str], endpoint: Optional[str], failure: Optional[BaseException],
+          group: Optional[dist.ProcessGroup]) -> list[Peer]:
+    """Exchange every rank's outcome (one collective); raise the same error everywhere if any failed.
+
+    Call on every rank, whatever happened locally: that is what keeps a failure on one rank
+    from leaving the others waiting. The caller releases what it prepared before the error
+    propagates.
+    """
+    everyone: list[Peer] = hostinfo.exchange(Peer(me, run_id, endpoint, failure and _describe(failure)), group)
+    failed = [p for p in everyone if p.failure is not None]
+    if not failed:
+        return everyone
+    kind, code, _ = failed[0].failure
+    detail = "; ".join(f"rank {p.info.rank} ({p.info.hostname}): {p.failure[2]}" for p in failed)
+    message = f"distmon: GradMonitor did not start on any rank: {detail}"
+    if kind == "OSError":
+        error: Exception = OSError(code or errno.EIO, message)
+    else:
+        error = _KINDS.get(kind, RuntimeError)(message)
+    if failure is not None:
+        raise error from failure
+    raise error

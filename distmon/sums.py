@@ -1,0 +1,152 @@
+"""Pure tensor math of the monitor: fused sums of squares and their fold into layers.
+
+Nothing here knows about DDP, process groups or exporters; every function takes tensors and
+returns or writes tensors on the same device, without a host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["sq_sums", "sparse_sq_sum", "fold_layers", "first_nonfinite", "Runs", "LayerFold"]
+
+
+def sq_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 sum of squares of each tensor, as 0-d tensors (one fused pass over the bytes).
+
+    A sum of squares is non-finite exactly when an element is non-finite (or when the sum
+    overflows fp32, i.e. an element above ~1e19: an exploded gradient either way). Sources
+    pass complex gradients as their real views (``torch.view_as_real``), made once with
+    their layout, so ``|z|^2 = re^2 + im^2`` is what is summed.
+
+    Example:
+        >>> [float(s) for s in sq_sums([torch.tensor([3.0, 4.0]), torch.view_as_real(torch.tensor([1j]))])]
+        [25.0, 1.0]
+    """
+    return torch._foreach_powsum(list(tensors), 2, dtype=torch.float32)
+
+
+def sparse_sq_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of squares of a sparse COO gradient: of its values once coalesced.
+
+    An embedding's sparse gradient repeats the rows of repeated indices; the gradient is
+    their sum, so duplicates are added up (``coalesce``) before squaring.
+
+    Example:
+        >>> g = torch.sparse_coo_tensor([[0, 0, 2]], [[1.0], [2.0], [2.0]], (3, 1))
+        >>> float(sparse_sq_sum(g))  # rows (1 + 2) and 2: 9 + 4
+        13.0
+    """
+    values = grad.coalesce().values()
+    return sq_sums([torch.view_as_real(values) if values.is_complex() else values])[0]
+
+
+def fold_layers(sums: Sequence[torch.Tensor], layer_of: torch.Tensor, stage: torch.Tensor,
+                zeros: torch.Tensor, out: torch.Tensor) -> None:
+    """Write into ``out`` the per-layer totals of 0-d ``sums`` (``sums[i]`` belongs to layer ``layer_of[i]``).
+
+    Two ops whatever the number of sums: a stack into the preallocated ``stage``, then one
+    ``index_add`` from ``zeros`` (shaped like ``out``). ``index_add`` rather than a 0/1 matmul,
+    because ``NaN * 0`` would spread one bad parameter's NaN into every layer.
+
+    Example:
+        >>> out = torch.empty(2)
+        >>> fold_layers([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(4.0)],
+        ...             torch.tensor([1, 0, 1]), torch.empty(3), torch.zeros(2), out)
+        >>> out.tolist()
+        [2.0, 5.0]
+    """
+    torch.stack(list(sums), out=stage)
+    torch.index_add(zeros, 0, layer_of, stage, out=out)
+
+
+def first_nonfinite(layer_sq: torch.Tensor, layer_order: torch.Tensor, out: torch.Tensor) -> None:
+    """Write into the 0-d ``out`` the layer index that is non-finite and earliest in ``layer_order``.
+
+    ``layer_order[l]`` is layer l's position in backward order; ``out`` becomes -1 when every
+    layer is finite. Done on the device so the answer travels with the step's packed row.
+
+    Example:
+        >>> out = torch.empty(())
+        >>> first_nonfinite(torch.tensor([1.0, float("nan"), float("inf")]),
+        ...                 torch.tensor([0.0, 2.0, 1.0]), out)
+        >>> int(out)
+        2
+    """
+    bad = ~torch.isfinite(layer_sq)
+    pos, idx = torch.where(bad, layer_order, torch.inf).min(0)
+    out.copy_(torch.where(torch.isfinite(pos), idx.to(out.dtype), -1.0))
+
+
+@dataclass
+class Runs:
+    """A set of views measured by one fused call, and the layer each view belongs to.
+
+    A source (one DDP bucket, say) measures its views in one ``sq_sums`` call; ``seq`` numbers
+    the sets in creation order, so a backward's sets fold in the same order whatever order
+    they were measured in.
+    """
+
+    layer_ids: tuple[int, ...]  # layer of each view
+    layers: torch.Tensor  # the same on the device (int64)
+    seq: int
+
+
+@dataclass(frozen=True)
+class _FoldPlan:
+    """How the sums of one combination of run sets become per-layer sums."""
+
+    order: Optional[list[int]]  # every layer exactly once: the sums in layer order, one stack folds them
+    layer_of: torch.Tensor  # otherwise: the layer of each sum, for an index_add
+    stage: torch.Tensor  # ...from this scratch
+
+
+class LayerFold:
+    """Folds the per-view sums of a backward's run sets into per-layer sums, two ops at most.
+
+    Each combination of run sets seen (DDP's buckets before and after its rebuild, say) gets
+    one cached plan. When every layer is exactly one view (a module's parameters end to end,
+    the usual case), the fold is one stack in layer order; otherwise a stack and an
+    ``index_add``. Layers without a view get 0.
+
+    Example:
+        >>> fold = LayerFold(2, torch.device("cpu"))
+        >>> runs = Runs((1, 0), torch.tensor([1, 0]), seq=0)
+        >>> out = torch.empty(2)
+        >>> fold([(runs, [torch.tensor(4.0), torch.tensor(9.0)])], out)
+        >>> out.tolist()
+        [9.0, 4.0]
+    """
+
+    def __init__(self, n_layers: int, device: torch.device) -> None:
+        self.n_layers = n_layers
+        self.device = device
+        self._plans: dict[tuple[int, ...], _FoldPlan] = {}
+        self._zeros = torch.zeros(n_layers, dtype=torch.float32, device=device)
+
+    def __call__(self, pending: list[tuple[Runs, list[torch.Tensor]]], out: torch.Tensor) -> None:
+        """Write into ``out`` the per-layer totals of ``pending`` (sorted in place by ``seq``)."""
+        if not pending:
+            out.zero_()
+            return
+        if len(pending) > 1:
+            pending.sort(key=lambda entry: entry[0].seq)
+        key = tuple(runs.seq for runs, _ in pending)
+        plan = self._plans.get(key) or self._plan(key, pending)
+        sums = [s for _, run_sums in pending for s in run_sums]
+        if plan.order is not None:
+            torch.stack([sums[i] for i in plan.order], out=out)
+        else:
+            fold_layers(sums, plan.layer_of, plan.stage, self._zeros, out)
+
+    def _plan(self, key: tuple[int, ...], pending: list[tuple[Runs, list[torch.Tensor]]]) -> _FoldPlan:
+        ids = [layer for runs, _ in pending for layer in runs.layer_ids]
+        bijective = sorted(ids) == list(range(self.n_layers))
+        plan = _FoldPlan(order=sorted(range(len(ids)), key=ids.__getitem__) if bijective else None,
+                         layer_of=torch.cat([runs.layers for runs, _ in pending]),
+                         stage=torch.zeros(len(ids), device=self.device))
+        self._plans[key] = plan
+        return plan

@@ -1,0 +1,194 @@
+"""Start-up is all or nothing on every rank; what a monitor leaves behind, before and after close().
+
+One 2-rank gloo job walks through the cases, each on the same DDP model:
+
+* an unusable ``log_path`` (a path under a regular file) or ``file_sd_dir``, an option that is
+  bad on one rank only (``DISTMON_EXPORT_EVERY`` in rank 1's environment): every rank raises
+  the same error naming distmon, the option and the path; no rank keeps a comm hook, an
+  optimizer hook, a thread or its port; catching the error and training on finishes;
+* a monitor built afterwards on the same model works, and another one after it closed
+  (distmon's own hook slot is taken over, not refused as "someone else's hook");
+* ``clip_grad_norm_`` after ``close()`` raises instead of clipping by nothing;
+* an ``optimizer.step()`` without a backward is not a real-looking number: the snapshot is
+  invalid with a NaN norm, the served gauge keeps the last measured value;
+* errors counted on rank 0 after its last published step (its JSONL log on ``/dev/full``,
+  a full disk) are in the served ``distmon_monitor_errors_total`` at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import urllib.request
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from prometheus_client.parser import text_string_to_metric_families
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_harness import free_port, run_ranks
+
+import distmon
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _train(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: int) -> list[float]:
+    norms = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        opt.step()
+    return norms
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _leftovers(model: DDP, opt: torch.optim.Optimizer) -> dict:
+    hooks = getattr(model, "_comm_hooks", [])
+    return {
+        "comm_hook_source": [getattr(state, "source", "foreign") for _, state in hooks],
+        "optimizer_hooks": len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks),
+        "step_shadowed": "step" in vars(opt),
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("distmon")),
+    }
+
+
+def _scrape(port: int) -> dict[str, float]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if not s.labels.keys() - {"run_id"}}
+
+
+def _job(rank: int, world: int, workdir: str) -> dict:
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    a_file = os.path.join(workdir, "a-file")
+    if rank == 0:
+        open(a_file, "w").close()
+    port = free_port() if rank == 0 else 0
+    out: dict = {"failures": {}}
+    cases = {
+        "log_path": dict(log_path=os.path.join(a_file, "run.jsonl")),
+        "file_sd_dir": dict(file_sd_dir=os.path.join(a_file, "sd")),
+        "env_on_one_rank": dict(),
+    }
+    for case, options in cases.items():
+        if case == "env_on_one_rank" and rank == 1:
+            os.environ["DISTMON_EXPORT_EVERY"] = "ten"
+        torch.distributed.barrier()
+        try:
+            distmon.GradMonitor(model, opt, serve="rank0", port=port, linger_s=0, **options)
+            error = None
+        except Exception as e:  # noqa: BLE001 - the type and message are what is checked
+            error = (type(e).__name__, str(e))
+        os.environ.pop("DISTMON_EXPORT_EVERY", None)
+        out["failures"][case] = {"error": error, "leftovers": _leftovers(model, opt),
+                                 "port_free": _port_free(port) if rank == 0 else True,
+                                 "trained": len(_train(model, opt, rank, 3))}
+
+    # a working monitor on the same model, then another one after it closed
+    mons = []
+    for i in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mon = distmon.GradMonitor(model, opt, serve="none", export_every=2)
+        ref = _train(model, opt, rank, 4)
+        snap = mon.flush()
+        mon.close()
+        mons.append({"step": snap.step, "norm": snap.grad_norm, "ref": ref[-1],
+                     "warnings": [str(w.message) for w in caught if "distmon" in str(w.message)]})
+        try:
+            mon.clip_grad_norm_(1.0)
+            mons[-1]["clip_after_close"] = None
+        except RuntimeError as e:
+            mons[-1]["clip_after_close"] = str(e)
+    out["monitors"] = mons
+    out["after_close"] = _leftovers(model, opt)
+
+    # an optimizer step without a backward; then a full disk under the JSONL log
+    mon = distmon.GradMonitor(model, opt, serve="rank0", port=0, export_every=5, linger_s=0,
+                              log_path="/dev/full")
+    ref = _train(model, opt, rank, 4)
+    opt.step()  # step 5: no backward
+    snap5 = mon.flush()
+    out["no_backward"] = {"step": snap5.step, "valid": snap5.valid, "norm": snap5.grad_norm,
+                          "nonfinite": snap5.nonfinite, "rank_norms": snap5.rank_grad_norms,
+                          "ref_step4": ref[-1], "served": _scrape(mon.port) if rank == 0 else None}
+    _train(model, opt, rank, 5)  # steps 6-10: published at step 10, the sink fails again
+    mon.flush()
+    out["served"] = _scrape(mon.port) if rank == 0 else None
+    out["errors_counted"] = mon._errors.count
+    mon.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory) -> list[dict]:
+    return run_ranks(_job, 2, str(tmp_path_factory.mktemp("lifecycle")), timeout=180)
+
+
+CLEAN = {"comm_hook_source": [], "optimizer_hooks": 0, "step_shadowed": False, "threads": []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,option,kind,bad_rank", [("log_path", "log_path", "OSError", 0),
+                                                       ("file_sd_dir", "file_sd_dir", "OSError", 0),
+                                                       ("env_on_one_rank", "DISTMON_EXPORT_EVERY", "ValueError", 1)])
+def test_a_start_up_failure_on_one_rank_fails_every_rank_and_leaves_nothing(lifecycle, case, option, kind, bad_rank):
+    errors = [res["failures"][case]["error"] for res in lifecycle]
+    assert errors[0] is not None and errors[0] == errors[1], errors  # the same error on every rank
+    name, message = errors[0]
+    assert kind in name or (kind == "OSError" and name in ("FileExistsError", "NotADirectoryError")), name
+    assert "distmon: GradMonitor did not start" in message and option in message and f"rank {bad_rank} " in message, message
+    for res in lifecycle:
+        assert res["failures"][case]["leftovers"] == CLEAN
+        assert res["failures"][case]["port_free"], "the failed monitor kept its port"
+        assert res["failures"][case]["trained"] == 3  # caught the error and trained on: no hang
+
+
+@pytest.mark.slow
+def test_a_model_can_be_monitored_again_after_close(lifecycle):
+    for res in lifecycle:
+        for mon in res["monitors"]:
+            assert mon["step"] == 4 and math.isclose(mon["norm"], mon["ref"], rel_tol=1e-5), mon
+            assert mon["warnings"] == []  # one optimizer steps the whole model
+            assert "closed" in mon["clip_after_close"] and "clip_grad_norm_" in mon["clip_after_close"]
+        # the closed monitors left distmon's inert hook slot (DDP cannot drop a hook) and nothing else
+        assert res["after_close"] == dict(CLEAN, comm_hook_source=[None])
+
+
+@pytest.mark.slow
+def test_a_step_without_backward_is_invalid_and_not_served(lifecycle):
+    for res in lifecycle:
+        nb = res["no_backward"]
+        assert nb["step"] == 5 and nb["valid"] is False and nb["nonfinite"] is False
+        assert math.isnan(nb["norm"]) and all(math.isnan(n) for n in nb["rank_norms"])
+    nb = lifecycle[0]["no_backward"]
+    assert nb["served"]["distmon_optimizer_steps_total"] == 5  # the step happened...
+    assert math.isclose(nb["served"]["distmon_grad_norm"], nb["ref_step4"], rel_tol=1e-5)  # ...was not measured
+
+
+@pytest.mark.slow
+def test_errors_counted_after_the_last_published_step_are_served(lifecycle):
+    served, counted = lifecycle[0]["served"], lifecycle[0]["errors_counted"]
+    assert counted == 2  # the JSONL sink failed at both publications (steps 5 and 10)
+    assert served["distmon_monitor_errors_total"] == counted + lifecycle[1]["errors_counted"]
