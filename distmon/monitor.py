@@ -21,7 +21,8 @@ from .file_sd import TargetFile, target_host
 from .grouping import GroupSpec, build_grouping
 from .hostinfo import RankInfo
 from .jsonl_log import JsonlLog
-from .prometheus_exporter import GradCollector, MetricsAggregate, MetricServer
+from .http_server import MetricServer
+from .prometheus_exporter import GradCollector, MetricsAggregate
 from .publisher import Publisher, RowDecoder
 from .snapshot import AnomalyEvent, Snapshot
 from .step_tracker import StepTracker

@@ -1,4 +1,4 @@
-"""Prometheus export: a custom Collector over the latest snapshots, in its own registry.
+"""Prometheus export: a custom Collector over the latest snapshots (served by ``http_server``).
 
 The publisher thread folds every snapshot into :class:`MetricsAggregate` (counters, the
 histogram of every step's norm, the window maximum) and swaps in a new immutable view;
@@ -8,14 +8,12 @@ histogram of every step's norm, the window maximum) and swaps in a new immutable
 from __future__ import annotations
 
 import bisect
-import errno
 import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
 from prometheus_client.registry import Collector
@@ -23,8 +21,7 @@ from prometheus_client.registry import Collector
 from .hostinfo import RankInfo
 from .snapshot import Snapshot
 
-__all__ = ["MetricsAggregate", "GradCollector", "MetricServer", "ANOMALY_KINDS", "NORM_BUCKETS",
-           "METRICS"]
+__all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS", "METRICS"]
 
 ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier")
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
@@ -215,44 +212,3 @@ class GradCollector(Collector):
         c = CounterMetricFamily(base, METRICS[base + "_total"][2], labels=["run_id"])
         c.add_metric([self.agg.run_id], value)
         return c
-
-
-class MetricServer:
-    """An HTTP ``/metrics`` endpoint over one collector, in its own registry.
-
-    Example:
-        >>> server = MetricServer.bind("127.0.0.1", 0, fallback=False)   # doctest: +SKIP
-        >>> server.attach(GradCollector(agg)); server.port                 # doctest: +SKIP
-    """
-
-    def __init__(self, registry: CollectorRegistry, server, thread, addr: str, port: int) -> None:
-        self.registry, self._server, self._thread = registry, server, thread
-        self.addr, self.port = addr, port
-
-    @classmethod
-    def bind(cls, addr: str, port: int, fallback: bool, tries: int = 100) -> "MetricServer":
-        """Start serving an (initially empty) registry; raise a clear ``OSError`` if the port is taken."""
-        registry = CollectorRegistry(auto_describe=False)
-        candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) if fallback and port else [])
-        last: Optional[OSError] = None
-        for p in candidates:
-            try:
-                server, thread = start_http_server(p, addr=addr, registry=registry)
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:
-                    raise OSError(e.errno, f"distmon: cannot serve metrics on {addr}:{p}: {e.strerror}") from e
-                last = e
-                continue
-            return cls(registry, server, thread, addr, server.server_address[1])
-        hint = (f"ports {port}-{candidates[-1]} are all in use" if fallback
-                else f"port {port} on {addr} is already in use; pass port=0 (ephemeral), another "
-                     f"port (DISTMON_PORT), or port_fallback=True to take the next free one")
-        raise OSError(errno.EADDRINUSE, f"distmon: {hint}") from last
-
-    def attach(self, collector: Collector) -> None:
-        self.registry.register(collector)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
