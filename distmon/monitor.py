@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import time
 from typing import Any, Callable, Optional, Sequence, Union
@@ -83,6 +82,15 @@ class GradMonitor:
         addr: bind address (``DISTMON_ADDR``, default ``127.0.0.1``; ``0.0.0.0`` for remote
             scrapes).
         port_fallback: take the next free port instead of failing (``DISTMON_PORT_FALLBACK``).
+        tls_cert, tls_key: PEM certificate (chain) and unencrypted private key: serve HTTPS,
+            TLS 1.2+ (``DISTMON_TLS_CERT``, ``DISTMON_TLS_KEY``; both or neither).
+        tls_client_ca: PEM CA certificate(s): clients must present a certificate signed by
+            one of them (mutual TLS; ``DISTMON_TLS_CLIENT_CA``; needs ``tls_cert``).
+        basic_auth_file: htpasswd file of ``user:bcrypt-hash`` lines (``htpasswd -nbB user
+            password``): requests need one of those users' passwords (HTTP basic auth;
+            ``DISTMON_BASIC_AUTH_FILE``; needs ``pip install bcrypt``; use with TLS). Files
+            are read when the endpoint starts: one that cannot be read fails every rank at
+            construction, naming the option and the path.
         run_id: run label (``DISTMON_RUN_ID``; default ``TORCHELASTIC_RUN_ID``, then
             ``SLURM_JOB_ID``, then generated); identical on all ranks (rank 0's wins).
         log_path: JSONL file of every step's snapshot, written by rank 0 (``DISTMON_LOG_PATH``).
@@ -116,7 +124,9 @@ class GradMonitor:
                  export_every: Optional[int] = None, groups: GroupSpec = None,
                  max_layers: Optional[int] = None, rank_layers: Optional[bool] = None,
                  serve: Optional[str] = None, port: Optional[int] = None, addr: Optional[str] = None,
-                 port_fallback: Optional[bool] = None, run_id: Optional[str] = None,
+                 port_fallback: Optional[bool] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, tls_client_ca: Optional[str] = None,
+                 basic_auth_file: Optional[str] = None, run_id: Optional[str] = None,
                  log_path: Optional[str] = None, file_sd_dir: Optional[str] = None,
                  linger_s: Optional[float] = None, window_s: Optional[float] = None,
                  detect: Union[bool, DetectorConfig, None] = None, guard: Optional[str] = None,
@@ -124,7 +134,8 @@ class GradMonitor:
         self.config = cfg = MonitorConfig.from_options(
             comm_hook=comm_hook, comm_state=comm_state, export_every=export_every, groups=groups,
             max_layers=max_layers, rank_layers=rank_layers, serve=serve, port=port, addr=addr,
-            port_fallback=port_fallback, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
+            port_fallback=port_fallback, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+            basic_auth_file=basic_auth_file, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
             linger_s=linger_s, window_s=window_s, detect=detect, guard=guard, lr_scheduler=lr_scheduler)
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"distmon: GradMonitor needs a DistributedDataParallel model, got "
@@ -203,22 +214,25 @@ class GradMonitor:
 
         Bind first, then agree: a taken port on any rank fails every rank at construction
         with the same clear error, instead of one rank dying and the others hanging. Returns
-        per rank ``(RankInfo, run_id proposal, bind error, "host:port" or None)``.
+        per rank ``(RankInfo, run_id proposal, bind error as (errno, text) or None, "host:port" or None)``.
         """
         bind_error = None
         if _serves(cfg.serve, me.rank, me.local_rank):
             port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
             try:
-                self._server = MetricServer.bind(cfg.addr, port, cfg.port_fallback)
-            except OSError as e:
-                bind_error = f"rank {me.rank} on {me.hostname}: {e.strerror or e}"
+                self._server = MetricServer.bind(cfg.addr, port, cfg.port_fallback, cfg.security)
+            except (OSError, ValueError) as e:  # ValueError: a TLS or auth file that cannot be loaded
+                bind_error = (getattr(e, "errno", None),
+                              f"rank {me.rank} on {me.hostname}: {getattr(e, 'strerror', None) or e}")
         endpoint = f"{target_host(cfg.addr)}:{self._server.port}" if self._server else None
         everyone = hostinfo.exchange((me, hostinfo.resolve_run_id(cfg.run_id), bind_error, endpoint), group)
         errors_seen = [e for _, _, e, _ in everyone if e]
         if errors_seen:
             if self._server:
                 self._server.close()
-            raise OSError(errno.EADDRINUSE, "; ".join(errors_seen))
+            code = errors_seen[0][0]  # EADDRINUSE only for a taken port; None for a TLS/auth file
+            message = "; ".join(text for _, text in errors_seen)
+            raise OSError(code, message) if code is not None else ValueError(message)
         return everyone
 
     # -- hooks ------------------------------------------------------------------------------
