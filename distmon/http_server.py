@@ -463,7 +463,15 @@ class MetricServer:
                 self._queued.append((sock, client))
                 return
             self._busy += 1
-        threading.Thread(target=self._work, args=(sock, client), name="distmon-http-worker", daemon=True).start()
+        try:
+            threading.Thread(target=self._work, args=(sock, client), name="distmon-http-worker",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had: drop this connection, keep the slot count right
+            with self._lock:
+                self._busy -= 1
+                self._deadlines.pop(sock, None)
+            sock.close()
+            raise
 
     def _expire(self, selector: selectors.BaseSelector, idle: dict[socket.socket, tuple[Any, float]]) -> None:
         now = time.monotonic()
