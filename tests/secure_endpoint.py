@@ -17,8 +17,6 @@ import pytest
 
 from e2e_stack import require_binary
 
-bcrypt = pytest.importorskip("bcrypt")
-
 _LEAF_EXTENSIONS = {
     "server": "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
     "client": "extendedKeyUsage=clientAuth\n",
@@ -62,6 +60,7 @@ def make_pki(directory: Path) -> Pki:
 
 def write_htpasswd(path: Path, users: dict[str, str], rounds: int = 4) -> Path:
     """``user:bcrypt-hash`` lines for ``users`` (name -> password); bcrypt cost ``rounds``."""
+    bcrypt = pytest.importorskip("bcrypt")
     path.write_text("".join(f"{user}:{bcrypt.hashpw(pw.encode(), bcrypt.gensalt(rounds)).decode()}\n"
                             for user, pw in users.items()))
     return path
