@@ -277,28 +277,29 @@ class Distmon(Approach):
         self.mon = distmon.GradMonitor(ddp, opt, serve="none", **self.options)
         self.export_times: list[float] = []
         tr = getattr(self.mon, "_tracker", None)
+        source = getattr(self.mon, "_source", None)
         # Instrument distmon's own entry points (instance attributes shadow the methods; the
-        # comm hook and the optimizer hook look them up at call time). No distmon file is edited.
+        # comm hook and the optimizer hooks look them up at call time). No distmon file is edited.
         # These are private names: where one is gone, that site is not timed (and reported so);
         # the end-to-end numbers do not depend on it.
         self.uninstrumented: list[str] = []
         timer = self.timer
-        if hasattr(tr, "before_reduce"):
-            before = _timed(tr.before_reduce, timer, "distmon::local_sums")
+        if hasattr(source, "measure_local"):
+            local = _timed(source.measure_local, timer, "distmon::local_sums")
 
-            def before_reduce(bucket):  # noqa: ANN001
-                measure_reduced = before(bucket)  # the reduced-side callback, or None
+            def measure_local(bucket):  # noqa: ANN001
+                measure_reduced = local(bucket)  # the reduced-side callback, or None
                 return _timed(measure_reduced, timer, "distmon::reduced_sums") if callable(measure_reduced) \
                     else measure_reduced
-            tr.before_reduce = before_reduce
+            source.measure_local = measure_local
         else:
             self.uninstrumented.append("local_sums")
-        # The export (every export_every steps: totals and detectors over the rows since the last
-        # one, host copy) runs inside end_step on few of the timed steps, so a median step hides
-        # it: every export outside the profiler is timed here, and its mean is amortized.
-        if hasattr(tr, "export"):
-            tr.export = _timed(tr.export, timer, "periodic::distmon::export", self.export_times)
-        for attr, site in (("issue_gather", "distmon::issue_gather"), ("end_step", "distmon::end_step")):
+        # The publication (every export_every steps: totals and detectors over the rows since the
+        # last one, host copy) runs inside after_step on few of the timed steps, so a median step
+        # hides it: every publication outside the profiler is timed here, and its mean is amortized.
+        if hasattr(tr, "publish"):
+            tr.publish = _timed(tr.publish, timer, "periodic::distmon::export", self.export_times)
+        for attr, site in (("before_step", "distmon::before_step"), ("after_step", "distmon::after_step")):
             if hasattr(tr, attr):
                 setattr(tr, attr, _timed(getattr(tr, attr), timer, site))
             else:
@@ -955,8 +956,8 @@ def _ratios(t: list[float], base: list[float], blocks: list[list[int]]) -> tuple
 
 
 # periodic site -> the site it runs nested in
-PERIODIC = {"periodic::distmon::export": "distmon::end_step",
-            "wall::periodic::distmon::export": "wall::distmon::end_step"}
+PERIODIC = {"periodic::distmon::export": "distmon::after_step",
+            "wall::periodic::distmon::export": "wall::distmon::after_step"}
 
 
 def _unnest(sites: dict[str, float]) -> dict[str, float]:
@@ -1257,8 +1258,9 @@ def render_md(res: dict, png: Optional[str]) -> str:
     L += profile_lines(res)
     L += ["Own-code time per step by site, CPU ms (wall ms, which adds blocking waits and preemption by other "
           "jobs), median over timed steps, mean over ranks; `local_sums`/`reduced_sums` = sums of squares of the "
-          "local / reduced bucket (comm hook, future callback), `issue_gather` = pack and start the per-step "
-          "all-gather, `end_step` = optimizer step hook without its export (wait for the gather), `export` = "
+          "local / reduced bucket (comm hook, future callback), `before_step` = fold the local sums, pack and "
+          "start the per-step all-gather (optimizer step pre-hook), `after_step` = optimizer step post-hook "
+          "without its export (fold the reduced sums into the step's row), `export` = "
           "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
           "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "
           "thread decoding exported rows (off the training thread):", ""]
@@ -1406,11 +1408,11 @@ def render_readme(res: dict) -> str:
     for s in sizes:
         r = s["rows"]["distmon"]["sites_ms"]
         g = lambda k: r.get(k, 0.0)  # noqa: E731
-        fixed = g("distmon::issue_gather") + g("distmon::end_step") + g("amortized::export")
+        fixed = g("distmon::before_step") + g("distmon::after_step") + g("amortized::export")
         L.append(f"- {s['info']['size']}: local {g('distmon::local_sums'):.2f} ms + reduced "
                  f"{g('distmon::reduced_sums'):.2f} ms (one read of the gradients each; floor "
-                 f"{s['floor_cpu_ms']:.2f} ms) + gather {g('distmon::issue_gather'):.2f} ms + step "
-                 f"{g('distmon::end_step'):.2f} ms + export {g('amortized::export'):.2f} ms (fixed per step: "
+                 f"{s['floor_cpu_ms']:.2f} ms) + gather {g('distmon::before_step'):.2f} ms + step "
+                 f"{g('distmon::after_step'):.2f} ms + export {g('amortized::export'):.2f} ms (fixed per step: "
                  f"{fixed:.2f} ms = {fixed / s['floor_cpu_ms']:.1f} passes here)")
     L += ["", "Findings:", ""]
     for what, verdict, detail in res["acceptance"]:

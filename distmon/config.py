@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from .detectors import DetectorConfig
 from .grouping import GroupSpec, validate_groups
+from .http_server import EndpointSecurity
 
 SERVE_MODES = ("rank0", "node", "all", "none")
 GUARD_MODES = (None, "skip", "raise")
@@ -47,6 +48,10 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "log_path": ("DISTMON_LOG_PATH", lambda n, v: v),
     "file_sd_dir": ("DISTMON_FILE_SD_DIR", lambda n, v: v),
     "linger_s": ("DISTMON_LINGER_S", lambda n, v: float(v)),
+    "tls_cert": ("DISTMON_TLS_CERT", lambda n, v: v),
+    "tls_key": ("DISTMON_TLS_KEY", lambda n, v: v),
+    "tls_client_ca": ("DISTMON_TLS_CLIENT_CA", lambda n, v: v),
+    "basic_auth_file": ("DISTMON_BASIC_AUTH_FILE", lambda n, v: v),
 }
 
 
@@ -64,6 +69,10 @@ class MonitorConfig:
     port: int = DEFAULT_PORT
     addr: str = "127.0.0.1"
     port_fallback: bool = False
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_client_ca: Optional[str] = None
+    basic_auth_file: Optional[str] = None
     run_id: Optional[str] = None
     log_path: Optional[str] = None
     file_sd_dir: Optional[str] = None
@@ -101,6 +110,16 @@ class MonitorConfig:
         cfg.validate()
         return cfg
 
+    @property
+    def security(self) -> EndpointSecurity:
+        """The endpoint's TLS and basic-auth settings (raises on options that do not go together).
+
+        Example:
+            >>> MonitorConfig(tls_cert="server.pem", tls_key="server.key").security.tls_cert
+            'server.pem'
+        """
+        return EndpointSecurity(self.tls_cert, self.tls_key, self.tls_client_ca, self.basic_auth_file)
+
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
         def need(cond: bool, msg: str, exc: type = ValueError) -> None:
@@ -121,6 +140,7 @@ class MonitorConfig:
         need(isinstance(self.port, int) and 0 <= self.port <= 65535,
              f"port must be an int in 0..65535 (0 = ephemeral), got {self.port!r}")
         need(isinstance(self.addr, str) and bool(self.addr), f"addr must be a host address, got {self.addr!r}")
+        self.security  # pairs and types of the TLS/auth options; their files are read at bind time
         need(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
              f"run_id must be a non-empty string, got {self.run_id!r}")
         need(isinstance(self.linger_s, (int, float)) and math.isfinite(self.linger_s) and self.linger_s >= 0,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from enum import IntEnum
 from typing import Sequence
 
 import torch
@@ -40,10 +41,20 @@ from .snapshot import AnomalyEvent, Snapshot
 
 __all__ = ["DetectorConfig", "DeviceDetector", "DetectorDecoder"]
 
-# detector columns of a ring row, then one outlier score per rank
-COLUMNS = ("zscore", "median_ratio", "layer_zmax", "spike_global", "spike_layer", "spike_layer_z", "vanishing",
-           "outlier", "outlier_rank", "outlier_score", "block")
-_C = {name: i for i, name in enumerate(COLUMNS)}
+class Col(IntEnum):
+    """The detector columns of a ring row (then one rank-outlier score per rank)."""
+
+    ZSCORE = 0  # z-score of the log global norm
+    MEDIAN_RATIO = 1  # global norm / running median
+    LAYER_ZMAX = 2  # largest layer z-score
+    SPIKE_GLOBAL = 3  # 1: the global norm spiked
+    SPIKE_LAYER = 4  # index of the layer that spiked with the largest z, -1 if none
+    SPIKE_LAYER_Z = 5  # its z-score
+    VANISHING = 6  # 1: the vanishing run reached its length this step
+    OUTLIER = 7  # 1: a rank is an outlier
+    OUTLIER_RANK = 8  # the rank with the largest outlier score
+    OUTLIER_SCORE = 9  # its score
+    BLOCK = 10  # 1: a guard must not take this step (non-finite or spiking reduced gradient)
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ class DeviceDetector:
         self.cfg = cfg
         self.world = world
         self.fields = fields
-        self.n_outputs = len(COLUMNS) + world
+        self.n_outputs = len(Col) + world
         n = n_layers + 1  # global norm first, then layers
         f32 = dict(dtype=torch.float32, device=device)
         self.mean = torch.zeros(n, **f32)
@@ -176,7 +187,7 @@ class DeviceDetector:
     def blank(out: torch.Tensor) -> None:
         """Write the "no verdict" detector columns of a row (an invalid step keeps these)."""
         out.zero_()
-        out[_C["spike_layer"]] = -1.0
+        out[Col.SPIKE_LAYER] = -1.0
 
     def update(self, rows: torch.Tensor, layout: RowLayout) -> None:
         """Judge a run of consecutive valid steps' rows, write their detector columns, advance the state.
@@ -223,16 +234,16 @@ class DeviceDetector:
         outlier[:armed_from] = False
         if self.world < 3:
             outlier.zero_()
-        cols = {
-            "zscore": z[:, 0], "median_ratio": torch.exp(x[:, 0] - median), "layer_zmax": z[:, 1:].max(1).values,
-            "spike_global": spike[:, 0], "spike_layer": torch.where(any_layer, best, -1),
-            "spike_layer_z": torch.where(any_layer, best_z, 0.0), "vanishing": count == cfg.vanishing_steps,
-            "outlier": outlier, "outlier_rank": outlier_rank, "outlier_score": outlier_score,
-            "block": ~finite[:, 0] | spike.any(1),
+        verdicts = {
+            Col.ZSCORE: z[:, 0], Col.MEDIAN_RATIO: torch.exp(x[:, 0] - median), Col.LAYER_ZMAX: z[:, 1:].max(1).values,
+            Col.SPIKE_GLOBAL: spike[:, 0], Col.SPIKE_LAYER: torch.where(any_layer, best, -1),
+            Col.SPIKE_LAYER_Z: torch.where(any_layer, best_z, 0.0), Col.VANISHING: count == cfg.vanishing_steps,
+            Col.OUTLIER: outlier, Col.OUTLIER_RANK: outlier_rank, Col.OUTLIER_SCORE: outlier_score,
+            Col.BLOCK: ~finite[:, 0] | spike.any(1),
         }
         out = rows[:, layout.detector]
-        out[:, :len(COLUMNS)] = torch.stack([cols[name].float() for name in COLUMNS], 1)
-        out[:, len(COLUMNS):] = score
+        out[:, :len(Col)] = torch.stack([verdicts[c].float() for c in Col], 1)
+        out[:, len(Col):] = score
 
         self.mean.copy_(mean_after)
         self.var.copy_(var_after)
@@ -279,28 +290,27 @@ class DetectorDecoder:
         self.cfg = cfg
         self.layers = tuple(layers)
 
-    def __call__(self, step: int, cols: list[float], snap: Snapshot) -> Snapshot:
-        c = {name: cols[i] for name, i in _C.items()}
+    def __call__(self, step: int, c: list[float], snap: Snapshot) -> Snapshot:
         cfg = self.cfg
         events: list[AnomalyEvent] = []
         if snap.nonfinite:
             rank, layer = snap.first_nonfinite or (-1, "")
             events.append(AnomalyEvent("nonfinite", step, rank, layer, snap.grad_norm, math.inf))
-        if c["spike_global"] or c["spike_layer"] >= 0:
-            layer = self.layers[int(c["spike_layer"])] if c["spike_layer"] >= 0 else ""
-            value = c["spike_layer_z"] if layer else c["zscore"]
+        if c[Col.SPIKE_GLOBAL] or c[Col.SPIKE_LAYER] >= 0:
+            layer = self.layers[int(c[Col.SPIKE_LAYER])] if c[Col.SPIKE_LAYER] >= 0 else ""
+            value = c[Col.SPIKE_LAYER_Z] if layer else c[Col.ZSCORE]
             events.append(AnomalyEvent("spike", step, -1, layer, value, cfg.spike_zscore))
-        if c["vanishing"]:
+        if c[Col.VANISHING]:
             events.append(AnomalyEvent("vanishing", step, -1, "", snap.grad_norm, cfg.vanishing_norm))
-        if c["outlier"]:
-            events.append(AnomalyEvent("rank_outlier", step, int(c["outlier_rank"]), "",
-                                       c["outlier_score"], cfg.outlier_score))
+        if c[Col.OUTLIER]:
+            events.append(AnomalyEvent("rank_outlier", step, int(c[Col.OUTLIER_RANK]), "",
+                                       c[Col.OUTLIER_SCORE], cfg.outlier_score))
         return replace(snap, events=tuple(events),
-                       scores={"zscore": c["zscore"], "median_ratio": c["median_ratio"],
-                               "layer_zmax": c["layer_zmax"]},
-                       rank_outlier_scores=cols[len(COLUMNS):])
+                       scores={"zscore": c[Col.ZSCORE], "median_ratio": c[Col.MEDIAN_RATIO],
+                               "layer_zmax": c[Col.LAYER_ZMAX]},
+                       rank_outlier_scores=c[len(Col):])
 
 
 def block_column(layout: RowLayout) -> int:
     """Row index of the guard's verdict column (1.0 = do not take this step)."""
-    return layout.detector.start + _C["block"]
+    return layout.detector.start + Col.BLOCK

@@ -77,6 +77,15 @@ class GradMonitor:
         addr: bind address (``DISTMON_ADDR``, default ``127.0.0.1``; ``0.0.0.0`` for remote
             scrapes).
         port_fallback: take the next free port instead of failing (``DISTMON_PORT_FALLBACK``).
+        tls_cert, tls_key: PEM certificate (chain) and unencrypted private key: serve HTTPS,
+            TLS 1.2+ (``DISTMON_TLS_CERT``, ``DISTMON_TLS_KEY``; both or neither).
+        tls_client_ca: PEM CA certificate(s): clients must present a certificate signed by
+            one of them (mutual TLS; ``DISTMON_TLS_CLIENT_CA``; needs ``tls_cert``).
+        basic_auth_file: htpasswd file of ``user:bcrypt-hash`` lines (``htpasswd -nbB user
+            password``): requests need one of those users' passwords (HTTP basic auth;
+            ``DISTMON_BASIC_AUTH_FILE``; needs ``pip install bcrypt``; use with TLS). Files
+            are read when the endpoint starts: one that cannot be read fails every rank at
+            construction, naming the option and the path.
         run_id: run label (``DISTMON_RUN_ID``; default ``TORCHELASTIC_RUN_ID``, then
             ``SLURM_JOB_ID``, then generated); identical on all ranks (rank 0's wins).
         log_path: JSONL file of every step's snapshot, written by rank 0 (``DISTMON_LOG_PATH``).
@@ -113,7 +122,9 @@ class GradMonitor:
                  export_every: Optional[int] = None, groups: GroupSpec = None,
                  max_layers: Optional[int] = None, rank_layers: Optional[bool] = None,
                  serve: Optional[str] = None, port: Optional[int] = None, addr: Optional[str] = None,
-                 port_fallback: Optional[bool] = None, run_id: Optional[str] = None,
+                 port_fallback: Optional[bool] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, tls_client_ca: Optional[str] = None,
+                 basic_auth_file: Optional[str] = None, run_id: Optional[str] = None,
                  log_path: Optional[str] = None, file_sd_dir: Optional[str] = None,
                  linger_s: Optional[float] = None, window_s: Optional[float] = None,
                  detect: Union[bool, DetectorConfig, None] = None, guard: Optional[str] = None,
@@ -123,14 +134,15 @@ class GradMonitor:
         source = source_for(model, comm_hook, comm_state)  # the model's type: the same on every rank
         me = hostinfo.local_rank_info(source.group, source.device)
         # Everything that can fail, on this rank; nothing is installed yet.
-        run_id: Optional[str] = None
+        proposal: Optional[str] = None  # this rank's run id; rank 0's wins
         prepared = Prepared()
         failure: Optional[Exception] = None
         try:
             self.config = cfg = MonitorConfig.from_options(
                 comm_hook=comm_hook, comm_state=comm_state, export_every=export_every, groups=groups,
                 max_layers=max_layers, rank_layers=rank_layers, serve=serve, port=port, addr=addr,
-                port_fallback=port_fallback, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
+                port_fallback=port_fallback, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
+                basic_auth_file=basic_auth_file, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
                 linger_s=linger_s, window_s=window_s, detect=detect, guard=guard, lr_scheduler=lr_scheduler)
             _check_optimizers(optimizers)
             source.check()
@@ -143,12 +155,12 @@ class GradMonitor:
             self._tracker = tracker = StepTracker(len(grouping.layers), source.group, source.device,
                                                   cfg.export_every, cfg.rank_layers, self._errors, factory)
             source.bind(tracker, grouping)
-            run_id = hostinfo.resolve_run_id(cfg.run_id)
-            prepared = prepare(cfg, me, run_id)
+            proposal = hostinfo.resolve_run_id(cfg.run_id)
+            prepared = prepare(cfg, me, proposal)
         except Exception as e:
             failure = e
         try:
-            peers = agree(me, run_id, prepared.endpoint, failure, source.group)
+            peers = agree(me, proposal, prepared.endpoint, failure, source.group)
         except BaseException:
             prepared.release()
             raise
@@ -192,8 +204,8 @@ class GradMonitor:
             except OSError:
                 self._errors.record("file_sd target file")
         if self._server is not None:
-            logger.info("distmon: serving %s metrics at http://%s:%d/metrics (run_id=%s)",
-                        cfg.serve, cfg.addr, self._server.port, self.run_id)
+            logger.info("distmon: serving %s metrics at %s://%s:%d/metrics (run_id=%s)",
+                        cfg.serve, self._server.scheme, cfg.addr, self._server.port, self.run_id)
 
     def _dispatch_events(self, snaps: Sequence[Snapshot]) -> None:
         for snap in snaps:

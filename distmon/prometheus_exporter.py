@@ -10,14 +10,13 @@ real-looking made-up number; counters, the step count and the step timestamp sti
 
 from __future__ import annotations
 
-import errno
 import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import Histogram
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                     Metric)
 from prometheus_client.registry import Collector
@@ -25,8 +24,7 @@ from prometheus_client.registry import Collector
 from .hostinfo import RankInfo
 from .snapshot import Snapshot
 
-__all__ = ["MetricsAggregate", "GradCollector", "MetricServer", "ANOMALY_KINDS", "NORM_BUCKETS",
-           "METRICS", "MetricSpec"]
+__all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS", "METRICS", "MetricSpec"]
 
 ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier")
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
@@ -168,6 +166,7 @@ class GradCollector(Collector):
     """Yields distmon's metric families from the aggregate's current view (never touches torch).
 
     Example:
+        >>> from prometheus_client import CollectorRegistry
         >>> agg = MetricsAggregate("run-1", 1, "0.1.0", "rank0", True, ())
         >>> registry = CollectorRegistry()
         >>> registry.register(GradCollector(agg))
@@ -230,44 +229,3 @@ class GradCollector(Collector):
         family = _family(name)
         family.add_metric([self.agg.run_id, *labels], value)
         return family
-
-
-class MetricServer:
-    """An HTTP ``/metrics`` endpoint over one collector, in its own registry.
-
-    Example:
-        >>> server = MetricServer.bind("127.0.0.1", 0, fallback=False)   # doctest: +SKIP
-        >>> server.attach(GradCollector(agg)); server.port                 # doctest: +SKIP
-    """
-
-    def __init__(self, registry: CollectorRegistry, server, thread, addr: str, port: int) -> None:
-        self.registry, self._server, self._thread = registry, server, thread
-        self.addr, self.port = addr, port
-
-    @classmethod
-    def bind(cls, addr: str, port: int, fallback: bool, tries: int = 100) -> "MetricServer":
-        """Start serving an (initially empty) registry; raise a clear ``OSError`` if the port is taken."""
-        registry = CollectorRegistry(auto_describe=False)
-        candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) if fallback and port else [])
-        last: Optional[OSError] = None
-        for p in candidates:
-            try:
-                server, thread = start_http_server(p, addr=addr, registry=registry)
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:
-                    raise OSError(e.errno, f"distmon: cannot serve metrics on {addr}:{p}: {e.strerror}") from e
-                last = e
-                continue
-            return cls(registry, server, thread, addr, server.server_address[1])
-        hint = (f"ports {port}-{candidates[-1]} are all in use" if fallback
-                else f"port {port} on {addr} is already in use; pass port=0 (ephemeral), another "
-                     f"port (DISTMON_PORT), or port_fallback=True to take the next free one")
-        raise OSError(errno.EADDRINUSE, f"distmon: {hint}") from last
-
-    def attach(self, collector: Collector) -> None:
-        self.registry.register(collector)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)

@@ -9,6 +9,7 @@ can be read while the next copy lands.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -60,7 +61,7 @@ class HostCopy:
         """Block the calling (host) thread until the copy has landed; polls, never synchronizes."""
         if self.event is not None:
             while not self.event.query():
-                threading.Event().wait(poll_s)
+                time.sleep(poll_s)
 
     def release(self) -> None:
         self._free.set()

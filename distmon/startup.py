@@ -2,8 +2,8 @@
 
 A monitor that starts on some ranks and not on others hangs the job at its first collective;
 one that fails after its hooks are installed leaves them running. So the constructor
-prepares on each rank everything that can fail (options, the HTTP endpoint's port, the JSONL
-log, the file_sd directory), the ranks exchange their outcomes in one collective, and then
+prepares on each rank everything that can fail (options, the HTTP endpoint's port and its
+TLS and basic-auth files, the JSONL log, the file_sd directory), the ranks exchange their outcomes in one collective, and then
 either every rank installs its hooks, or every rank releases what it prepared and raises the
 same error, naming the rank, the option and the path.
 """
@@ -21,7 +21,7 @@ from .config import MonitorConfig
 from .file_sd import TargetFile, target_host
 from .hostinfo import RankInfo
 from .jsonl_log import JsonlLog
-from .prometheus_exporter import MetricServer
+from .http_server import MetricServer
 
 __all__ = ["Peer", "Prepared", "prepare", "agree", "serves", "served_ranks"]
 
@@ -95,7 +95,7 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
     try:
         if serves(cfg.serve, me.rank, me.local_rank):
             port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
-            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback)
+            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback, cfg.security)
             out.endpoint = f"{target_host(cfg.addr)}:{out.server.port}"
         if cfg.log_path and me.rank == 0:
             out.log = _usable("log_path", cfg.log_path, JsonlLog)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install distmon and what it needs, on a fresh machine. Idempotent.
 #   bash launch/install.sh          # torch (pinned), prometheus-client, distmon (editable)
-#   bash launch/install.sh --test   # + pytest, pyyaml, and the Prometheus/Alertmanager binaries
+#   bash launch/install.sh --test   # + pytest, pyyaml, bcrypt, and the Prometheus/Alertmanager
+#                                   #   and openssl binaries
 # torch is pinned and installed FIRST: an unpinned `torch` requirement would pull several GB
 # of CUDA wheels on a CPU machine. Set DISTMON_TORCH_SPEC to use another torch build.
 set -euo pipefail
@@ -25,6 +26,7 @@ if [ "${1:-}" = "--test" ]; then
   missing=()
   command -v promtool >/dev/null || missing+=(prometheus)
   command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null || missing+=(prometheus-alertmanager)
+  command -v openssl >/dev/null || missing+=(openssl)  # the TLS tests make their certificates with it
   if [ ${#missing[@]} -gt 0 ]; then
     echo "[install] apt-get install ${missing[*]}"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

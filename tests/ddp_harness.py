@@ -202,20 +202,33 @@ def distmon_dir():
     return os.path.dirname(os.path.abspath(distmon.__file__)) + os.sep
 
 
+def _reduction_on_ddp_behalf():
+    """Code objects that perform DDP's own gradient reduction: distmon's default inner hook
+    reproduces DDP's built-in reduction (which would run without distmon), so its collective
+    is DDP's, not the monitor's."""
+    from distmon.sources.ddp import ddp_allreduce_hook
+
+    return {ddp_allreduce_hook.__code__}
+
+
 def in_distmon_code(frame, dm_dir):
     """True iff the nearest frame (walking outward from `frame`) that is not
     library plumbing belongs to distmon.
 
     torch internals, the standard library and this harness are skipped; the DDP
-    comm hooks shipped with torch (allreduce_hook, fp16_compress_hook ...) and
-    any other code (the test, the user's hook, the training loop) end the walk
-    as "not distmon". So the gradient all-reduce that distmon's wrapper hook
-    delegates to `default_hooks.allreduce_hook` is DDP's collective, not the
-    monitor's, while a `dist.all_gather_into_tensor` written in distmon - or an
-    `.item()` inside a torch helper that distmon called - is the monitor's.
+    comm hooks shipped with torch (allreduce_hook, fp16_compress_hook ...),
+    distmon's default inner hook (DDP's own reduction, see
+    `_reduction_on_ddp_behalf`) and any other code (the test, the user's hook,
+    the training loop) end the walk as "not distmon". So the gradient
+    all-reduce is DDP's collective, not the monitor's, while a
+    `dist.all_gather_into_tensor` written in distmon - or an `.item()` inside a
+    torch helper that distmon called - is the monitor's.
     """
+    ddp_reduction = _reduction_on_ddp_behalf()
     f = frame
     while f is not None:
+        if f.f_code in ddp_reduction:
+            return False
         fn = f.f_code.co_filename
         if fn.startswith(dm_dir):
             return True

@@ -17,10 +17,12 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.error
@@ -71,6 +73,27 @@ def substitute(text: str, replacements: Mapping[str, str]) -> str:
         for i in code:
             lines[i] = lines[i].replace(old, new)
     return "".join(lines)
+
+
+def commented_block(text: str, first: str, end: str) -> str:
+    """The commented-out lines from the one reading ``first`` to the one reading ``end``
+    (exclusive), uncommented and dedented: a documented example, run as written.
+
+    >>> print(commented_block("a: 1\\n  # - b: 2\\n  #   c: 3  # note\\n  # end\\n", "- b: 2", "end"), end="")
+    - b: 2
+      c: 3  # note
+    """
+    lines = [re.sub(r"^(\s*)# ?", r"\1", line) if line.lstrip().startswith("#") else None
+             for line in text.splitlines(keepends=True)]
+    start = next(i for i, line in enumerate(lines) if line is not None and line.strip() == first)
+    stop = next(i for i, line in enumerate(lines[start:], start) if line is None or line.strip() == end)
+    assert lines[stop] is not None, f"the block from {first!r} has an uncommented line before {end!r}"
+    return textwrap.dedent("".join(lines[start:stop]))
+
+
+def secure_scrape_job(config_text: str) -> str:
+    """The commented ``distmon-secure`` job of deploy/prometheus/prometheus.yml, uncommented (a YAML list)."""
+    return commented_block(config_text, "- job_name: distmon-secure", "---- end distmon-secure")
 
 
 def parse_duration(text: str) -> float:

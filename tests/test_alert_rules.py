@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from distmon.prometheus_exporter import METRICS
-from e2e_stack import require_binary
+from e2e_stack import require_binary, secure_scrape_job
 
 yaml = pytest.importorskip("yaml")
 
@@ -310,6 +310,24 @@ def test_promtool_check_config(promtool, tmp_path):
     assert "2 rule files found" in r.stdout
     loaded = yaml.safe_load(text)
     assert loaded["global"]["scrape_interval"] == "1s"
+
+
+def test_promtool_check_config_with_the_secure_job(promtool, tmp_path):
+    """The commented distmon-secure job (TLS, basic auth), uncommented, is a valid config."""
+    conf = tmp_path / "prometheus"
+    shutil.copytree(PROM_DIR, conf)
+    (conf / "tls").mkdir()
+    for name in ("ca.pem", "client.pem", "client.key", "password"):
+        (conf / "tls" / name).write_text("placeholder\n")  # promtool checks that they exist
+    (job,) = yaml.safe_load(secure_scrape_job(PROM_CONFIG.read_text()))
+    assert job["scheme"] == "https" and job["honor_labels"] is True
+    assert job["tls_config"]["ca_file"] and job["basic_auth"]["password_file"]
+    assert {"target_label": "job", "replacement": "distmon"} in job["relabel_configs"]  # the rules' up{job=...}
+    cfg = yaml.safe_load(PROM_CONFIG.read_text())
+    cfg["scrape_configs"].append(job)
+    (conf / "prometheus.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = _run(promtool, "check", "config", str(conf / "prometheus.yml"))
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_alertmanager_config():

@@ -64,7 +64,7 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
         assert size["rows"][name]["own_ms"] > 0, name
     for name in ("distmon", "distmon-detailed"):
         sites = size["rows"][name]["sites_ms"]
-        for site in ("distmon::local_sums", "distmon::reduced_sums", "distmon::issue_gather", "distmon::end_step"):
+        for site in ("distmon::local_sums", "distmon::reduced_sums", "distmon::before_step", "distmon::after_step"):
             assert sites.get(site, 0) > 0, (name, site, sites)
         assert size["rows"][name]["kept_bytes"] > 0
 

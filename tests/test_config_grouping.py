@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -122,3 +123,44 @@ def test_constructor_errors_are_clear():
     not_ddp, has_hook = run_ranks(_constructor_errors, 1)[0]
     assert "DistributedDataParallel" in not_ddp
     assert "comm_hook=" in has_hook
+
+
+def test_endpoint_security_options_from_arguments_and_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DISTMON_TLS_CERT", "/etc/distmon/server.pem")
+    monkeypatch.setenv("DISTMON_TLS_KEY", "/etc/distmon/server.key")
+    monkeypatch.setenv("DISTMON_TLS_CLIENT_CA", "/etc/distmon/ca.pem")
+    monkeypatch.setenv("DISTMON_BASIC_AUTH_FILE", "/etc/distmon/users")
+    cfg = MonitorConfig.from_options(tls_cert=None, tls_key=None, tls_client_ca=None,
+                                     basic_auth_file=str(tmp_path / "users"))
+    assert (cfg.security.tls_cert, cfg.security.tls_key, cfg.security.tls_client_ca, cfg.security.basic_auth_file) \
+        == ("/etc/distmon/server.pem", "/etc/distmon/server.key", "/etc/distmon/ca.pem", str(tmp_path / "users"))
+    monkeypatch.delenv("DISTMON_TLS_KEY")
+    with pytest.raises(ValueError, match=r"tls_cert \(DISTMON_TLS_CERT\) needs tls_key"):
+        MonitorConfig.from_options(tls_cert=None, tls_key=None)
+    with pytest.raises(ValueError, match=r"tls_client_ca \(DISTMON_TLS_CLIENT_CA\) needs tls_cert"):
+        MonitorConfig.from_options(tls_client_ca="ca.pem")
+
+
+def _bind_errors(rank: int, world: int, missing_cert: str) -> list[tuple[str, object, str]]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = nn.Linear(3, 3)
+    model, opt = DDP(net), torch.optim.SGD(net.parameters(), lr=0.1)
+    errors = []
+    for options in ({"addr": "not-an-ip"}, {"tls_cert": missing_cert, "tls_key": missing_cert}):
+        with pytest.raises((OSError, ValueError)) as e:
+            distmon.GradMonitor(model, opt, port=0, linger_s=0, **options)
+        errors.append((type(e.value).__name__, getattr(e.value, "errno", None), str(e.value)))
+    return errors
+
+
+def test_bind_errors_at_construction_say_what_they_are(tmp_path):
+    """A name that does not resolve is not "address in use"; a TLS file that cannot be loaded
+    fails construction (through the same exchange as a taken port: no rank is left waiting)."""
+    missing = str(tmp_path / "missing.pem")
+    bad_addr, bad_cert = run_ranks(_bind_errors, 1, missing)[0]
+    kind, code, msg = bad_addr
+    assert kind == "OSError" and code != errno.EADDRINUSE and "in use" not in msg, bad_addr
+    assert "not-an-ip" in msg and "DISTMON_ADDR" in msg, bad_addr
+    kind, code, msg = bad_cert
+    assert kind == "ValueError" and "tls_cert" in msg and repr(missing) in msg, bad_cert

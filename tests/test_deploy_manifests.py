@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from distmon.prometheus_exporter import METRICS
-from e2e_stack import require_binary
+from e2e_stack import commented_block, require_binary
 
 yaml = pytest.importorskip("yaml")
 
@@ -131,6 +131,19 @@ def test_podmonitor_scrapes_the_named_port_of_the_pytorchjob():
         assert env["DISTMON_SERVE"] == "node"
         cmd = container["command"] + container.get("args", [])
         assert cmd[0] == "torchrun" and "launch/train.py" in cmd
+
+
+def test_podmonitor_secure_endpoint_example():
+    """The commented TLS + basic-auth keys complete the endpoint, all from one Secret."""
+    text = (K8S / "podmonitor.yaml").read_text()
+    secure = yaml.safe_load(commented_block(text, "scheme: https", "---- end secured endpoint"))
+    (pm,) = _yaml_docs(K8S / "podmonitor.yaml")
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert not secure.keys() & ep.keys()
+    tls, auth = secure["tlsConfig"], secure["basicAuth"]
+    assert secure["scheme"] == "https" and tls["serverName"]
+    secrets = [tls["ca"]["secret"], tls["cert"]["secret"], tls["keySecret"], auth["username"], auth["password"]]
+    assert {s["name"] for s in secrets} == {"distmon-scrape"} and all(s["key"] for s in secrets)
 
 
 # --------------------------------------------------------------------------------------------

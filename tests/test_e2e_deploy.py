@@ -19,6 +19,10 @@ step numbers map to predictable times and CPU use stays low on a 2-core machine:
   the production threshold: the job runs concurrently with the others, so its wait overlaps).
 * ``e2e-nodes``: two torchrun "nodes" (c10d rendezvous, 2 ranks each, ``serve="node"``).
   -> one target per node, per-rank series once each, sum/max over ranks = the snapshot.
+* ``e2e-secure`` (started by its own test): one rank serving over mutual TLS with basic
+  auth (``DISTMON_TLS_*``, ``DISTMON_BASIC_AUTH_FILE``), announced in a target file of
+  its own.  -> the commented ``distmon-secure`` job of prometheus.yml, run as written,
+  scrapes it; the same job without ``basic_auth`` is refused with 401.
 
 Deliberate deviation from "only paths and ports substituted": ``scrape_interval`` and
 ``evaluation_interval`` are 1 s instead of 15 s. With the production intervals the
@@ -37,6 +41,7 @@ import math
 import re
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -45,8 +50,9 @@ import pytest
 
 from e2e_stack import (
     DEPLOY, Alertmanager, Prometheus, Recorder, TorchrunJob, Webhook, free_port, has_data,
-    parse_duration, parse_rfc3339, require_binary, substitute, tail, wait_for,
+    parse_duration, parse_rfc3339, require_binary, secure_scrape_job, substitute, tail, wait_for,
 )
+from secure_endpoint import Pki, make_pki, write_htpasswd
 
 yaml = pytest.importorskip("yaml")
 
@@ -57,6 +63,8 @@ STEP_S = 0.25           # --min-step-s of every job: 4 optimizer steps per secon
 STARTUP_S = 120.0       # bound on torchrun + torch import + rendezvous on a loaded 2-core machine
 
 EXPLODE, KILLED, STALLED, NODES = "e2e-explode", "e2e-killed", "e2e-stalled", "e2e-nodes"
+SECURE, ANONYMOUS_JOB = "e2e-secure", "distmon-secure-anonymous"
+SECURE_STEPS = 40       # e2e-secure: ~10 s of steps, then 3 s of linger
 
 # e2e-explode timeline (steps of STEP_S). The explosion alert compares the latest norm with
 # the median of ALL recorded samples of the last 30 min (recorded every SCRAPE_S), so the
@@ -90,6 +98,18 @@ def rule_for(name: str) -> float:
     return parse_duration(alert_rules()[name].get("for", "0s"))
 
 
+@dataclass(frozen=True)
+class SecureScrape:
+    """What the ``distmon-secure`` job of the test's Prometheus uses: certificates in the
+    config directory's ``tls/`` (the names the job reads), its user and password, and the
+    ``file_sd_secure/`` directory it discovers targets in."""
+
+    pki: Pki
+    username: str
+    password: str
+    sd_dir: Path
+
+
 @dataclass
 class Stack:
     workdir: Path
@@ -98,6 +118,7 @@ class Stack:
     am: Alertmanager
     webhook: Webhook
     recorder: Recorder
+    secure: SecureScrape | None  # None without openssl
 
     def diagnose(self, jobs: Iterable[TorchrunJob] = (), run_ids: Iterable[str] | None = None) -> str:
         run_ids = list(run_ids) if run_ids is not None else None
@@ -125,23 +146,46 @@ class Stack:
         return "\n".join(out)
 
 
-def prometheus_config(workdir: Path, am_port: int, sd_dir: Path) -> Path:
-    """deploy/prometheus copied to ``workdir``; prometheus.yml adapted by string replacement."""
+def add_secure_jobs(conf_dir: Path, text: str) -> tuple[str, SecureScrape]:
+    """The config with the commented ``distmon-secure`` job enabled as written, and a copy of
+    it without ``basic_auth`` (job ``distmon-secure-anonymous``); the files they read."""
+    (job,) = yaml.safe_load(secure_scrape_job(text))
+    (targets,) = job["file_sd_configs"][0]["files"]
+    secure = SecureScrape(make_pki(conf_dir / "tls"), job["basic_auth"]["username"], uuid.uuid4().hex,
+                          (conf_dir / targets).parent)
+    (conf_dir / job["basic_auth"]["password_file"]).write_text(secure.password)
+    secure.sd_dir.mkdir()
+    tls = job["tls_config"]
+    for path in (tls["ca_file"], tls["cert_file"], tls["key_file"]):
+        assert (conf_dir / path).exists(), f"distmon-secure reads {path}, which make_pki does not write"
+    anonymous = {k: v for k, v in job.items() if k not in ("basic_auth", "relabel_configs")}
+    cfg = yaml.safe_load(text)
+    cfg["scrape_configs"] += [job, dict(anonymous, job_name=ANONYMOUS_JOB)]
+    return yaml.safe_dump(cfg, sort_keys=False), secure
+
+
+def prometheus_config(workdir: Path, am_port: int, sd_dir: Path) -> tuple[Path, SecureScrape | None]:
+    """deploy/prometheus copied to ``workdir``; prometheus.yml adapted by string replacement,
+    plus its commented TLS + basic-auth job (where openssl can make the certificates)."""
     conf_dir = workdir / "prometheus"
     shutil.copytree(DEPLOY / "prometheus", conf_dir)
     cfg = conf_dir / "prometheus.yml"
-    cfg.write_text(substitute(cfg.read_text(), {
+    text = substitute(cfg.read_text(), {
         # Deliberate, documented deviation from "only paths and ports": production's 15 s
         # would make this test take many minutes (module docstring).
         "scrape_interval: 15s": f"scrape_interval: {SCRAPE_S:g}s",
         "evaluation_interval: 15s": f"evaluation_interval: {SCRAPE_S:g}s",
         "localhost:9093": f"127.0.0.1:{am_port}",
         "file_sd/*.json": f"{sd_dir}/*.json",
-    }))
+    })
+    secure = None
+    if shutil.which("openssl"):
+        text, secure = add_secure_jobs(conf_dir, text)
+    cfg.write_text(text)
     # "rules/*.yml" resolves against the copied directory: the repo's rule files, unmodified.
     for rule_file in (DEPLOY / "prometheus" / "rules").glob("*.yml"):
         assert (conf_dir / "rules" / rule_file.name).read_text() == rule_file.read_text()
-    return cfg
+    return cfg, secure
 
 
 def alertmanager_config(workdir: Path, webhook_url: str) -> Path:
@@ -164,13 +208,14 @@ def stack(tmp_path_factory):
         stops.append(webhook.close)
         am = Alertmanager(am_bin, alertmanager_config(workdir, webhook.url), workdir)
         stops.append(am.stop)
-        prom = Prometheus(prom_bin, prometheus_config(workdir, am.port, sd_dir), workdir)
+        prom_config, secure = prometheus_config(workdir, am.port, sd_dir)
+        prom = Prometheus(prom_bin, prom_config, workdir)
         stops.append(prom.stop)
         am.wait_ready()
         prom.wait_ready()
         recorder = Recorder(prom, am)
         stops.append(recorder.stop)
-        yield Stack(workdir, sd_dir, prom, am, webhook, recorder)
+        yield Stack(workdir, sd_dir, prom, am, webhook, recorder, secure)
     finally:
         for stop in reversed(stops):
             stop()
@@ -399,6 +444,53 @@ def test_killed_job_fires_metrics_vanished_and_target_down(stack, jobs):
                        "Alertmanager to list DistmonTargetDown for e2e-killed", diag)
     # alertmanager.yml inhibits "target down" while "metrics vanished" fires for the run.
     assert any("suppressed" in a["states"] and a["last_inhibitedBy"] for a in am_down), am_down
+
+
+def test_tls_and_basic_auth_endpoint_scraped_by_the_documented_job(stack):
+    """A job serving over mutual TLS with basic auth, set up by environment variables alone,
+    is scraped by the ``distmon-secure`` job of deploy/prometheus/prometheus.yml as written:
+    target up over https, its metrics queryable. The same job without credentials sees the
+    target down with 401. (Placed before the explosion test: it runs while that job's
+    timeline plays out, so it adds little to the module's wall time.)"""
+    if stack.secure is None:
+        require_binary("openssl", package="openssl")  # skips, or fails under CI
+    secure, prom, rec = stack.secure, stack.prom, stack.recorder
+    users = write_htpasswd(stack.workdir / "users", {secure.username: secure.password}, rounds=10)
+    pki = secure.pki
+    job = TorchrunJob("secure", stack.workdir, [
+        "--preset", "tiny", "--min-step-s", f"{STEP_S:g}", "--print-every", "20", "--port", "0",
+        "--steps", str(SECURE_STEPS)], {
+        "DISTMON_FILE_SD_DIR": str(secure.sd_dir), "DISTMON_RUN_ID": SECURE, "DISTMON_LINGER_S": "3",
+        "DISTMON_TLS_CERT": str(pki.server_cert), "DISTMON_TLS_KEY": str(pki.server_key),
+        "DISTMON_TLS_CLIENT_CA": str(pki.ca), "DISTMON_BASIC_AUTH_FILE": str(users)}, nproc=1)
+
+    def diag() -> str:
+        return stack.diagnose([job], [SECURE])
+
+    def by_job() -> dict[str, dict]:
+        return {r["labels"]["job"]: r for r in rec.target_records(SECURE)}
+
+    def scraped_and_refused() -> bool:
+        if job.poll() not in (None, 0):
+            pytest.fail(f"e2e-secure failed\n{diag()}", pytrace=False)
+        targets = by_job()
+        steps = scalar(prom, f'max_over_time(distmon_optimizer_steps_total{{run_id="{SECURE}"}}[10m])')
+        return ("up" in targets.get("distmon", {}).get("states", {}) and bool(steps)
+                and "401" in (targets.get(ANONYMOUS_JOB, {}).get("last_lastError") or ""))
+
+    job.start()
+    try:
+        wait_for(scraped_and_refused, STARTUP_S + SECURE_STEPS * STEP_S * 3,
+                 "distmon-secure to scrape e2e-secure and distmon-secure-anonymous to get 401", diag)
+        targets = by_job()
+        assert targets["distmon"]["scrapeUrl"].startswith("https://127.0.0.1:"), targets
+        assert "up" not in targets[ANONYMOUS_JOB]["states"], targets
+        served = prom.values(f'count by (job) (last_over_time(distmon_run_info{{run_id="{SECURE}"}}[10m]))')
+        assert served == [({"job": "distmon"}, 1.0)], served
+        assert job.wait(STARTUP_S + SECURE_STEPS * STEP_S * 3, diag) == 0, diag()
+        assert not (secure.sd_dir / f"{SECURE}.json").exists(), "target file left behind"
+    finally:
+        job.kill_all()
 
 
 def test_explosion_and_nonfinite_alerts_reach_alertmanager(stack, jobs):

@@ -1,0 +1,156 @@
+"""The Prometheus collector in process: snapshots in, samples out (client_python's own way of testing).
+
+A ``MetricsAggregate`` is fed hand-made ``Snapshot`` objects and its ``GradCollector`` is
+registered in a ``CollectorRegistry``; samples are read with ``get_sample_value`` and compared
+with literal values. One test scrapes the same collector over HTTP with a ``name[]`` filter.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from distmon.hostinfo import RankInfo
+from distmon.http_server import MetricServer
+from distmon.prometheus_exporter import ANOMALY_KINDS, METRICS, GradCollector, MetricsAggregate
+from distmon.snapshot import AnomalyEvent, Snapshot
+
+RUN = {"run_id": "r1"}
+RANKS = (RankInfo(0, 0, "h0", "", "h0"), RankInfo(1, 1, "h0", "", "h0"))
+
+
+def snap(step: int, norm: float, *, valid: bool = True, nonfinite: bool = False, ts: float = 1000.0,
+         events: tuple = (), errors: tuple = (0, 0), ranks: tuple = (1.0, 2.0), bad_ranks: tuple = ()) -> Snapshot:
+    return Snapshot(step=step, timestamp=ts + step, grad_norm=norm, layer_grad_norms={"a": norm / 2, "b.c": norm},
+                    rank_grad_norms=list(ranks), rank_layer_grad_norms=None, nonfinite=nonfinite,
+                    nonfinite_ranks=list(bad_ranks), first_nonfinite=None, events=events,
+                    monitor_errors=sum(errors), rank_monitor_errors=list(errors), valid=valid, run_id="r1",
+                    world_size=2, scores={"zscore": 0.5, "median_ratio": 1.1}, rank_outlier_scores=[0.2, 0.3])
+
+
+def registry(cluster: bool = True, ranks: tuple = RANKS, own_errors: int = 0,
+             window_s: float = 60.0) -> tuple[MetricsAggregate, CollectorRegistry]:
+    agg = MetricsAggregate("r1", 2, "9.9", "rank0", cluster, ranks, window_s, 0, lambda: own_errors)
+    reg = CollectorRegistry()
+    reg.register(GradCollector(agg))
+    return agg, reg
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return reg.get_sample_value(name, {**RUN, **labels})
+
+
+def test_before_any_step_only_counters_and_metadata_are_served():
+    _, reg = registry()
+    assert value(reg, "distmon_run_info", world_size="2", version="9.9", serve="rank0") == 1
+    assert value(reg, "distmon_optimizer_steps_total") == 0
+    assert value(reg, "distmon_run_finished") == 0
+    assert value(reg, "distmon_step_grad_norm_count") == 0
+    assert [value(reg, "distmon_anomalies_total", kind=k) for k in ANOMALY_KINDS] == [0, 0, 0, 0]
+    assert value(reg, "distmon_grad_norm") is None  # nothing measured: no made-up gauge
+
+
+def test_gauges_counters_and_per_rank_series():
+    agg, reg = registry()
+    agg.add([snap(1, 0.5), snap(2, 4.0, events=(AnomalyEvent("spike", 2, -1, "b.c", 9.0, 6.0),))])
+    assert value(reg, "distmon_optimizer_steps_total") == 2
+    assert value(reg, "distmon_grad_norm") == 4.0
+    assert value(reg, "distmon_last_step_timestamp_seconds") == 1002.0
+    assert value(reg, "distmon_layer_grad_norm", layer="a", depth="0000") == 2.0
+    assert value(reg, "distmon_layer_grad_norm", layer="b.c", depth="0001") == 4.0
+    assert value(reg, "distmon_grad_norm_zscore") == 0.5
+    assert value(reg, "distmon_anomalies_total", kind="spike") == 1
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0") == 2.0
+    assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0") == 0.2
+    assert value(reg, "distmon_grad_norm_window_max") == 4.0
+
+
+def test_histogram_counts_every_finite_step_in_client_library_buckets():
+    agg, reg = registry()
+    agg.add([snap(1, 0.5), snap(2, 1.0), snap(3, 3.0), snap(4, math.nan, nonfinite=True)])
+    # le is formatted as the client library does ("1.0", not "1")
+    assert value(reg, "distmon_step_grad_norm_bucket", le="0.5") == 1
+    assert value(reg, "distmon_step_grad_norm_bucket", le="1.0") == 2
+    assert value(reg, "distmon_step_grad_norm_bucket", le="2.5") == 2
+    assert value(reg, "distmon_step_grad_norm_bucket", le="5.0") == 3
+    assert value(reg, "distmon_step_grad_norm_bucket", le="+Inf") == 3
+    assert value(reg, "distmon_step_grad_norm_count") == 3
+    assert value(reg, "distmon_step_grad_norm_sum") == 4.5
+    assert value(reg, "distmon_step_grad_norm_created") is None
+    assert value(reg, "distmon_nonfinite_steps_total") == 1
+
+
+def test_an_unmeasured_step_advances_the_count_but_leaves_the_gauges():
+    agg, reg = registry()
+    agg.add([snap(1, 0.5)])
+    agg.add([snap(2, math.nan, valid=False, ranks=(math.nan, math.nan))])
+    assert value(reg, "distmon_optimizer_steps_total") == 2
+    assert value(reg, "distmon_last_step_timestamp_seconds") == 1002.0
+    assert value(reg, "distmon_grad_norm") == 0.5
+    assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0") == 1.0
+    assert value(reg, "distmon_step_grad_norm_count") == 1
+    assert value(reg, "distmon_nonfinite_steps_total") == 0
+
+
+def test_rank_nonfinite_counters_and_errors_with_the_servers_later_ones():
+    agg, reg = registry(own_errors=5)
+    agg.add([snap(1, math.inf, nonfinite=True, bad_ranks=(1,), errors=(2, 3))])
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0") == 1
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="0", local_rank="0", hostname="h0") == 0
+    # rank 0 (this server) had counted 2 when the step was gathered, 5 now: 5 + rank 1's 3
+    assert value(reg, "distmon_monitor_errors_total") == 8
+
+
+def test_window_max_forgets_old_steps():
+    agg, reg = registry(window_s=10.0)
+    agg.add([snap(1, 9.0, ts=0.0), snap(20, 2.0, ts=0.0)])
+    assert value(reg, "distmon_grad_norm_window_max") == 2.0
+
+
+def test_a_node_server_serves_only_its_ranks_and_no_cluster_families():
+    agg, reg = registry(cluster=False, ranks=RANKS[1:])
+    agg.add([snap(1, 0.5)])
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0") == 2.0
+    assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0") is None
+    assert value(reg, "distmon_grad_norm") is None and value(reg, "distmon_optimizer_steps_total") is None
+
+
+def test_gpu_uuid_label_only_on_gpus():
+    gpu_ranks = (RankInfo(0, 0, "h0", "GPU-abc", "h0"), RankInfo(1, 1, "h0", "GPU-def", "h0"))
+    agg, reg = registry(ranks=gpu_ranks)
+    agg.add([snap(1, 0.5)])
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", gpu_uuid="GPU-def") == 2.0
+
+
+def test_finished_mark():
+    agg, reg = registry()
+    agg.mark_finished()
+    assert value(reg, "distmon_run_finished") == 1
+
+
+def test_describe_names_every_family_and_the_name_filter_works_over_http():
+    agg, _ = registry()
+    agg.add([snap(1, 0.5)])
+    assert {m.name for m in GradCollector(agg).describe()} == {
+        name.removesuffix("_total") if spec.kind == "counter" else name for name, spec in METRICS.items()}
+    server = MetricServer.bind("127.0.0.1", 0, fallback=False)
+    try:
+        server.attach(GradCollector(agg))
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        url = f"http://127.0.0.1:{server.port}/metrics?name[]=distmon_grad_norm&name[]=distmon_optimizer_steps_total"
+        with opener.open(url, timeout=10) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    finally:
+        server.close()
+    assert set(families) == {"distmon_grad_norm", "distmon_optimizer_steps"}
+    assert families["distmon_grad_norm"].samples[0].value == 0.5
+
+
+@pytest.mark.parametrize("name", sorted(METRICS))
+def test_every_metric_has_run_id_and_a_help_text(name):
+    spec = METRICS[name]
+    assert spec.kind in ("gauge", "counter", "histogram") and spec.help and "run_id" not in spec.labels
