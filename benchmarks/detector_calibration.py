@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,21 +24,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+
+from train import torchrun_command  # noqa: E402  (launch/train.py)
+
 from distmon.detectors import DetectorConfig  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_demo(extra: list[str], nproc: int, log: str, timeout: float = 600) -> list[dict[str, Any]]:
     """One torchrun run of the demo with ``extra`` flags; returns its JSONL snapshots."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-           os.path.join(ROOT, "launch", "train.py"), "--serve", "none", "--linger", "0",
-           "--print-every", "100000", "--log-path", log, *extra]
+    cmd = torchrun_command(nproc, ["--serve", "none", "--linger", "0", "--print-every", "100000",
+                                   "--log-path", log, *extra])
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMON_")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -7,23 +7,21 @@ columns and advances the running state; the host decodes the columns into
 it at export time over the steps since the last export (or on every step, before
 ``optimizer.step()``, when a guard needs the verdict).
 
-Detectors, all on log-norms (gradient norms span decades, and ratios are what matter):
+The rules and their defaults are stated once, in the README's detection table (a test keeps
+it in step with :class:`DetectorConfig`). Why each is built the way it is:
 
-- spike: ``z = (log n - EMA mean) / EMA std`` above ``spike_zscore`` AND the norm above
-  ``spike_ratio`` times its reference (the running median of recent global norms; for a layer,
-  the geometric EMA of that layer's norm), after ``warmup_steps``. Both must hold: the z-score
-  alone fires on tiny wiggles of a very steady norm, the ratio alone on a noisy one. The state
-  is updated with the deviation clipped at ``spike_zscore`` std, so one spike does not poison
-  the baseline while a lasting change of level is absorbed within ~1/alpha steps. Falling
-  norms (early-training decay) only make z negative: never an event.
-- vanishing: global norm below ``vanishing_norm`` for ``vanishing_steps`` consecutive steps.
-- rank outlier: per rank, ``|log n_r - median_r log n_r|`` over a scale (the EMA over steps of
-  the ranks' mean squared deviation leaving out the largest, floored at
-  ``outlier_min_scale``), above ``outlier_score``. Leaving the largest out keeps a rank that
-  stays bad, or is bad from step 1, from inflating the scale; a per-step MAD is no scale for
-  a handful of ranks (biased low with 4, degenerate with 2). Needs at least 3 ranks (with 2,
-  "which one is odd" has no answer).
-- non-finite: already flagged by the core per rank and layer; reported as an event here.
+- all on log-norms: gradient norms span decades, and ratios are what matter;
+- a spike needs both a z-score and a ratio to its reference: the z-score alone fires on tiny
+  wiggles of a very steady norm, the ratio alone on a noisy one. The state is updated with
+  the deviation clipped at ``spike_zscore`` standard deviations, so one spike does not poison
+  the baseline, while a lasting change of level is absorbed within ~1/alpha steps. Falling
+  norms (early-training decay) only make z negative: never an event;
+- the rank-outlier scale is the EMA over steps of the ranks' mean squared deviation from their
+  median leaving out the largest one: a rank that stays bad, or is bad from step 1, cannot
+  inflate it; a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate
+  with 2), and with 2 ranks "which one is odd" has no answer at all;
+- non-finite gradients are flagged by the core per rank and layer; they are reported as an
+  event here and never enter the running state.
 """
 
 from __future__ import annotations

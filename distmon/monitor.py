@@ -14,6 +14,7 @@ from ._version import __version__
 from .config import MonitorConfig
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector, block_column
 from .errors import ErrorCounter, logger
+from .file_sd import target_host
 from .grouping import GroupSpec, build_grouping
 from .guard import GradientAnomalyError, StepHooks, warn_uncovered
 from .hostinfo import RankInfo
@@ -56,56 +57,14 @@ class GradMonitor:
     prepared and raises the same error, naming the rank, the option and the path.
 
     Args:
-        model: the ``DistributedDataParallel`` model. It must not have a comm hook yet: pass
-            yours as ``comm_hook`` and the monitor wraps it.
-        optimizer: the optimizer that steps the model, or a list of them: a training step
-            is one backward and one ``step()`` of each (a warning names trainable parameters
-            none of them steps).
-        comm_hook, comm_state: the DDP comm hook to wrap and its state, called exactly as
-            given (default: DDP's own reduction over DDP's process group, bit-identical to
-            DDP without a hook).
-        export_every: steps between host copies (``DISTMON_EXPORT_EVERY``; default 10).
-        groups: how parameters fold into layers: None (owning module's qualified name),
-            a callable ``(name, param) -> group``, or ``[(regex, group), ...]`` rules
-            (first match wins, ``\\1`` backreferences allowed, unmatched -> owning module).
-        max_layers: cap on layer groups; groups beyond it (model order) fold into ``"other"``.
-        rank_layers: also gather the ranks x layers matrix of local norms (else per-rank
-            totals only; turn off for very large world size x layer counts).
-        serve: ``"rank0"`` (default), ``"node"``, ``"all"`` or ``"none"`` (``DISTMON_SERVE``).
-        port: HTTP port (``DISTMON_PORT``, default 9290; 0 = ephemeral; with
-            ``serve="all"`` local rank i uses ``port + i``). The bound port is ``mon.port``.
-        addr: bind address (``DISTMON_ADDR``, default ``127.0.0.1``; ``0.0.0.0`` for remote
-            scrapes).
-        port_fallback: take the next free port instead of failing (``DISTMON_PORT_FALLBACK``).
-        tls_cert, tls_key: PEM certificate (chain) and unencrypted private key: serve HTTPS,
-            TLS 1.2+ (``DISTMON_TLS_CERT``, ``DISTMON_TLS_KEY``; both or neither).
-        tls_client_ca: PEM CA certificate(s): clients must present a certificate signed by
-            one of them (mutual TLS; ``DISTMON_TLS_CLIENT_CA``; needs ``tls_cert``).
-        basic_auth_file: htpasswd file of ``user:bcrypt-hash`` lines (``htpasswd -nbB user
-            password``): requests need one of those users' passwords (HTTP basic auth;
-            ``DISTMON_BASIC_AUTH_FILE``; needs ``pip install bcrypt``; use with TLS). Files
-            are read when the endpoint starts: one that cannot be read fails every rank at
-            construction, naming the option and the path.
-        run_id: run label (``DISTMON_RUN_ID``; default ``TORCHELASTIC_RUN_ID``, then
-            ``SLURM_JOB_ID``, then generated); identical on all ranks (rank 0's wins).
-        log_path: JSONL file of every step's snapshot, written by rank 0 (``DISTMON_LOG_PATH``).
-        file_sd_dir: directory of Prometheus ``file_sd`` target files; rank 0 writes
-            ``{run_id}.json`` there and removes it after a clean finish (``DISTMON_FILE_SD_DIR``).
-        linger_s: seconds to keep serving after a clean ``close()`` so Prometheus scrapes the
-            final state (``DISTMON_LINGER_S``, default 30).
-        window_s: window of ``distmon_grad_norm_window_max`` in seconds (default 60).
-        detect: run the device detectors (spike, vanishing, rank outlier, non-finite events):
-            True (default thresholds), False, or a :class:`DetectorConfig`.
-        guard: ``None`` (default: observe only), ``"skip"`` (do not take an optimizer step
-            whose reduced gradient is non-finite or spiked: parameters, optimizer state and
-            ``lr_scheduler`` stay untouched, on every rank) or ``"raise"`` (raise
-            :class:`GradientAnomalyError` from ``optimizer.step()``, on every rank); every
-            monitored optimizer obeys the same verdict. The
-            verdict comes from reduced statistics, identical on all ranks, so no collective
-            is added; it costs ONE small host sync per step (a few microseconds on CPU, one
-            device round trip on GPU).
-        lr_scheduler: the scheduler (or list of schedulers) to hold back on skipped steps
-            (with ``guard="skip"``).
+        model: the ``DistributedDataParallel`` model. If it has a comm hook already, pass that
+            as ``comm_hook`` (and ``comm_state``) instead: DDP accepts one, distmon wraps it.
+        optimizer: the optimizer that steps the model, or a list of them: a training step is
+            one backward and one ``step()`` of each.
+        options: keyword-only; every one is validated here, and the serving ones also read a
+            ``DISTMON_*`` environment variable. The README's "Options" table is where each
+            option, its variable, its default and its meaning are documented (a test keeps it
+            in step with this signature).
 
     Example:
         >>> model = DDP(net)                                           # doctest: +SKIP
@@ -268,6 +227,14 @@ class GradMonitor:
     def port(self) -> Optional[int]:
         """The port this process serves metrics on, or None if it does not serve (or is closed)."""
         return self._server.port if self._server and not self._closed else None
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """Where this process serves its metrics (``http(s)://host:port/metrics``), or None."""
+        if self.port is None:
+            return None
+        host = target_host(self.config.addr)
+        return f"{self._server.scheme}://{'[' + host + ']' if ':' in host else host}:{self.port}/metrics"
 
     @property
     def step(self) -> int:

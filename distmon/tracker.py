@@ -13,8 +13,7 @@ A step goes through four points, each called on every rank in the same program o
    and detector verdicts, in one batch), copied to the host and handed to the publisher.
 
 Every method catches its own failures, counts them and degrades (the step's figures are
-marked invalid): the user's gradients, hook results and collectives are never affected, and
-the monitor's collective is issued on every rank on every step whatever failed locally.
+marked invalid); the collective is issued whatever failed locally (``collective.py`` says why).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Run it::
 
     torchrun --nproc-per-node 2 launch/train.py              # ~300-step demo, CPU or GPU
     torchrun --nproc-per-node 2 launch/train.py --nan-step 120 --nan-rank 1
+    python launch/train.py --nproc 2                          # starts torchrun itself
     python launch/train.py --preset tiny --steps 50           # one process, no torchrun
     python launch/train.py --list-layers                      # layer names for the fault flags
 
@@ -44,6 +45,7 @@ import gc
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -132,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="throttle: each optimizer step takes at least this many seconds (the loop "
                    "sleeps the rest), so a step number maps to a predictable time and CPU use stays low")
     g.add_argument("--list-layers", action="store_true", help="print the model's layer names and exit")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="run this many processes under torchrun (a private rendezvous on a free local "
+                   "port); ignored when already started by torchrun")
 
     m = p.add_argument_group("monitoring (unset options: distmon defaults / DISTMON_* env)")
     m.add_argument("--no-monitor", action="store_true", help="train without distmon")
@@ -177,6 +182,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.nproc is not None and args.nproc < 1:
+        parser.error("--nproc must be >= 1")
     for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "vocab",
                  "grad_accum", "print_every"):
         if getattr(args, name) < 1:
@@ -337,10 +344,32 @@ class DistContext:
     device: torch.device
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, train_args: Sequence[str], *, nnodes: int = 1,
+                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                     rdzv_conf: str | None = None) -> list[str]:
+    """The ``python -m torch.distributed.run`` command that runs this trainer on ``nproc`` processes.
+
+    Without ``rdzv_endpoint``, a private c10d rendezvous on a free local port, so several jobs
+    can share a machine.
+
+    Example:
+        >>> torchrun_command(2, ["--steps", "5"], rdzv_endpoint="127.0.0.1:1234")[3:7]
+        ['--nnodes', '1', '--nproc-per-node', '2']
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint or f"127.0.0.1:{free_port()}"]
+    if rdzv_id:
+        cmd += ["--rdzv-id", rdzv_id]
+    if rdzv_conf:
+        cmd += ["--rdzv-conf", rdzv_conf]
+    return cmd + [os.path.abspath(__file__), *train_args]
 
 
 def init_distributed() -> DistContext:
@@ -351,7 +380,7 @@ def init_distributed() -> DistContext:
     if "RANK" not in os.environ:  # plain `python launch/train.py`: world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -386,79 +415,61 @@ def shutdown_distributed() -> None:
 
 
 def make_monitor(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer,
-                 sched: Any = None) -> Any:
+                 sched: Any = None) -> distmon.GradMonitor:
     """``distmon.GradMonitor`` with only the options the user set (None: library default/env)."""
-    if distmon is None or not hasattr(distmon, "GradMonitor"):
-        why = _DISTMON_IMPORT_ERROR or "distmon has no GradMonitor"
-        raise SystemExit(f"train.py: error: distmon is not usable ({why}); run with --no-monitor")
+    if distmon is None:
+        raise SystemExit(f"train.py: error: distmon is not usable ({_DISTMON_IMPORT_ERROR}); run with --no-monitor")
     options = {"export_every": args.export_every, "serve": args.serve, "port": args.port,
                "addr": args.addr, "log_path": args.log_path, "linger_s": args.linger,
                "guard": args.guard, "lr_scheduler": sched if args.guard else None}
     return distmon.GradMonitor(model, opt, **{k: v for k, v in options.items() if v is not None})
 
 
-def metrics_url(mon: Any, args: argparse.Namespace) -> str | None:
-    """Where this rank's monitor serves /metrics, or None if it serves nothing."""
-    port = getattr(mon, "port", None)
-    if not port:
-        return None
-    addr = getattr(mon, "addr", None) or args.addr or os.environ.get("DISTMON_ADDR") or "127.0.0.1"
-    if addr in ("0.0.0.0", "::", ""):
-        addr = socket.gethostname()
-    if ":" in addr:
-        addr = f"[{addr}]"
-    return f"http://{addr}:{port}/metrics"
-
-
 @dataclass
 class AnomalyLog:
     """Anomaly events seen by the trainer, from ``on_anomaly`` callbacks and snapshots."""
 
-    seen: dict[tuple, Any] = field(default_factory=dict)
-    pending: list[Any] = field(default_factory=list)
+    seen: dict[tuple, distmon.AnomalyEvent] = field(default_factory=dict)
+    pending: list[distmon.AnomalyEvent] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, event: Any, *_: Any) -> None:
+    def add(self, event: distmon.AnomalyEvent, *_: Any) -> None:
         """Record ``event`` once; also the ``on_anomaly`` callback ``fn(event, snapshot)``."""
-        key = (getattr(event, "kind", None), getattr(event, "step", None),
-               getattr(event, "rank", None), getattr(event, "layer", None))
+        key = (event.kind, event.step, event.rank, event.layer)
         with self.lock:
             if key not in self.seen:
                 self.seen[key] = event
                 self.pending.append(event)
 
-    def add_snapshot(self, snap: Any) -> None:
-        for event in getattr(snap, "events", None) or ():
+    def add_snapshot(self, snap: distmon.Snapshot) -> None:
+        for event in snap.events:
             self.add(event)
 
-    def take_pending(self) -> list[Any]:
+    def take_pending(self) -> list[distmon.AnomalyEvent]:
         with self.lock:
             out, self.pending = self.pending, []
         return out
 
 
-def describe_event(event: Any) -> str:
+def describe_event(event: distmon.AnomalyEvent) -> str:
     """One readable line for a distmon ``AnomalyEvent``."""
-    parts = [f"anomaly {getattr(event, 'kind', '?')} at step {getattr(event, 'step', '?')}"]
-    rank, layer = getattr(event, "rank", None), getattr(event, "layer", None)
-    if isinstance(rank, int) and rank >= 0:  # -1: cluster-wide
-        parts.append(f"rank {rank}")
-    if layer:  # "": whole model
-        parts.append(f"layer {layer}")
-    value, threshold = getattr(event, "value", None), getattr(event, "threshold", None)
-    if isinstance(value, (int, float)):
-        text = f"value {value:.4g}"
-        if isinstance(threshold, (int, float)) and math.isfinite(threshold):
-            text += f" (threshold {threshold:.4g})"
-        parts.append(text)
+    parts = [f"anomaly {event.kind} at step {event.step}"]
+    if event.rank >= 0:  # -1: cluster-wide
+        parts.append(f"rank {event.rank}")
+    if event.layer:  # "": whole model
+        parts.append(f"layer {event.layer}")
+    text = f"value {event.value:.4g}"
+    if math.isfinite(event.threshold):
+        text += f" (threshold {event.threshold:.4g})"
+    parts.append(text)
     return "  ".join(parts)
 
 
-def report_events(events: list[Any], say: Any, limit: int = 5) -> None:
+def report_events(events: list[distmon.AnomalyEvent], say: Any, limit: int = 5) -> None:
     """Print up to ``limit`` events, then one line counting the rest by kind."""
     for event in events[:limit]:
         say("  ! " + describe_event(event))
-    rest = Counter(getattr(e, "kind", "?") for e in events[limit:])
+    rest = Counter(e.kind for e in events[limit:])
     if rest:
         say("  ! ... and " + ", ".join(f"{n} more {k}" for k, n in sorted(rest.items())))
 
@@ -504,9 +515,9 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
 
     mon = None if args.no_monitor else make_monitor(args, ddp, opt, sched)
     anomalies = AnomalyLog()
-    if mon is not None and hasattr(mon, "on_anomaly"):
+    if mon is not None:
         mon.on_anomaly(anomalies.add)
-    run_id = getattr(mon, "run_id", None) or os.environ.get("TORCHELASTIC_RUN_ID", "-")
+    run_id = mon.run_id if mon is not None else os.environ.get("TORCHELASTIC_RUN_ID", "-")
 
     n_params = num_params(model)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
@@ -518,12 +529,11 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
         f"{math.log(args.vocab):.2f} (uniform), floor ~{data.entropy:.2f} nats")
     say(f"batch: {args.batch_size} seqs x {args.seq_len} tokens x {args.grad_accum} micro-batch(es) x "
         f"{ctx.world_size} rank(s) = {tokens_per_step} tokens/step; {args.steps} steps, lr {args.lr:g}")
-    url = metrics_url(mon, args) if mon is not None else None
+    url = mon.metrics_url if mon is not None else None
     if mon is None:
         say("monitor: off (--no-monitor)")
     else:
-        version = getattr(distmon, "__version__", "?")
-        say(f"monitor: distmon {version}; metrics " + (url or "not served by rank 0"))
+        say(f"monitor: distmon {distmon.__version__}; metrics " + (url or "not served by rank 0"))
     for line in injector.descriptions:
         say(f"fault injection: {line}")
 
@@ -581,10 +591,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                         anomalies.add_snapshot(snap)
                     line = (f"step {step:>{len(str(args.steps))}}/{args.steps}  loss {last_loss:.4f}  "
                             f"grad_norm {norm_txt}  lr {sched.get_last_lr()[0]:.2e}  {rate:.1f} steps/s")
-                    if snap is not None and getattr(snap, "nonfinite", False):
-                        first = getattr(snap, "first_nonfinite", None)
+                    if snap is not None and snap.nonfinite:
+                        first = snap.first_nonfinite
                         line += "  NONFINITE" + (f" (first: rank {first[0]} {first[1]})" if first else "")
-                    if snap is not None and getattr(snap, "skipped", False):
+                    if snap is not None and snap.skipped:
                         line += "  (step skipped by guard)"
                     if url:
                         line += f"  metrics {url}"
@@ -595,9 +605,8 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                 if args.min_step_s > 0:  # --min-step-s: sleep the rest of the step's time
                     time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - t_step)))
             elapsed = time.perf_counter() - t0
-            linger = getattr(getattr(mon, "config", None), "linger_s", None)
-            if url and linger:
-                say(f"training done; metrics stay up for another {linger:g}s "
+            if url and mon.config.linger_s:
+                say(f"training done; metrics stay up for another {mon.config.linger_s:g}s "
                     f"(so Prometheus sees the finish; --linger 0 to skip)")
         # The monitor is closed here (its final export is done).
         if mon is not None:
@@ -606,7 +615,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                 anomalies.add_snapshot(snap)
                 grad_norm = snap.grad_norm
         report_events(anomalies.take_pending(), say)
-        kinds = Counter(getattr(e, "kind", "?") for e in anomalies.seen.values())
+        kinds = Counter(e.kind for e in anomalies.seen.values())
         say(f"done: {step} steps in {elapsed:.1f}s ({step / max(elapsed, 1e-9):.1f} steps/s)  "
             f"loss {first_loss:.4f} -> {last_loss:.4f}  final grad_norm {_fmt_norm(grad_norm)}  "
             + ("anomalies: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none")
@@ -626,7 +635,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(name)
         return {}
     # Check the flags against the model's layer names before joining the process group.
-    validate_faults(args, build_model(args, device="meta"), int(os.environ.get("WORLD_SIZE", "1")))
+    launching = args.nproc is not None and "RANK" not in os.environ
+    world_size = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    validate_faults(args, build_model(args, device="meta"), world_size)
+    if launching:  # become torchrun, with the same flags but --nproc
+        given = list(sys.argv[1:] if argv is None else argv)
+        rest = [a for i, a in enumerate(given) if not (a == "--nproc" or a.startswith("--nproc=")
+                                                       or (i > 0 and given[i - 1] == "--nproc"))]
+        raise SystemExit(subprocess.call(torchrun_command(args.nproc, rest)))
 
     ctx = init_distributed()
     try:
@@ -645,7 +661,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
-        if isinstance(exc, getattr(distmon, "GradientAnomalyError", ())):  # --guard raise
+        if distmon is not None and isinstance(exc, distmon.GradientAnomalyError):  # --guard raise
             print(f"train.py: stopped: {exc}", file=sys.stderr, flush=True)
             sys.exit(1)
         raise

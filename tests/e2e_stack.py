@@ -37,9 +37,11 @@ import pytest
 
 from ddp_harness import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+from train import torchrun_command  # noqa: E402  (launch/train.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-TRAIN = ROOT / "launch" / "train.py"
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -485,14 +487,8 @@ class TorchrunJob:
         self.token = f"{name}-{uuid.uuid4().hex}"
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
-        self.cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                    "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", rdzv_endpoint or f"127.0.0.1:{free_port()}"]
-        if rdzv_id:
-            self.cmd += ["--rdzv-id", rdzv_id]
-        if rdzv_conf:
-            self.cmd += ["--rdzv-conf", rdzv_conf]
-        self.cmd += [str(TRAIN), *train_args]
+        self.cmd = torchrun_command(nproc, train_args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+                                    rdzv_id=rdzv_id, rdzv_conf=rdzv_conf)
         self.env = clean_env(**env, E2E_JOB_TOKEN=self.token)
         self.proc: subprocess.Popen | None = None
         self.started: float | None = None

@@ -1,23 +1,23 @@
-"""Acceptance items 3-6: non-finite attribution, no host sync, HTTP serving, failure isolation.
+"""Non-finite attribution, no host sync, HTTP serving, failure isolation, on real DDP ranks.
 
 Every scenario runs real gloo ranks (spawned processes, see ddp_harness.run_ranks) and,
 where numbers are checked, compares them with references computed by the test itself:
 the reduced `p.grad` of the DDP module and an un-wrapped twin of the module that runs
 the same batch on each rank (its `.grad` is that rank's local gradient).
 
-Item 3: a NaN / Inf injected into one layer's gradient on one rank is reported at that
+Non-finite: a NaN / Inf injected into one layer's gradient on one rank is reported at that
 step with that (rank, layer); the next steps are finite again and still correct.
-Item 4: "On non-export steps the monitor performs no host sync (a test that fails if
+No host sync: on non-export steps the monitor performs no host sync (the test fails if
 `.item()`, `.tolist()`, `.cpu()`, `.numpy()` or a synchronize is called from monitor
-code on such a step) and issues exactly one collective of its own per optimizer step."
+code on such a step) and issues exactly one collective of its own per optimizer step
 (ddp_harness.SyncRecorder; checked on plain steps and on steps of two micro-batches
 with no_sync(); a meta-test proves the recorder sees distmon-attributed calls, from
 any thread, and ignores the same calls from user code.)
-Item 5: a real HTTP scrape of rank 0's /metrics, parsed with prometheus_client's parser,
+Serving: a real HTTP scrape of rank 0's /metrics, parsed with prometheus_client's parser,
 against the snapshot and the references; rank 1 serves nothing; port 0, a taken port
 and port_fallback.
-Item 6: "A failure injected into monitor code does not stop training: the loss sequence
-equals that of an unmonitored run and `distmon_monitor_errors_total` counts it."
+Failure isolation: a failure injected into monitor code does not stop training: the loss
+sequence equals that of an unmonitored run and `distmon_monitor_errors_total` counts it.
 """
 
 import contextlib
@@ -184,7 +184,7 @@ def _isnonfinite(x):
 
 
 # ========================================================================================
-# Item 3: non-finite gradients
+# Non-finite gradients
 # ========================================================================================
 
 NONFINITE_STEPS = 7
@@ -232,7 +232,7 @@ def nonfinite_run(request):
     return run_ranks(_nonfinite_job, 2, request.param, timeout=120), request.param
 
 
-def test_item3_nonfinite_reported_with_rank_and_layer(nonfinite_run):
+def test_nonfinite_reported_with_rank_and_layer(nonfinite_run):
     recs, rank_layers = nonfinite_run
     problems = []
     for r in range(2):  # every rank's monitor reports the same
@@ -281,7 +281,7 @@ def test_item3_nonfinite_reported_with_rank_and_layer(nonfinite_run):
 
 
 # ========================================================================================
-# Item 4: no host sync on non-export steps, exactly one monitor collective per step
+# No host sync on non-export steps, exactly one monitor collective per step
 # ========================================================================================
 
 WARMUP, WINDOW, ACCUM_WINDOW = 3, 6, 3  # then ACCUM_WINDOW steps of 2 micro-batches (no_sync)
@@ -378,7 +378,7 @@ def hostsync_run():
     return run_ranks(_hostsync_job, 2, timeout=120)
 
 
-def test_item4_detector_is_live(hostsync_run):
+def test_sync_recorder_catches_distmon_calls_and_only_those(hostsync_run):
     """The instrumentation records distmon-attributed calls and nothing else."""
     for r, out in enumerate(hostsync_run):
         p = out["probe"]
@@ -393,14 +393,14 @@ def test_item4_detector_is_live(hostsync_run):
         assert out["flush_syncs"], f"rank {r}: no host read recorded during mon.flush()"
 
 
-def test_item4_no_host_sync_on_non_export_steps(hostsync_run):
+def test_no_host_sync_on_non_export_steps(hostsync_run):
     for r, out in enumerate(hostsync_run):
         assert out["n_syncs"] == 0, (
             f"rank {r}: {out['n_syncs']} host syncs from distmon code on non-export steps:\n{out['syncs']}"
         )
 
 
-def test_item4_exactly_one_monitor_collective_per_step(hostsync_run):
+def test_exactly_one_monitor_collective_per_step(hostsync_run):
     for r, out in enumerate(hostsync_run):
         counts = out["per_step"]
         per_step = [b - a for a, b in zip([0] + counts[:-1], counts)]
@@ -410,7 +410,7 @@ def test_item4_exactly_one_monitor_collective_per_step(hostsync_run):
         )
 
 
-def test_item4_monitor_kept_measuring_during_window(hostsync_run):
+def test_figures_exact_after_the_recorded_window(hostsync_run):
     recs = [out["recs"] for out in hostsync_run]
     for r, out in enumerate(hostsync_run):
         problems = number_problems(out["snap"], WARMUP + WINDOW + ACCUM_WINDOW, recs, 2)
@@ -418,7 +418,7 @@ def test_item4_monitor_kept_measuring_during_window(hostsync_run):
 
 
 # ========================================================================================
-# Item 5: HTTP serving
+# HTTP serving
 # ========================================================================================
 
 HTTP_STEPS = 5
@@ -479,13 +479,13 @@ def _scraped(http_run):
     return out0, parse_metrics(text)
 
 
-def test_item5_rank0_serves_port0_rank1_does_not(http_run):
+def test_rank0_serves_on_port0_rank1_does_not(http_run):
     assert isinstance(http_run[0]["port"], int) and http_run[0]["port"] > 0, http_run[0]["port"]
     assert http_run[1]["port"] is None, f"rank 1 serves on {http_run[1]['port']}"
     assert http_run[0]["run_id"] == http_run[1]["run_id"] == RUN_ID
 
 
-def test_item5_scrape_global_and_rank_norms(http_run):
+def test_scrape_has_global_and_rank_norms(http_run):
     out0, m = _scraped(http_run)
     snap = out0["snap"]
     recs = [o["recs"] for o in http_run]
@@ -512,7 +512,7 @@ def test_item5_scrape_global_and_rank_norms(http_run):
         assert value(m, "distmon_rank_nonfinite_steps_total", rank=str(r)) == 0
 
 
-def test_item5_scrape_layers(http_run):
+def test_scrape_has_layer_norms(http_run):
     out0, m = _scraped(http_run)
     ref_layers = out0["recs"][-1]["ref_layers"]
     layer_samples = samples(m, "distmon_layer_grad_norm")
@@ -525,7 +525,7 @@ def test_item5_scrape_layers(http_run):
         assert close(v, ref_layers[layer], REL), (layer, v, ref_layers[layer])
 
 
-def test_item5_histogram_and_window_max(http_run):
+def test_scrape_has_every_step_in_the_histogram_and_window_max(http_run):
     out0, m = _scraped(http_run)
     norms = [rec["ref_total"] for rec in out0["recs"]]
     assert value(m, "distmon_step_grad_norm_count") == HTTP_STEPS
@@ -541,7 +541,7 @@ def test_item5_histogram_and_window_max(http_run):
     assert close(value(m, "distmon_grad_norm_window_max"), max(norms), REL)
 
 
-def test_item5_every_sample_has_run_id(http_run):
+def test_every_sample_has_run_id(http_run):
     _, m = _scraped(http_run)
     assert m, "empty scrape"
     missing = [(n, lab) for n, lab, _, _ in m if lab.get("run_id") != RUN_ID]
@@ -550,7 +550,7 @@ def test_item5_every_sample_has_run_id(http_run):
     assert not [n for n, lab, _, _ in m if {"step", "pid"} & set(lab)]
 
 
-def test_item5_close_marks_finished_lingers_and_stops(http_run):
+def test_close_marks_finished_lingers_and_stops(http_run):
     out0 = http_run[0]
     finished = [value(parse_metrics(t), "distmon_run_finished") for t in out0["after_close"]]
     assert 1 in finished, f"never scraped distmon_run_finished=1 while lingering: {finished}"
@@ -605,7 +605,7 @@ def port_run():
     return run_ranks(_port_job, 1, timeout=90)[0]
 
 
-def test_item5_port_in_use_raises_clear_error(port_run):
+def test_port_in_use_raises_a_clear_error(port_run):
     err = port_run["busy_error"]
     assert err is not None, f"no error for a taken port; monitor bound {port_run.get('busy_port_got')}"
     name, msg, ok_type = err
@@ -614,7 +614,7 @@ def test_item5_port_in_use_raises_clear_error(port_run):
 
 
 @pytest.mark.parametrize("label", ["fallback", "zero"])
-def test_item5_port_fallback_and_port_zero_serve(port_run, label):
+def test_port_fallback_and_port_zero_serve(port_run, label):
     res = port_run[label]
     assert isinstance(res["port"], int) and res["port"] > 0, res
     if label == "fallback":
@@ -626,7 +626,7 @@ def test_item5_port_fallback_and_port_zero_serve(port_run, label):
 
 
 # ========================================================================================
-# Item 6: a failure inside monitor code does not affect training
+# A failure inside monitor code does not affect training
 # ========================================================================================
 
 FAULT_STEPS = 7
@@ -743,7 +743,7 @@ def fault_run():
     return run_ranks(_fault_job, 2, timeout=120)
 
 
-def test_item6_injection_happened(fault_run):
+def test_failure_injection_fired(fault_run):
     res = fault_run[FAULT_RANK]["monitored"]
     for step in FAULT_AT:
         assert res["raised"][step - 1] >= 1, (
@@ -753,14 +753,14 @@ def test_item6_injection_happened(fault_run):
     assert sum(fault_run[0]["monitored"]["raised"]) == 0
 
 
-def test_item6_loss_sequence_equals_unmonitored(fault_run):
+def test_failures_inside_distmon_leave_the_losses_unchanged(fault_run):
     for r in range(2):
         plain = [rec["loss"] for rec in fault_run[r]["plain"]["recs"]]
         mon = [rec["loss"] for rec in fault_run[r]["monitored"]["recs"]]
         assert mon == plain, f"rank {r}: losses differ\nunmonitored {plain}\nmonitored   {mon}"
 
 
-def test_item6_errors_counted_and_monitoring_resumes(fault_run):
+def test_failures_are_counted_and_measuring_resumes(fault_run):
     scrapes = fault_run[0]["monitored"]["scrapes"]
     before = value(parse_metrics(scrapes[2]), "distmon_monitor_errors_total")
     after = value(parse_metrics(scrapes[FAULT_STEPS]), "distmon_monitor_errors_total")

@@ -1,16 +1,15 @@
-"""Acceptance items 1 and 2: distmon's numbers against independent references.
+"""distmon's numbers against independent references, in every DDP configuration.
 
-Item 1: "With 2 and 3 ranks, `grad_norm` equals `torch.nn.utils.get_total_norm`
-over the reduced `p.grad` (relative error <= 1e-5), and `rank_grad_norms[r]`
-equals the norm of rank r's local gradient computed independently (e.g. a twin
-un-wrapped model on each rank, or gathering every rank's gradients by hand);
-per-layer norms likewise."
+With 2 and 3 ranks, `grad_norm` equals `torch.nn.utils.get_total_norm` over the
+reduced `p.grad` (relative error <= 1e-5), and `rank_grad_norms[r]` equals the
+norm of rank r's local gradient computed independently (a twin un-wrapped model
+on each rank); per-layer norms likewise.
 
-Item 2: "Item 1 holds under gradient accumulation with `no_sync()`,
+The same holds under gradient accumulation with `no_sync()`,
 `find_unused_parameters=True`, `gradient_as_bucket_view=True`,
 `static_graph=True`, frozen parameters, tied weights, bf16 parameters, a wrapped
-`fp16_compress_hook`, and a custom user hook (whose own effect on the reduced
-gradient is preserved)."
+`fp16_compress_hook`, a custom user hook (whose own effect on the reduced
+gradient is preserved), a complex parameter and a sparse embedding.
 
 How the references are computed (never with distmon code):
 
@@ -90,7 +89,7 @@ VARIANTS = {
     "sparse_embedding": {"model": {"sparse": True}},
 }
 VARIANTS_2 = list(VARIANTS)
-# Item 1 asks for 2 and 3 ranks; the variants are cheap, so all of them run on both
+# The variants are cheap: all of them run on 2 and on 3 ranks
 # (with 3 ranks the mean is not a power-of-two scaling of the sum).
 VARIANTS_3 = list(VARIANTS)
 
@@ -307,7 +306,7 @@ def _assert_ok(problems, name, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_item1_base(numerics_runs, world_size):
+def test_norms_equal_float64_references(numerics_runs, world_size):
     results = numerics_runs(world_size)
     _assert_ok(check_numerics(results, "base", world_size), "base", world_size)
     # default grouping = owning module's qualified name, in model order
@@ -319,7 +318,7 @@ def test_item1_base(numerics_runs, world_size):
     "world_size,name",
     [(2, n) for n in VARIANTS_2 if n != "base"] + [(3, n) for n in VARIANTS_3 if n != "base"],
 )
-def test_item2_variant(numerics_runs, world_size, name):
+def test_norms_equal_references_in_every_ddp_configuration(numerics_runs, world_size, name):
     results = numerics_runs(world_size)
     problems = check_numerics(results, name, world_size)
     _assert_ok(problems, name, world_size)
@@ -353,7 +352,7 @@ def test_item2_variant(numerics_runs, world_size, name):
                 )
 
     if name == "custom_user_hook":
-        # (the reduced gradient itself is checked in test_item2_reduced_gradient_unchanged)
+        # (the reduced gradient itself is checked in test_monitor_leaves_the_reduced_gradient_unchanged)
         for r in range(world_size):
             assert results[r][name]["hook_calls"] and results[r][name]["hook_calls"] >= STEPS, (
                 f"rank {r}: the user's hook ran {results[r][name]['hook_calls']} times"
@@ -376,7 +375,7 @@ GRAD_TOL = {"bf16_parameters": 1e-2, "fp16_compress_hook": 3e-3}
 
 
 @pytest.mark.parametrize("world_size,name", [(2, n) for n in VARIANTS_2] + [(3, n) for n in VARIANTS_3])
-def test_item2_reduced_gradient_unchanged(numerics_runs, world_size, name):
+def test_monitor_leaves_the_reduced_gradient_unchanged(numerics_runs, world_size, name):
     """The monitor wraps DDP's reduction without changing it: every rank's p.grad equals
     the mean of the twins' local gradients (times 0.5 for the custom user hook, whose own
     effect must be preserved)."""

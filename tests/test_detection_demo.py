@@ -1,8 +1,8 @@
 """Detection on the real demo model (launch/train.py under torchrun, 3 gloo ranks).
 
-Thresholds: the DetectorConfig defaults (warm-up 50 steps; spike when z > 6 on the log-norm
-AND norm > 3x its reference; rank outlier when score > 8). Every run is 500 steps of the
-tiny preset; apart from the injected fault, each must produce zero events.
+Thresholds: the ``DetectorConfig`` defaults (the README's detection table states them).
+Every run is 500 steps of the tiny preset; apart from the injected fault, each must produce
+zero events.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 from detector_calibration import run_demo  # noqa: E402
-
-from distmon import DetectorConfig  # noqa: E402
 
 STEPS = 500
 BASE = ["--preset", "tiny", "--steps", str(STEPS)]
@@ -25,11 +25,6 @@ LAYER = "blocks.0.attn.proj"
 
 def _events(snaps):
     return [(e["step"], e["kind"], e["rank"], e["layer"]) for s in snaps for e in s["events"]]
-
-
-def test_thresholds_stated_are_the_defaults():
-    cfg = DetectorConfig()
-    assert (cfg.warmup_steps, cfg.spike_zscore, cfg.spike_ratio, cfg.outlier_score) == (50, 6.0, 3.0, 8.0)
 
 
 def test_spike_then_nan_are_reported_where_they_were_injected(tmp_path):

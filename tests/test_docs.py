@@ -25,6 +25,17 @@ def test_every_metric_is_documented_with_its_type():
         assert f"| {kind} |" in rows[0], name
 
 
+def test_detector_defaults_stated_in_the_readme_are_the_code_s():
+    """Every DetectorConfig threshold appears in the README's rule table as ``name=default``."""
+    import dataclasses
+    import re
+
+    stated = dict(re.findall(r"`(\w+)=([0-9.e+-]+)`", README))
+    for f in dataclasses.fields(distmon.DetectorConfig):
+        assert f.name in stated, f"README does not state {f.name}'s default"
+        assert float(stated[f.name]) == float(f.default), (f.name, stated[f.name], f.default)
+
+
 def test_public_api_is_small_and_documented():
     assert set(distmon.__all__) == {"GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig",
                                     "GradientAnomalyError", "__version__"}

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,6 @@ import train  # noqa: E402  (launch/train.py)
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s+loss (\S+)\s+grad_norm (\S+)", re.M)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("DISTMON_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -48,9 +41,7 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(*flags: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-           str(TRAIN), *flags]
+    cmd = train.torchrun_command(nproc, flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc

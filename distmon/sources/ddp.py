@@ -12,7 +12,6 @@ No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` anno
 Python comm hook when it is registered, and a string annotation fails that check.
 """
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -86,11 +85,12 @@ class BucketLayouts:
 
     DDP hands out the same live buffer object every step once its buckets are rebuilt, and a
     buffer's parameters never change while it lives: a layout and its views of the buffer are
-    cached against that object (a weak reference proves identity), so a step creates no views.
-    The entry is dropped when DDP frees the buffer, so cached views never keep old gradient
-    memory alive. Buckets are rebuilt after DDP's first iteration and ``bucket.index()``
-    changes meaning, so on a miss the layout is found by the identity of the bucket's
-    parameters.
+    cached against that object, so a step creates no views. A cached view keeps its buffer's
+    memory alive, so an entry whose buffer was not handed to the hook in the latest backward
+    (DDP's first-iteration buckets, once it has rebuilt them) is dropped at that backward's
+    end: old gradient memory is never pinned. Buckets are rebuilt after DDP's first iteration
+    and ``bucket.index()`` changes meaning, so on a miss the layout is found by the identity of
+    the bucket's parameters.
 
     Example:
         >>> layouts = BucketLayouts(grouping, torch.device("cpu"), order)   # doctest: +SKIP
@@ -106,14 +106,21 @@ class BucketLayouts:
         self._on_order = on_order  # called with each layer's position in backward order
         self._param_pos: dict[int, tuple[int, int]] = {}
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
-        self._by_buffer: dict[int, tuple[weakref.ref, BucketLayout, list[torch.Tensor]]] = {}
+        self._by_buffer: dict[int, tuple[torch.Tensor, BucketLayout, list[torch.Tensor]]] = {}
+        self._seen: set[int] = set()  # buffers handed over in this backward
+
+    @property
+    def cached_buffers(self) -> int:
+        """How many bucket buffers have cached views (those of the latest backward)."""
+        return len(self._by_buffer)
 
     def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, Optional[list[torch.Tensor]], torch.Tensor]:
         """The bucket's layout, its runs' views of the bucket's buffer (None if sparse), and the buffer."""
         buffer = bucket.buffer()
         key = id(buffer)
+        self._seen.add(key)
         hit = self._by_buffer.get(key)
-        if hit is not None and hit[0]() is buffer:
+        if hit is not None and hit[0] is buffer:
             return hit[1], hit[2], buffer
         params = bucket.parameters()
         pkey = tuple(map(id, params))
@@ -123,9 +130,14 @@ class BucketLayouts:
         if found.sparse:  # a new sparse tensor every backward: nothing to cache
             return found, None, buffer
         views = found.views(buffer)
-        self._by_buffer[key] = (weakref.ref(buffer, lambda _ref: self._by_buffer.pop(key, None)),
-                                found, views)
+        self._by_buffer[key] = (buffer, found, views)
         return found, views, buffer
+
+    def end_backward(self) -> None:
+        """Drop the cached views of buffers this backward did not use (DDP has let them go)."""
+        for key in self._by_buffer.keys() - self._seen:
+            del self._by_buffer[key]
+        self._seen.clear()
 
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
         flat = bucket.buffer()
@@ -301,6 +313,7 @@ class DDPSource:
             return None
         finally:
             if bucket.is_last():
+                self.layouts.end_backward()
                 tracker.end_backward()
 
     def _reduced_side(self, layout: BucketLayout, views: Optional[list[torch.Tensor]],
