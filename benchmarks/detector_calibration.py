@@ -33,8 +33,9 @@ from distmon.detectors import DetectorConfig  # noqa: E402
 
 def run_demo(extra: list[str], nproc: int, log: str, timeout: float = 600) -> list[dict[str, Any]]:
     """One torchrun run of the demo with ``extra`` flags; returns its JSONL snapshots."""
-    cmd = torchrun_command(nproc, ["--serve", "none", "--linger", "0", "--print-every", "100000",
-                                   "--log-path", log, *extra])
+    cmd = torchrun_command(
+        nproc, ["--serve", "none", "--linger", "0", "--print-every", "100000", "--log-path", log, *extra]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMON_")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -76,30 +77,53 @@ def main(argv: list[str] | None = None) -> int:
             s = score_summary(snaps, cfg.warmup_steps)
             s["events"] = sum(len(x["events"]) for x in snaps)
             clean.append((seed, s))
-        for name, flags in [("spike x100 on one layer", ["--spike-step", str(fault_step), "--spike-factor", "100"]),
-                            ("spike x10 on one layer", ["--spike-step", str(fault_step), "--spike-factor", "10"]),
-                            ("rank 1 batch x4", ["--corrupt-rank", "1", "--corrupt-scale", "4",
-                                                 "--corrupt-from", str(fault_step)])]:
-            snaps = run_demo(base + ["--seed", "0"] + flags, args.nproc, os.path.join(tmp, f"f{len(faults)}.jsonl"))
+        for name, flags in [
+            ("spike x100 on one layer", ["--spike-step", str(fault_step), "--spike-factor", "100"]),
+            ("spike x10 on one layer", ["--spike-step", str(fault_step), "--spike-factor", "10"]),
+            (
+                "rank 1 batch x4",
+                ["--corrupt-rank", "1", "--corrupt-scale", "4", "--corrupt-from", str(fault_step)],
+            ),
+        ]:
+            snaps = run_demo(
+                base + ["--seed", "0"] + flags, args.nproc, os.path.join(tmp, f"f{len(faults)}.jsonl")
+            )
             at = [x for x in snaps if x["step"] == fault_step][0]
-            faults.append((name, {"zscore": _num(at["scores"]["zscore"]),
-                                  "layer_zmax": _num(at["scores"]["layer_zmax"]),
-                                  "median_ratio": _num(at["scores"]["median_ratio"]),
-                                  "outlier": max(map(_num, at["rank_outlier_scores"])),
-                                  "events": [(e["kind"], e["rank"], e["layer"]) for e in at["events"]]}))
+            faults.append(
+                (
+                    name,
+                    {
+                        "zscore": _num(at["scores"]["zscore"]),
+                        "layer_zmax": _num(at["scores"]["layer_zmax"]),
+                        "median_ratio": _num(at["scores"]["median_ratio"]),
+                        "outlier": max(map(_num, at["rank_outlier_scores"])),
+                        "events": [(e["kind"], e["rank"], e["layer"]) for e in at["events"]],
+                    },
+                )
+            )
     cols = ("zscore", "layer_zmax", "median_ratio", "outlier")
-    print(f"# Detector calibration: demo `{args.preset}` preset, {args.nproc} ranks, {args.steps} steps, "
-          f"warm-up {cfg.warmup_steps}\n")
+    print(
+        f"# Detector calibration: demo `{args.preset}` preset, {args.nproc} ranks, {args.steps} steps, "
+        f"warm-up {cfg.warmup_steps}\n"
+    )
     print("| run | max global z | max layer z | max norm/median | max rank-outlier score | events |")
     print("|---|---|---|---|---|---|")
     for seed, s in clean:
         print(f"| clean, seed {seed} | " + " | ".join(f"{s[c]:.2f}" for c in cols) + f" | {s['events']} |")
     for name, s in faults:
-        print(f"| {name} @ step {fault_step} | " + " | ".join(f"{s[c]:.2f}" for c in cols) + f" | {s['events']} |")
-    print(f"| **defaults** | z > {cfg.spike_zscore} | z > {cfg.spike_zscore} | > {cfg.spike_ratio} "
-          f"(global) | > {cfg.outlier_score} | |")
-    print(f"\ncommand: python benchmarks/detector_calibration.py --seeds {' '.join(map(str, args.seeds))} "
-          f"--steps {args.steps} --nproc {args.nproc} --preset {args.preset}")
+        print(
+            f"| {name} @ step {fault_step} | "
+            + " | ".join(f"{s[c]:.2f}" for c in cols)
+            + f" | {s['events']} |"
+        )
+    print(
+        f"| **defaults** | z > {cfg.spike_zscore} | z > {cfg.spike_zscore} | > {cfg.spike_ratio} "
+        f"(global) | > {cfg.outlier_score} | |"
+    )
+    print(
+        f"\ncommand: python benchmarks/detector_calibration.py --seeds {' '.join(map(str, args.seeds))} "
+        f"--steps {args.steps} --nproc {args.nproc} --preset {args.preset}"
+    )
     return 0
 
 

@@ -60,8 +60,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -72,6 +73,7 @@ def _use_checkout() -> None:
     for p in (os.path.join(REPO, "launch"), REPO):
         if p not in sys.path:
             sys.path.insert(0, p)
+
 
 # ------------------------------------------------------------------------------- models
 
@@ -103,6 +105,7 @@ PASSES_TARGET = 2.5
 
 # ------------------------------------------------------------------------------- helpers
 
+
 def now_s() -> float:
     return time.perf_counter()
 
@@ -111,7 +114,7 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def fmt_bytes(n: Optional[float]) -> str:
+def fmt_bytes(n: float | None) -> str:
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "n/a"
     sign = "-" if n < 0 else ""
@@ -150,7 +153,7 @@ def cpu_s() -> float:
     return time.thread_time()
 
 
-def _timed(fn: Callable, timer: SelfTimer, site: str, samples: Optional[list[float]] = None) -> Callable:
+def _timed(fn: Callable, timer: SelfTimer, site: str, samples: list[float] | None = None) -> Callable:
     """``fn`` timed into ``timer`` under ``site`` (CPU) and ``wall::site``; each call's CPU
     seconds also go to ``samples`` when given, except under the profiler (which inflates them)."""
     import torch
@@ -168,6 +171,7 @@ def _timed(fn: Callable, timer: SelfTimer, site: str, samples: Optional[list[flo
             timer.add("wall::" + site, now_s() - w)  # includes blocking waits (and preemption)
             if samples is not None and not Profiling.on:
                 samples.append(dt)
+
     return wrapper
 
 
@@ -226,6 +230,7 @@ def tensor_bytes(root: Any, exclude_ptrs: set[int]) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------- approaches
 
+
 class Approach:
     """One way of monitoring gradients, attached to its own DDP model copy."""
 
@@ -266,8 +271,10 @@ class Baseline(Approach):
 
 class Distmon(Approach):
     name, label = "distmon", "distmon, defaults"
-    reports = ("global + per-layer norms (<=128 layers), every rank's local norm and rank x layer matrix, "
-               "non-finite (rank, layer), spike/vanishing/outlier detectors; host copy every 10 steps")
+    reports = (
+        "global + per-layer norms (<=128 layers), every rank's local norm and rank x layer matrix, "
+        "non-finite (rank, layer), spike/vanishing/outlier detectors; host copy every 10 steps"
+    )
     options: dict[str, Any] = {}
 
     def attach(self, ddp, opt, names):  # noqa: ANN001
@@ -289,8 +296,12 @@ class Distmon(Approach):
 
             def measure_local(bucket):  # noqa: ANN001
                 measure_reduced = local(bucket)  # the reduced-side callback, or None
-                return _timed(measure_reduced, timer, "distmon::reduced_sums") if callable(measure_reduced) \
+                return (
+                    _timed(measure_reduced, timer, "distmon::reduced_sums")
+                    if callable(measure_reduced)
                     else measure_reduced
+                )
+
             source.measure_local = measure_local
         else:
             self.uninstrumented.append("local_sums")
@@ -330,8 +341,9 @@ class Distmon(Approach):
 
 class DistmonDetailed(Distmon):
     name, label = "distmon-detailed", "distmon, most detailed"
-    reports = ("as distmon, with every parameter its own layer (no cap), rank x layer matrix, "
-               "host copy every step")
+    reports = (
+        "as distmon, with every parameter its own layer (no cap), rank x layer matrix, host copy every step"
+    )
     options = dict(export_every=1, rank_layers=True, groups=lambda n, p: n, max_layers=100000)
 
 
@@ -359,7 +371,9 @@ class Tutorial(_TensorHooks):
                 t = cpu_s()
                 self.norms[name] = grad.norm().item()
                 timer.add("hook", cpu_s() - t)
+
             return hook
+
         self.handles = [p.register_hook(make(n)) for n, p in zip(names, self.params)]
 
 
@@ -388,7 +402,9 @@ class WandbHist(_TensorHooks):
                     hist = flat.histc(bins=64, min=tmin, max=tmax).cpu()
                     self.hists[name] = (hist, tmin, tmax)
                 timer.add("hook", cpu_s() - t)
+
             return hook
+
         self.handles = [p.register_hook(make(n)) for n, p in zip(names, self.params)]
 
     def state(self):
@@ -406,8 +422,11 @@ def _vendored_grad_norm(module, norm_type, group_separator="/"):  # noqa: ANN001
     import torch
 
     norm_type = float(norm_type)
-    norms = {f"grad_{norm_type}_norm{group_separator}{name}": p.grad.data.norm(norm_type)
-             for name, p in module.named_parameters() if p.grad is not None}
+    norms = {
+        f"grad_{norm_type}_norm{group_separator}{name}": p.grad.data.norm(norm_type)
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
     if norms:
         norms[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
     return norms
@@ -415,17 +434,22 @@ def _vendored_grad_norm(module, norm_type, group_separator="/"):  # noqa: ANN001
 
 def lightning_grad_norm() -> tuple[Callable, str]:
     try:
-        from lightning.pytorch.utilities import grad_norm
         import lightning
+        from lightning.pytorch.utilities import grad_norm
+
         return grad_norm, f"lightning {lightning.__version__}"
     except Exception:
         pass
     try:
-        from pytorch_lightning.utilities import grad_norm
         import pytorch_lightning
+        from pytorch_lightning.utilities import grad_norm
+
         return grad_norm, f"pytorch_lightning {pytorch_lightning.__version__}"
     except Exception:
-        return _vendored_grad_norm, "NOT INSTALLED: vendored copy of its grad_norm (pip install pytorch-lightning)"
+        return (
+            _vendored_grad_norm,
+            "NOT INSTALLED: vendored copy of its grad_norm (pip install pytorch-lightning)",
+        )
 
 
 class Lightning(Approach):
@@ -502,11 +526,21 @@ class HookRead(Approach):
         return self.norms
 
 
-APPROACHES: list[type[Approach]] = [Baseline, Distmon, DistmonDetailed, Tutorial, WandbHist,
-                                    WandbHistEvery, Lightning, HandWritten, HookRead]
+APPROACHES: list[type[Approach]] = [
+    Baseline,
+    Distmon,
+    DistmonDetailed,
+    Tutorial,
+    WandbHist,
+    WandbHistEvery,
+    Lightning,
+    HandWritten,
+    HookRead,
+]
 
 
 # ------------------------------------------------------------------------------- runner
+
 
 @dataclass
 class Copy:
@@ -541,6 +575,7 @@ class Bench:
     def sync(self) -> None:
         if self.cuda:
             import torch
+
             torch.cuda.synchronize()
 
     def log(self, msg: str) -> None:
@@ -549,12 +584,14 @@ class Bench:
 
     def bcast(self, obj: Any) -> Any:
         import torch.distributed as dist
+
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, obj: Any) -> list:
         import torch.distributed as dist
+
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
@@ -562,8 +599,8 @@ class Bench:
     # -- one size ------------------------------------------------------------------------
     def build(self, size: str) -> tuple[list[Copy], dict]:
         import torch
-        from torch.nn.parallel import DistributedDataParallel as DDP
         from model import GPT, GPTConfig  # launch/model.py
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
         shape = dict(SIZES[size])
         batch = shape.pop("batch")
@@ -582,23 +619,37 @@ class Bench:
             avail = _mem_available()
         short = self.bcast(bool(avail and need > 0.9 * avail))
         if short:
-            raise MemoryError(f"{size}: {len(kinds)} copies on {self.world} ranks need ~{fmt_bytes(need)}, "
-                              f"only {fmt_bytes(avail)} available: skipped")
+            raise MemoryError(
+                f"{size}: {len(kinds)} copies on {self.world} ranks need ~{fmt_bytes(need)}, "
+                f"only {fmt_bytes(avail)} available: skipped"
+            )
         bucket_view = self.args.bucket_view
         copies = []
         for kind in kinds:
             module = copy.deepcopy(base).to(self.device)
-            ddp = DDP(module, device_ids=[self.local_rank] if self.cuda else None,
-                      gradient_as_bucket_view=bucket_view)
+            ddp = DDP(
+                module,
+                device_ids=[self.local_rank] if self.cuda else None,
+                gradient_as_bucket_view=bucket_view,
+            )
             opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01)
             ap = kind(self.args)
             ap.attach(ddp, opt, names)
             copies.append(Copy(ap, ddp, opt))
         del base
-        info = dict(size=size, n_params=n_params, n_tensors=len(names), batch=batch, seq_len=cfg.seq_len,
-                    tokens_per_rank=batch * cfg.seq_len, grad_bytes=n_params * 4, gpt=shape,
-                    gradient_as_bucket_view=bucket_view, optimizer="AdamW (foreach)",
-                    bucket_view_reason="--bucket-view")
+        info = dict(
+            size=size,
+            n_params=n_params,
+            n_tensors=len(names),
+            batch=batch,
+            seq_len=cfg.seq_len,
+            tokens_per_rank=batch * cfg.seq_len,
+            grad_bytes=n_params * 4,
+            gpt=shape,
+            gradient_as_bucket_view=bucket_view,
+            optimizer="AdamW (foreach)",
+            bucket_view_reason="--bucket-view",
+        )
         for c in copies:
             if isinstance(c.approach, Distmon):
                 info[f"layers[{c.approach.name}]"] = c.approach.n_layers
@@ -610,6 +661,7 @@ class Bench:
 
     def batch(self, size: str, step: int):
         import torch
+
         s = SIZES[size]
         g = torch.Generator().manual_seed(10_000 * step + self.rank)
         x = torch.randint(0, s["vocab"], (s["batch"], s["seq_len"] + 1), generator=g)
@@ -641,6 +693,7 @@ class Bench:
     def floor(self, c: Copy) -> tuple[float, float]:
         """One fused read of every gradient byte (the baseline's, after its step): (wall s, CPU s)."""
         import torch
+
         grads = [p.grad for p in c.approach.params if p.grad is not None]
         self.sync()
         t0, c0 = now_s(), cpu_s()
@@ -650,14 +703,17 @@ class Bench:
 
     def run_size(self, size: str, budget_s: float) -> dict:
         import torch
+
         copies, info = self.build(size)
         k = len(copies)
-        self.log(f"\n== {size}: {info['n_params'] / 1e6:.2f}M parameters in {info['n_tensors']} tensors, "
-                 f"{info['tokens_per_rank']} tokens/rank/step, {k} DDP copies"
-                 f"{', gradient_as_bucket_view=True' if info['gradient_as_bucket_view'] else ''}")
+        self.log(
+            f"\n== {size}: {info['n_params'] / 1e6:.2f}M parameters in {info['n_tensors']} tensors, "
+            f"{info['tokens_per_rank']} tokens/rank/step, {k} DDP copies"
+            f"{', gradient_as_bucket_view=True' if info['gradient_as_bucket_view'] else ''}"
+        )
         step_no = 0
 
-        def round_(order: list[int], record: bool, floors: Optional[list] = None, mem: Optional[dict] = None):
+        def round_(order: list[int], record: bool, floors: list | None = None, mem: dict | None = None):
             nonlocal step_no
             step_no += 1
             x, y = self.batch(size, step_no)
@@ -679,7 +735,7 @@ class Bench:
 
         t_start = now_s()
         # warm-up: DDP rebuilds its buckets after the first iteration, distmon builds layouts
-        for w in range(self.args.warmup):
+        for _ in range(self.args.warmup):
             round_(list(range(k)), record=False)
         # memory: one step of every copy, measured (not timed)
         mem: dict[str, dict] = {}
@@ -689,7 +745,9 @@ class Bench:
         round_(list(range(k)), record=True, floors=floors)
         round_s = now_s() - t0
         min_rounds = self.args.rounds or MIN_ROUNDS.get(size, DEFAULT_MIN_ROUNDS)
-        n_rounds = self.args.rounds or max(min_rounds, min(MAX_ROUNDS, int(budget_s * self.args.budget_scale / round_s)))
+        n_rounds = self.args.rounds or max(
+            min_rounds, min(MAX_ROUNDS, int(budget_s * self.args.budget_scale / round_s))
+        )
         n_rounds = self.bcast(n_rounds)
         self.log(f"   one round of {k} steps: {round_s:.1f} s; timing {n_rounds} rounds")
         for r in range(1, n_rounds):
@@ -719,11 +777,16 @@ class Bench:
             persistent[c.approach.name] = tensor_bytes(c.approach.state(), model_ptrs)
 
         # gather every rank's numbers; a step's time is the slowest rank's
-        mine = dict(times={c.approach.name: c.times for c in copies},
-                    cpus={c.approach.name: c.cpus for c in copies},
-                    selfs={c.approach.name: c.selfs for c in copies},
-                    floors=floors, mem=mem, persistent=persistent, health=health,
-                    periodic=periodic)
+        mine = dict(
+            times={c.approach.name: c.times for c in copies},
+            cpus={c.approach.name: c.cpus for c in copies},
+            selfs={c.approach.name: c.selfs for c in copies},
+            floors=floors,
+            mem=mem,
+            persistent=persistent,
+            health=health,
+            periodic=periodic,
+        )
         allr = self.gather(mine)
         for c in copies:
             c.approach.close()
@@ -744,9 +807,13 @@ class Bench:
             ap = c.approach
             if isinstance(ap, Distmon):
                 snap = ap.mon.flush()
-                out[ap.name] = dict(step=snap.step if snap else None, grad_norm=snap.grad_norm if snap else None,
-                                    errors=getattr(getattr(ap.mon, "_errors", None), "count", None), n_layers=len(snap.layer_grad_norms) if snap else 0,
-                                    nonfinite=snap.nonfinite if snap else None)
+                out[ap.name] = dict(
+                    step=snap.step if snap else None,
+                    grad_norm=snap.grad_norm if snap else None,
+                    errors=getattr(getattr(ap.mon, "_errors", None), "count", None),
+                    n_layers=len(snap.layer_grad_norms) if snap else 0,
+                    nonfinite=snap.nonfinite if snap else None,
+                )
             elif isinstance(ap, HandWritten) and getattr(ap, "sq", None) is not None:
                 out[ap.name] = dict(grad_norm=math.sqrt(float(ap.sq.sum()) / self.world))
         return out
@@ -755,13 +822,17 @@ class Bench:
     def step_memory(self, c: Copy, x, y) -> dict:  # noqa: ANN001
         """Peak memory of one step above the memory in use when it starts."""
         import torch
+
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
             self.step(c, x, y)
-            return dict(peak=torch.cuda.max_memory_allocated() - start, method="torch.cuda.max_memory_allocated")
+            return dict(
+                peak=torch.cuda.max_memory_allocated() - start, method="torch.cuda.max_memory_allocated"
+            )
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             self.step(c, x, y)
         fd, path = tempfile.mkstemp(suffix=".json")
@@ -772,13 +843,21 @@ class Bench:
                 events = json.load(f)["traceEvents"]
         finally:
             os.unlink(path)
-        mem = sorted((e for e in events if e.get("name") == "[memory]"
-                      and e.get("args", {}).get("Device Type", 0) == 0), key=lambda e: e["ts"])
+        mem = sorted(
+            (
+                e
+                for e in events
+                if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
+            ),
+            key=lambda e: e["ts"],
+        )
         # the allocator's running total is not reset between profiler sessions: measure from
         # the value just before the step's first allocation
         start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"] if mem else 0
-        return dict(peak=max(e["args"]["Total Allocated"] for e in mem) - start if mem else 0,
-                    method="torch.profiler(profile_memory=True): peak of CPU bytes allocated during the step")
+        return dict(
+            peak=max(e["args"]["Total Allocated"] for e in mem) - start if mem else 0,
+            method="torch.profiler(profile_memory=True): peak of CPU bytes allocated during the step",
+        )
 
     # -- profile -------------------------------------------------------------------------
     def profile(self, size: str, copies: list[Copy], step_s: float) -> dict:
@@ -921,9 +1000,13 @@ def _profile_breakdown(prof, n_steps: int) -> dict:  # noqa: ANN001
         if site:
             device[site] = device.get(site, 0.0) + e.duration_ns()
     per = lambda d: {k: v / 1e6 / n_steps for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
-    return dict(sites_ms=per(sites), device_ms=per(device), calls_per_step={k: v / n_steps for k, v in counts.items()},
-                ops_per_step={k: v / n_steps for k, v in top_ops.items()},
-                distmon_ops_ms=dict(list(per(ops).items())[:15]))
+    return dict(
+        sites_ms=per(sites),
+        device_ms=per(device),
+        calls_per_step={k: v / n_steps for k, v in counts.items()},
+        ops_per_step={k: v / n_steps for k, v in top_ops.items()},
+        distmon_ops_ms=dict(list(per(ops).items())[:15]),
+    )
 
 
 def _release_host_memory() -> None:
@@ -931,12 +1014,13 @@ def _release_host_memory() -> None:
     check sees what is really available."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except Exception:
         pass
 
 
-def _mem_available() -> Optional[int]:
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -949,6 +1033,7 @@ def _mem_available() -> Optional[int]:
 
 # ------------------------------------------------------------------------------- analysis
 
+
 def _ratios(t: list[float], base: list[float], blocks: list[list[int]]) -> tuple[float, float, float]:
     """(ratio of medians, min and max of the same ratio within each block of rounds)."""
     per_block = [median([t[i] for i in b]) / median([base[i] for i in b]) for b in blocks if b]
@@ -956,8 +1041,10 @@ def _ratios(t: list[float], base: list[float], blocks: list[list[int]]) -> tuple
 
 
 # periodic site -> the site it runs nested in
-PERIODIC = {"periodic::distmon::export": "distmon::after_step",
-            "wall::periodic::distmon::export": "wall::distmon::after_step"}
+PERIODIC = {
+    "periodic::distmon::export": "distmon::after_step",
+    "wall::periodic::distmon::export": "wall::distmon::after_step",
+}
 
 
 def _unnest(sites: dict[str, float]) -> dict[str, float]:
@@ -993,42 +1080,75 @@ def analyse(size_res: dict, repeats: int) -> dict:
         # periodic sites run nested in another site on some steps: taken out of the step they fell
         # in, added back below amortized over every step the approach took (timed or not)
         selfs = [[_unnest(r["selfs"][a][i]) for i in range(n)] for r in ranks]
-        site_names = sorted({k for r in selfs for st in r for k in st},
-                            key=lambda k: (k.startswith("wall::"), k.startswith("background::"), k))
-        site_ms = {k: median([1e3 * statistics.mean(r[i].get(k, 0.0) for r in selfs) for i in range(n)])
-                   for k in site_names}
-        own = [1e3 * statistics.mean(sum(v for k, v in r[i].items() if not k.startswith(("background::", "wall::")))
-                                     for r in selfs)
-               for i in range(n)]
+        site_names = sorted(
+            {k for r in selfs for st in r for k in st},
+            key=lambda k: (k.startswith("wall::"), k.startswith("background::"), k),
+        )
+        site_ms = {
+            k: median([1e3 * statistics.mean(r[i].get(k, 0.0) for r in selfs) for i in range(n)])
+            for k in site_names
+        }
+        own = [
+            1e3
+            * statistics.mean(
+                sum(v for k, v in r[i].items() if not k.startswith(("background::", "wall::"))) for r in selfs
+            )
+            for i in range(n)
+        ]
         periodic_ms = statistics.mean(1e3 * r["periodic"][a][0] / r["periodic"][a][1] for r in ranks)
         if periodic_ms:
             site_ms["amortized::export"] = periodic_ms
         own_ms = median(own) + periodic_ms
         rows[a] = dict(
-            median_ms=med, mean_ms=1e3 * statistics.mean(wall[a]), ratio=ratio, ratio_min=rmin, ratio_max=rmax,
-            extra_ms=med - base_ms, extra_passes=(med - base_ms) / floor_ms,
-            cpu_ms=cmed, cpu_ratio=cratio, cpu_ratio_min=cmin, cpu_ratio_max=cmax,
-            cpu_extra_ms=cmed - base_cpu_ms, cpu_extra_passes=(cmed - base_cpu_ms) / floor_cpu_ms,
-            own_ms=own_ms, own_passes=own_ms / floor_cpu_ms, own_ratio=1 + own_ms / base_cpu_ms,
+            median_ms=med,
+            mean_ms=1e3 * statistics.mean(wall[a]),
+            ratio=ratio,
+            ratio_min=rmin,
+            ratio_max=rmax,
+            extra_ms=med - base_ms,
+            extra_passes=(med - base_ms) / floor_ms,
+            cpu_ms=cmed,
+            cpu_ratio=cratio,
+            cpu_ratio_min=cmin,
+            cpu_ratio_max=cmax,
+            cpu_extra_ms=cmed - base_cpu_ms,
+            cpu_extra_passes=(cmed - base_cpu_ms) / floor_cpu_ms,
+            own_ms=own_ms,
+            own_passes=own_ms / floor_cpu_ms,
+            own_ratio=1 + own_ms / base_cpu_ms,
             background_ms=sum(v for k, v in site_ms.items() if k.startswith("background::")),
             sites_ms={k: v for k, v in site_ms.items() if not k.startswith("wall::")},
-            sites_wall_ms={k[len("wall::"):]: v for k, v in site_ms.items() if k.startswith("wall::")},
-            peak_over_baseline=max(r["mem"][a]["peak"] for r in ranks) - max(r["mem"]["baseline"]["peak"] for r in ranks),
+            sites_wall_ms={k[len("wall::") :]: v for k, v in site_ms.items() if k.startswith("wall::")},
+            peak_over_baseline=max(r["mem"][a]["peak"] for r in ranks)
+            - max(r["mem"]["baseline"]["peak"] for r in ranks),
             persistent_device=max(r["persistent"][a][0] for r in ranks),
             persistent_host=max(r["persistent"][a][1] for r in ranks),
         )
         rows[a]["kept_bytes"] = rows[a]["persistent_device"] + rows[a]["persistent_host"]
-    return dict(info=info, n_rounds=n, repeats=len(blocks), floor_ms=floor_ms, floor_cpu_ms=floor_cpu_ms,
-                health=ranks[0]["health"],
-                baseline_ms=base_ms, baseline_cpu_ms=base_cpu_ms, rows=rows, wall_s=size_res["wall_s"],
-                profile=size_res["profile"], sync_debug=size_res["sync_debug"],
-                mem_method=ranks[0]["mem"]["baseline"]["method"], raw=dict(wall_s=wall, cpu_s=cpu))
+    return dict(
+        info=info,
+        n_rounds=n,
+        repeats=len(blocks),
+        floor_ms=floor_ms,
+        floor_cpu_ms=floor_cpu_ms,
+        health=ranks[0]["health"],
+        baseline_ms=base_ms,
+        baseline_cpu_ms=base_cpu_ms,
+        rows=rows,
+        wall_s=size_res["wall_s"],
+        profile=size_res["profile"],
+        sync_debug=size_res["sync_debug"],
+        mem_method=ranks[0]["mem"]["baseline"]["method"],
+        raw=dict(wall_s=wall, cpu_s=cpu),
+    )
 
 
 # ------------------------------------------------------------------------------- reports
 
+
 def machine_info(cuda: bool, backend: str, world: int) -> dict:
     import torch
+
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -1038,20 +1158,30 @@ def machine_info(cuda: bool, backend: str, world: int) -> dict:
                     break
     except OSError:
         pass
-    info = dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, python=platform.python_version(),
-                platform=platform.platform(), backend=backend, world_size=world,
-                threads_per_rank=torch.get_num_threads(), gpu=None,
-                load_avg_start=os.getloadavg() if hasattr(os, "getloadavg") else None)
+    info = dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        backend=backend,
+        world_size=world,
+        threads_per_rank=torch.get_num_threads(),
+        gpu=None,
+        load_avg_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
+    )
     if cuda:
         info["gpu"] = torch.cuda.get_device_name()
     try:
         import distmon
+
         info["distmon"] = distmon.__version__
     except Exception:
         pass
     try:
-        info["git"] = subprocess.run(["git", "-C", REPO, "describe", "--always", "--dirty"], capture_output=True,
-                                     text=True, timeout=10).stdout.strip()
+        info["git"] = subprocess.run(
+            ["git", "-C", REPO, "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except Exception:
         pass
     return info
@@ -1079,45 +1209,66 @@ def _rng(r: dict, key: str) -> str:
 
 def size_table(s: dict, hist_freq: int) -> list[str]:
     info = s["info"]
-    lines = [f"### {info['size']}: {info['n_params'] / 1e6:.2f}M parameters in {info['n_tensors']} tensors, "
-             f"{info['tokens_per_rank']} tokens/rank/step",
-             "",
-             f"Bare DDP step {_f(s['baseline_ms'])} ms wall, {_f(s['baseline_cpu_ms'])} ms CPU. Floor (one fused read "
-             f"of the {fmt_bytes(info['grad_bytes'])} of gradients): {_f(s['floor_ms'], 2)} ms wall, "
-             f"{_f(s['floor_cpu_ms'], 2)} ms CPU. {s['n_rounds']} interleaved rounds; min-max over "
-             f"{s['repeats']} blocks of rounds."
-             + (f" DDP with gradient_as_bucket_view=True ({info.get('bucket_view_reason', 'memory')})." if info["gradient_as_bucket_view"] else "")
-             + (f" NOTE: distmon sites not timed (its private names changed; update the benchmark's "
-                f"instrumentation): {', '.join(info['uninstrumented'])}." if info.get("uninstrumented") else ""),
-             "",
-             "| approach | step ms (wall) | ratio (min-max) | extra ms | extra, passes | step CPU ms | "
-             "CPU ratio (min-max) | own code CPU ms | own code, passes | peak mem over baseline | kept state |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### {info['size']}: {info['n_params'] / 1e6:.2f}M parameters in {info['n_tensors']} tensors, "
+        f"{info['tokens_per_rank']} tokens/rank/step",
+        "",
+        f"Bare DDP step {_f(s['baseline_ms'])} ms wall, {_f(s['baseline_cpu_ms'])} ms CPU. Floor (one "
+        "fused read "
+        f"of the {fmt_bytes(info['grad_bytes'])} of gradients): {_f(s['floor_ms'], 2)} ms wall, "
+        f"{_f(s['floor_cpu_ms'], 2)} ms CPU. {s['n_rounds']} interleaved rounds; min-max over "
+        f"{s['repeats']} blocks of rounds."
+        + (
+            f" DDP with gradient_as_bucket_view=True ({info.get('bucket_view_reason', 'memory')})."
+            if info["gradient_as_bucket_view"]
+            else ""
+        )
+        + (
+            f" NOTE: distmon sites not timed (its private names changed; update the benchmark's "
+            f"instrumentation): {', '.join(info['uninstrumented'])}."
+            if info.get("uninstrumented")
+            else ""
+        ),
+        "",
+        "| approach | step ms (wall) | ratio (min-max) | extra ms | extra, passes | step CPU ms | "
+        "CPU ratio (min-max) | own code CPU ms | own code, passes | peak mem over baseline | kept state |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for a, r in s["rows"].items():
         label = _label(a, hist_freq)
         if a == "baseline":
-            lines.append(f"| {label} | {_f(r['median_ms'])} | 1 | - | - | {_f(r['cpu_ms'])} | 1 | - | - | - | - |")
+            lines.append(
+                f"| {label} | {_f(r['median_ms'])} | 1 | - | - | {_f(r['cpu_ms'])} | 1 | - | - | - | - |"
+            )
             continue
         lines.append(
-            f"| {label} | {_f(r['median_ms'])} | {_rng(r, 'ratio')} | {_f(r['extra_ms'])} | {_f(r['extra_passes'])} | "
+            f"| {label} | {_f(r['median_ms'])} | {_rng(r, 'ratio')} | {_f(r['extra_ms'])} | "
+            f"{_f(r['extra_passes'])} | "
             f"{_f(r['cpu_ms'])} | {_rng(r, 'cpu_ratio')} | {_f(r['own_ms'], 2)} | {_f(r['own_passes'], 2)} | "
-            f"{fmt_bytes(r['peak_over_baseline'])} | {fmt_bytes(r['kept_bytes'])} |")
+            f"{fmt_bytes(r['peak_over_baseline'])} | {fmt_bytes(r['kept_bytes'])} |"
+        )
     lines.append("")
     return lines
 
 
 def summary_table(res: dict) -> list[str]:
-    L = ["| model | params | tensors | tokens/rank | bare DDP step ms | floor ms (wall / CPU) | "
-         "distmon ratio, wall (min-max) | ratio, CPU (min-max) | extra ms, wall (passes) | own code CPU ms (passes) | "
-         "kept state | hand-written own code CPU ms (passes) |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    L = [
+        "| model | params | tensors | tokens/rank | bare DDP step ms | floor ms (wall / CPU) | "
+        "distmon ratio, wall (min-max) | ratio, CPU (min-max) | extra ms, wall (passes) | own code CPU ms "
+        "(passes) | "
+        "kept state | hand-written own code CPU ms (passes) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in res["sizes"]:
         i, r, h = s["info"], s["rows"]["distmon"], s["rows"]["hand-written"]
-        L.append(f"| {i['size']} | {i['n_params'] / 1e6:.2f}M | {i['n_tensors']} | {i['tokens_per_rank']} | "
-                 f"{_f(s['baseline_ms'])} | {_f(s['floor_ms'], 2)} / {_f(s['floor_cpu_ms'], 2)} | {_rng(r, 'ratio')} | "
-                 f"{_rng(r, 'cpu_ratio')} | {_f(r['extra_ms'])} ({_f(r['extra_passes'])}) | "
-                 f"{_f(r['own_ms'], 2)} ({_f(r['own_passes'], 2)}) | {fmt_bytes(r['kept_bytes'])} | "
-                 f"{_f(h['own_ms'], 2)} ({_f(h['own_passes'], 2)}) |")
+        L.append(
+            f"| {i['size']} | {i['n_params'] / 1e6:.2f}M | {i['n_tensors']} | {i['tokens_per_rank']} | "
+            f"{_f(s['baseline_ms'])} | {_f(s['floor_ms'], 2)} / {_f(s['floor_cpu_ms'], 2)} | "
+            f"{_rng(r, 'ratio')} | "
+            f"{_rng(r, 'cpu_ratio')} | {_f(r['extra_ms'])} ({_f(r['extra_passes'])}) | "
+            f"{_f(r['own_ms'], 2)} ({_f(r['own_passes'], 2)}) | {fmt_bytes(r['kept_bytes'])} | "
+            f"{_f(h['own_ms'], 2)} ({_f(h['own_passes'], 2)}) |"
+        )
     return L
 
 
@@ -1132,9 +1283,12 @@ def _in_place_read(s: dict) -> str:
     reads = d.get("distmon::local_sums", 0.0) + d.get("distmon::reduced_sums", 0.0)
     rest = s["rows"]["distmon"]["own_ms"] - reads
     floor = s["floor_cpu_ms"]
-    return (f"; one read of the local buckets inside a comm hook (hook-read reference) costs {h['own_passes']:.2f} "
-            f"passes, so two in-place reads are {2 * h['own_passes']:.2f}; distmon's two reads measure "
-            f"{reads / floor:.2f} and the rest of its own code {rest / floor:.2f} ({rest:.2f} ms)")
+    return (
+        "; one read of the local buckets inside a comm hook (hook-read reference) costs "
+        f"{h['own_passes']:.2f} "
+        f"passes, so two in-place reads are {2 * h['own_passes']:.2f}; distmon's two reads measure "
+        f"{reads / floor:.2f} and the rest of its own code {rest / floor:.2f} ({rest:.2f} ms)"
+    )
 
 
 def acceptance(sizes: list[dict], gpu: bool = False) -> list[tuple[str, str, str]]:
@@ -1151,24 +1305,43 @@ def acceptance(sizes: list[dict], gpu: bool = False) -> list[tuple[str, str, str
         if spread <= NOISE_SPREAD:
             verdict = "PASS" if r["ratio"] <= RATIO_TARGET else "MISS"
         else:
-            verdict = ("UNRESOLVED by wall clock; PASS by own-code time" if r["own_ratio"] <= RATIO_TARGET
-                       else "UNRESOLVED by wall clock; MISS by own-code time")
-        out.append((f"distmon defaults, {TARGET_SIZE} ({s['info']['n_params'] / 1e6:.1f}M params, "
-                    f"{s['info']['tokens_per_rank']} tokens/rank): median step-time ratio <= {RATIO_TARGET}",
-                    verdict,
-                    f"wall {_rng(r, 'ratio')} (block spread {spread:.3f}); CPU {_rng(r, 'cpu_ratio')}; "
-                    f"1 + own-code CPU time / step CPU time = {r['own_ratio']:.4f}"))
+            verdict = (
+                "UNRESOLVED by wall clock; PASS by own-code time"
+                if r["own_ratio"] <= RATIO_TARGET
+                else "UNRESOLVED by wall clock; MISS by own-code time"
+            )
+        out.append(
+            (
+                f"distmon defaults, {TARGET_SIZE} ({s['info']['n_params'] / 1e6:.1f}M params, "
+                f"{s['info']['tokens_per_rank']} tokens/rank): median step-time ratio <= {RATIO_TARGET}",
+                verdict,
+                f"wall {_rng(r, 'ratio')} (block spread {spread:.3f}); CPU {_rng(r, 'cpu_ratio')}; "
+                f"1 + own-code CPU time / step CPU time = {r['own_ratio']:.4f}",
+            )
+        )
     for s in sizes:
         r = s["rows"]["distmon"]
         ok = r["extra_passes"] <= PASSES_TARGET if gpu else r["own_passes"] <= PASSES_TARGET
-        out.append((f"distmon defaults, {s['info']['size']}: extra time <= {PASSES_TARGET} gradient passes "
-                    f"({'end to end, wall' if gpu else 'own code, CPU time'})", "PASS" if ok else "MISS",
-                    f"own code {r['own_passes']:.2f} passes ({r['own_ms']:.2f} ms CPU, floor "
-                    f"{s['floor_cpu_ms']:.2f} ms); end to end: wall {r['extra_passes']:.1f} passes "
-                    f"({r['extra_ms']:+.1f} ms), CPU {r['cpu_extra_passes']:.1f} passes ({r['cpu_extra_ms']:+.1f} ms)"
-                    + _in_place_read(s)))
-    pers = [(s["info"]["n_tensors"], s["info"]["grad_bytes"], s["rows"]["distmon"]["kept_bytes"], s["info"]["size"])
-            for s in sizes]
+        out.append(
+            (
+                f"distmon defaults, {s['info']['size']}: extra time <= {PASSES_TARGET} gradient passes "
+                f"({'end to end, wall' if gpu else 'own code, CPU time'})",
+                "PASS" if ok else "MISS",
+                f"own code {r['own_passes']:.2f} passes ({r['own_ms']:.2f} ms CPU, floor "
+                f"{s['floor_cpu_ms']:.2f} ms); end to end: wall {r['extra_passes']:.1f} passes "
+                f"({r['extra_ms']:+.1f} ms), CPU {r['cpu_extra_passes']:.1f} passes "
+                f"({r['cpu_extra_ms']:+.1f} ms)" + _in_place_read(s),
+            )
+        )
+    pers = [
+        (
+            s["info"]["n_tensors"],
+            s["info"]["grad_bytes"],
+            s["rows"]["distmon"]["kept_bytes"],
+            s["info"]["size"],
+        )
+        for s in sizes
+    ]
     if len(pers) >= 2:
         groups: dict[int, list[int]] = {}
         for nt, _, b, _ in pers:
@@ -1179,22 +1352,34 @@ def acceptance(sizes: list[dict], gpu: bool = False) -> list[tuple[str, str, str
         grows = by_t[-1][2] > by_t[0][2] if by_t[-1][0] > by_t[0][0] else True
         # a fixed cost per tensor, whatever its size (anything per element would blow this up)
         bounded = all(b <= KEPT_PER_TENSOR_MAX * nt for nt, _, b, _ in pers)
-        desc = "; ".join(f"{name}: {nt} tensors, {fmt_bytes(gb)} of gradients -> {fmt_bytes(b)} "
-                         f"({b / nt:.0f} B/tensor)" for nt, gb, b, name in pers)
-        out.append((f"distmon memory grows with parameter tensors, not gradient bytes (same tensor count: "
-                     f"within 25%; at most {KEPT_PER_TENSOR_MAX} B per tensor)",
-                    "PASS" if flat_in_bytes and grows and bounded else "MISS", desc))
+        desc = "; ".join(
+            f"{name}: {nt} tensors, {fmt_bytes(gb)} of gradients -> {fmt_bytes(b)} ({b / nt:.0f} B/tensor)"
+            for nt, gb, b, name in pers
+        )
+        out.append(
+            (
+                f"distmon memory grows with parameter tensors, not gradient bytes (same tensor count: "
+                f"within 25%; at most {KEPT_PER_TENSOR_MAX} B per tensor)",
+                "PASS" if flat_in_bytes and grows and bounded else "MISS",
+                desc,
+            )
+        )
     for s in sizes:
         d, h = s["rows"]["distmon"], s["rows"]["hand-written"]
         ok = d["median_ms"] <= h["median_ms"] if gpu else d["own_ms"] <= h["own_ms"]
-        out.append((f"{s['info']['size']}: distmon (defaults) at least as fast as the hand-written best effort "
-                    f"({'end to end, wall' if gpu else 'own code, CPU time'})", "PASS" if ok else "MISS",
-                    f"own code {d['own_ms']:.2f} vs {h['own_ms']:.2f} ms; step wall {d['median_ms']:.1f} vs "
-                    f"{h['median_ms']:.1f} ms, CPU {d['cpu_ms']:.1f} vs {h['cpu_ms']:.1f} ms"))
+        out.append(
+            (
+                f"{s['info']['size']}: distmon (defaults) at least as fast as the hand-written best effort "
+                f"({'end to end, wall' if gpu else 'own code, CPU time'})",
+                "PASS" if ok else "MISS",
+                f"own code {d['own_ms']:.2f} vs {h['own_ms']:.2f} ms; step wall {d['median_ms']:.1f} vs "
+                f"{h['median_ms']:.1f} ms, CPU {d['cpu_ms']:.1f} vs {h['cpu_ms']:.1f} ms",
+            )
+        )
     return out
 
 
-def write_reports(res: dict, out_dir: str, readme_path: Optional[str]) -> None:
+def write_reports(res: dict, out_dir: str, readme_path: str | None) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "overhead.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
@@ -1214,7 +1399,8 @@ def _machine_lines(res: dict) -> list[str]:
     return [
         f"- Machine: {m['cpu']}, {m['cores']} cores; {dev}",
         f"- torch {m['torch']}, Python {m['python']}, backend {m['backend']}, {m['world_size']} ranks, "
-        f"{m['threads_per_rank']} thread(s) per rank; distmon {m.get('distmon', '?')} (git {m.get('git', '?')})",
+        f"{m['threads_per_rank']} thread(s) per rank; distmon {m.get('distmon', '?')} (git "
+        f"{m.get('git', '?')})",
         f"- Load average at start {tuple(round(x, 1) for x in la) if la else '?'}, at end "
         f"{tuple(round(x, 1) for x in res['load_avg_end']) if res.get('load_avg_end') else '?'} "
         "(the machine is shared: other jobs ran during the measurement)",
@@ -1222,7 +1408,7 @@ def _machine_lines(res: dict) -> list[str]:
     ]
 
 
-def render_md(res: dict, png: Optional[str]) -> str:
+def render_md(res: dict, png: str | None) -> str:
     sizes = res["sizes"]
     L = ["# distmon overhead benchmark", ""]
     L += _machine_lines(res)
@@ -1238,8 +1424,11 @@ def render_md(res: dict, png: Optional[str]) -> str:
         amort = s["rows"].get("wandb-hist"), s["rows"].get("wandb-hist-1")
         if all(amort):
             a = amort[0]["own_ms"] + amort[1]["own_ms"] / res["hist_freq"]
-            L += [f"wandb-style every {res['hist_freq']} steps, amortized: {a:.2f} ms CPU of own code per step "
-                  f"({a / s['floor_cpu_ms']:.2f} passes).", ""]
+            L += [
+                f"wandb-style every {res['hist_freq']} steps, amortized: {a:.2f} ms CPU of own code per step "
+                f"({a / s['floor_cpu_ms']:.2f} passes).",
+                "",
+            ]
     L += ["## Acceptance", ""]
     for what, verdict, detail in res["acceptance"]:
         L.append(f"- {verdict}: {what} -- {detail}")
@@ -1251,37 +1440,55 @@ def render_md(res: dict, png: Optional[str]) -> str:
         for a in ("distmon", "distmon-detailed"):
             d = h.get(a)
             if d:
-                parts.append(f"{a} step {d['step']} global norm {d['grad_norm']:.6g}, {d['errors']} monitor errors")
-        L.append(f"- {s['info']['size']}: " + "; ".join(parts)
-                 + (f"; hand-written (independent) {hw:.6g}" if hw is not None else ""))
+                parts.append(
+                    f"{a} step {d['step']} global norm {d['grad_norm']:.6g}, {d['errors']} monitor errors"
+                )
+        L.append(
+            f"- {s['info']['size']}: "
+            + "; ".join(parts)
+            + (f"; hand-written (independent) {hw:.6g}" if hw is not None else "")
+        )
     L += ["", "## Where distmon's time goes (torch.profiler)", ""]
     L += profile_lines(res)
-    L += ["Own-code time per step by site, CPU ms (wall ms, which adds blocking waits and preemption by other "
-          "jobs), median over timed steps, mean over ranks; `local_sums`/`reduced_sums` = sums of squares of the "
-          "local / reduced bucket (comm hook, future callback), `before_step` = fold the local sums, pack and "
-          "start the per-step all-gather (optimizer step pre-hook), `after_step` = optimizer step post-hook "
-          "without its export (fold the reduced sums into the step's row), `export` = "
-          "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
-          "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "
-          "thread decoding exported rows (off the training thread):", ""]
+    L += [
+        "Own-code time per step by site, CPU ms (wall ms, which adds blocking waits and preemption by other "
+        "jobs), median over timed steps, mean over ranks; `local_sums`/`reduced_sums` = sums of squares of "
+        "the "
+        "local / reduced bucket (comm hook, future callback), `before_step` = fold the local sums, pack and "
+        "start the per-step all-gather (optimizer step pre-hook), `after_step` = optimizer step post-hook "
+        "without its export (fold the reduced sums into the step's row), `export` = "
+        "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
+        "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "
+        "thread decoding exported rows (off the training thread):",
+        "",
+    ]
     for s in sizes:
         for a in ("distmon", "distmon-detailed"):
             r = s["rows"].get(a)
             if r:
                 wall = r.get("sites_wall_ms", {})
-                L.append(f"- {s['info']['size']}, {LABELS[a]}: " + ", ".join(
-                    f"{k.split('::')[-1]} {v:.3f}" + (f" ({wall[k]:.3f})" if k in wall else "")
-                    for k, v in r["sites_ms"].items()))
+                L.append(
+                    f"- {s['info']['size']}, {LABELS[a]}: "
+                    + ", ".join(
+                        f"{k.split('::')[-1]} {v:.3f}" + (f" ({wall[k]:.3f})" if k in wall else "")
+                        for k, v in r["sites_ms"].items()
+                    )
+                )
     if any(s.get("sync_debug") for s in sizes):
         L += ["", "## GPU: host syncs on non-export steps (torch.cuda.set_sync_debug_mode('error'))", ""]
         for s in sizes:
             L.append(f"- {s['info']['size']}: {json.dumps(s['sync_debug'])}")
     else:
-        L += ["", "## GPU", "",
-              "No GPU was available for this run: the NCCL path, `torch.cuda.max_memory_allocated` and the "
-              "`torch.cuda.set_sync_debug_mode(\"error\")` check (no host sync on distmon's non-export steps, with "
-              "a positive control) are implemented in this script but did not run. On a GPU machine the same "
-              "command runs them and reports them here."]
+        L += [
+            "",
+            "## GPU",
+            "",
+            "No GPU was available for this run: the NCCL path, `torch.cuda.max_memory_allocated` and the "
+            '`torch.cuda.set_sync_debug_mode("error")` check (no host sync on distmon\'s non-export steps, '
+            "with "
+            "a positive control) are implemented in this script but did not run. On a GPU machine the same "
+            "command runs them and reports them here.",
+        ]
     L += ["", "## What each approach reports", ""]
     for a in res["approaches"]:
         L.append(f"- **{_label(a, res['hist_freq'])}**: {REPORTS[a]}")
@@ -1290,9 +1497,13 @@ def render_md(res: dict, png: Optional[str]) -> str:
 
 
 def profile_lines(res: dict) -> list[str]:
-    L = ["torch.profiler over a few steps of each distmon copy (after the timed rounds; the profiler's own "
-         "overhead inflates small ops). The reduced-gradient sums run in a callback on gloo's threads, which the "
-         "profiler does not record on CPU: see the own-code table below for them.", ""]
+    L = [
+        "torch.profiler over a few steps of each distmon copy (after the timed rounds; the profiler's own "
+        "overhead inflates small ops). The reduced-gradient sums run in a callback on gloo's threads, "
+        "which the "
+        "profiler does not record on CPU: see the own-code table below for them.",
+        "",
+    ]
     for s in res["sizes"]:
         prof = s.get("profile")
         if not prof:
@@ -1304,8 +1515,11 @@ def profile_lines(res: dict) -> list[str]:
             step = sites.get("bench::step", float("nan"))
             mine = {k: v for k, v in sites.items() if k.startswith("distmon::")}
             tot = sum(mine.values())
-            L.append(f"**{s['info']['size']}, {LABELS[name]}** ({p.get('steps', '?')} profiled steps): step {step:.1f} ms; distmon's sites "
-                     f"{tot:.2f} ms = {100 * tot / step:.2f}% of it (floor {s['floor_ms']:.2f} ms wall):")
+            L.append(
+                f"**{s['info']['size']}, {LABELS[name]}** ({p.get('steps', '?')} profiled steps): step "
+                f"{step:.1f} ms; distmon's sites "
+                f"{tot:.2f} ms = {100 * tot / step:.2f}% of it (floor {s['floor_ms']:.2f} ms wall):"
+            )
             L.append("")
             dev = p.get("device_ms") or {}
             L.append("| site | ms/step (host) | GPU ms/step | calls/step | torch ops/step |")
@@ -1313,11 +1527,15 @@ def profile_lines(res: dict) -> list[str]:
             for k, v in sites.items():
                 if k != "bench::step":
                     g = f"{dev[k]:.3f}" if k in dev else "-"
-                    L.append(f"| {k} | {v:.3f} | {g} | {p['calls_per_step'].get(k, 0):.0f} | "
-                             f"{p.get('ops_per_step', {}).get(k, 0):.0f} |")
+                    L.append(
+                        f"| {k} | {v:.3f} | {g} | {p['calls_per_step'].get(k, 0):.0f} | "
+                        f"{p.get('ops_per_step', {}).get(k, 0):.0f} |"
+                    )
             L.append("")
-            L.append("Top ops inside distmon's sites (self CPU ms/step): " + ", ".join(
-                f"`{k}` {v:.3f}" for k, v in list(p["distmon_ops_ms"].items())[:10]))
+            L.append(
+                "Top ops inside distmon's sites (self CPU ms/step): "
+                + ", ".join(f"`{k}` {v:.3f}" for k, v in list(p["distmon_ops_ms"].items())[:10])
+            )
             L.append("")
     if len(L) == 2:
         L = ["(not profiled: run with --profile)", ""]
@@ -1329,44 +1547,66 @@ def method_notes(res: dict) -> list[str]:
     mem_method = sizes[0]["mem_method"] if sizes else ""
     hf = res["hist_freq"]
     return [
-        "- One torchrun job, one DDP copy per approach (deep copies of one seeded GPT from `launch/model.py`, "
-        "AdamW), the same batch for every approach in a round. Each round runs one step of every approach in a "
+        "- One torchrun job, one DDP copy per approach (deep copies of one seeded GPT from "
+        "`launch/model.py`, "
+        "AdamW), the same batch for every approach in a round. Each round runs one step of every approach "
+        "in a "
         "rotating (and alternately reversed) order; each step is timed around forward + backward + the "
         "approach's extra work + `optimizer.step()`, after a `dist.barrier()`; `zero_grad` is outside. "
         "Machine drift hits all approaches alike and cancels in the ratios.",
         "- step ms (wall) = `time.perf_counter`, the slowest rank's; step CPU ms = `time.process_time` (CPU "
         "seconds of all of the rank's threads: training thread, gloo's threads, distmon's publisher thread), "
         "mean over ranks. On a shared machine other jobs inflate wall time, not CPU time; both are given.",
-        f"- Warm-up: {res['warmup']} round(s) and one memory-measuring round, not timed. ratio = median / bare "
+        f"- Warm-up: {res['warmup']} round(s) and one memory-measuring round, not timed. ratio = median / "
+        "bare "
         "DDP's median; (min-max) = the same ratio within each block of consecutive rounds.",
-        "- extra = median - bare DDP median; passes = extra / floor, the floor being `torch._foreach_norm` over "
-        "the bare DDP copy's gradients timed alone after its step (median over rounds; wall or CPU time as the "
+        "- extra = median - bare DDP median; passes = extra / floor, the floor being `torch._foreach_norm` "
+        "over "
+        "the bare DDP copy's gradients timed alone after its step (median over rounds; wall or CPU time as "
+        "the "
         "column).",
-        "- own code CPU ms = CPU time (`time.thread_time`) inside the approach's own code per step, summed over "
-        "its call sites: for distmon its comm-hook work (local sums before the inner all-reduce hook, reduced "
-        "sums in the future callback, packing and issuing the gather) and its optimizer step hook (wait); its "
-        "export (totals, detectors and the host copy, once per `export_every` steps) is timed on every export "
-        "(mean over the exports outside the profiler) and amortized, divided by `export_every`, as a median step "
+        "- own code CPU ms = CPU time (`time.thread_time`) inside the approach's own code per step, summed "
+        "over "
+        "its call sites: for distmon its comm-hook work (local sums before the inner all-reduce hook, "
+        "reduced "
+        "sums in the future callback, packing and issuing the gather) and its optimizer step hook (wait); "
+        "its "
+        "export (totals, detectors and the host copy, once per `export_every` steps) is timed on every "
+        "export "
+        "(mean over the exports outside the profiler) and amortized, divided by `export_every`, as a "
+        "median step "
         "would miss it; for the peers their hook bodies or calls. It resolves the differences "
         "of a few ms that multi-second steps on a shared machine bury in noise, but not indirect costs "
         "(Python comm-hook dispatch, GIL hand-offs, cache effects): the step columns carry those.",
-        f"- wandb-style every {hf} steps: the median step carries only the per-parameter hook; the amortized cost "
-        "is given below each table. It follows wandb's GPU path (min/max `.item()`, `torch.histc` with 64 bins, "
-        "`.cpu()`) without wandb's NaN/Inf filtering (two more copies per parameter): a lower bound of wandb.",
-        "- Lightning: `grad_norm(module, 2)` as called from `on_before_optimizer_step`, every step (logging its "
+        f"- wandb-style every {hf} steps: the median step carries only the per-parameter hook; the "
+        "amortized cost "
+        "is given below each table. It follows wandb's GPU path (min/max `.item()`, `torch.histc` with 64 "
+        "bins, "
+        "`.cpu()`) without wandb's NaN/Inf filtering (two more copies per parameter): a lower bound of "
+        "wandb.",
+        "- Lightning: `grad_norm(module, 2)` as called from `on_before_optimizer_step`, every step "
+        "(logging its "
         "dict not included). Tutorial and wandb-style hooks see *local* gradients; Lightning and the "
-        "hand-written best effort see the reduced ones; distmon sees both. Under DDP the reduced gradients are "
+        "hand-written best effort see the reduced ones; distmon sees both. Under DDP the reduced gradients "
+        "are "
         "identical on every rank, so the hand-written all_reduce adds a collective and no information; it is "
         "kept as specified.",
         f"- Memory: peak over baseline = {mem_method} for one step, minus the same for bare DDP (allocations "
-        "that do not raise the step's peak cost nothing here; small differences are allocation-timing noise). "
-        "kept state = bytes of the tensors an approach keeps between steps; for distmon, every tensor reachable "
-        "from its step tracker (per-parameter sums, parameter->layer map, bucket layouts, gather buffers, the "
-        "device ring and its host copies, detector state), found by walking its objects. Python objects on the "
+        "that do not raise the step's peak cost nothing here; small differences are allocation-timing "
+        "noise). "
+        "kept state = bytes of the tensors an approach keeps between steps; for distmon, every tensor "
+        "reachable "
+        "from its step tracker (per-parameter sums, parameter->layer map, bucket layouts, gather buffers, "
+        "the "
+        "device ring and its host copies, detector state), found by walking its objects. Python objects on "
+        "the "
         "host (snapshots) are not counted.",
-        "- distmon runs with `serve=\"none\"` (no HTTP server in a benchmark) and otherwise its defaults (export "
-        "every 10 steps, rank x layer gather, detectors on); DISTMON_* environment variables are ignored. The "
-        "instrumentation wraps distmon's entry points from outside (no distmon file is changed) and costs about "
+        '- distmon runs with `serve="none"` (no HTTP server in a benchmark) and otherwise its defaults '
+        "(export "
+        "every 10 steps, rank x layer gather, detectors on); DISTMON_* environment variables are ignored. "
+        "The "
+        "instrumentation wraps distmon's entry points from outside (no distmon file is changed) and costs "
+        "about "
         "a microsecond per call.",
     ]
 
@@ -1383,33 +1623,51 @@ def render_readme(res: dict) -> str:
     t = by.get(TARGET_SIZE)
     if t:
         r = t["rows"]["distmon"]
-        L.append(f"On a {t['info']['n_params'] / 1e6:.0f}M-parameter GPT ({t['info']['tokens_per_rank']:,} tokens per "
-                 f"rank per step, {res['machine']['world_size']} CPU ranks on gloo) distmon with its defaults "
-                 f"spends {r['own_ms']:.1f} ms of CPU per {t['baseline_ms'] / 1e3:.1f} s step in its own code "
-                 f"({r['own_passes']:.2f} reads of the gradient bytes, {100 * (r['own_ratio'] - 1):.2f}% of the step); "
-                 f"the median step-time ratio to bare DDP, end to end, is {r['ratio']:.3f} "
-                 f"(min-max over blocks of rounds {r['ratio_min']:.3f}-{r['ratio_max']:.3f}).")
+        L.append(
+            f"On a {t['info']['n_params'] / 1e6:.0f}M-parameter GPT ({t['info']['tokens_per_rank']:,} "
+            "tokens per "
+            f"rank per step, {res['machine']['world_size']} CPU ranks on gloo) distmon with its defaults "
+            f"spends {r['own_ms']:.1f} ms of CPU per {t['baseline_ms'] / 1e3:.1f} s step in its own code "
+            f"({r['own_passes']:.2f} reads of the gradient bytes, {100 * (r['own_ratio'] - 1):.2f}% of the "
+            "step); "
+            f"the median step-time ratio to bare DDP, end to end, is {r['ratio']:.3f} "
+            f"(min-max over blocks of rounds {r['ratio_min']:.3f}-{r['ratio_max']:.3f})."
+        )
         L.append("")
-    L += ["distmon with its defaults, across model sizes (\"passes\": extra time in units of one fused read of "
-          "every gradient byte, `torch._foreach_norm` over the gradients, timed alone):", ""]
+    L += [
+        'distmon with its defaults, across model sizes ("passes": extra time in units of one fused read of '
+        "every gradient byte, `torch._foreach_norm` over the gradients, timed alone):",
+        "",
+    ]
     L += summary_table(res) + ["", "Verdicts:", ""]
     L += [f"- {verdict}: {what}" for what, verdict, _ in res["acceptance"]]
     m = _machine_lines(res)
-    L += ["", "Measured on " + m[0][len("- Machine: "):] + "; " + m[1][2:] + ". " + m[2][2:] + ". "
-          f"Reproduce with `{res['command']}`. The comparison with the alternatives people use today (tutorial "
-          "hooks, wandb-style histograms, Lightning's grad_norm, a hand-written best effort), where distmon's time "
-          "goes, the findings in detail and the method: "
-          "[benchmarks/results/overhead.md](benchmarks/results/overhead.md).", ""]
+    L += [
+        "",
+        "Measured on " + m[0][len("- Machine: ") :] + "; " + m[1][2:] + ". " + m[2][2:] + ". "
+        f"Reproduce with `{res['command']}`. The comparison with the alternatives people use today (tutorial "
+        "hooks, wandb-style histograms, Lightning's grad_norm, a hand-written best effort), where "
+        "distmon's time "
+        "goes, the findings in detail and the method: "
+        "[benchmarks/results/overhead.md](benchmarks/results/overhead.md).",
+        "",
+    ]
     if not res["machine"]["gpu"]:
-        L += ["No GPU was available for these numbers; on a GPU the same command uses NCCL, measures peak memory "
-              "with `torch.cuda.max_memory_allocated` and checks under `torch.cuda.set_sync_debug_mode(\"error\")` "
-              "that distmon's non-export steps never sync the host.", ""]
+        L += [
+            "No GPU was available for these numbers; on a GPU the same command uses NCCL, measures peak "
+            "memory "
+            "with `torch.cuda.max_memory_allocated` and checks under "
+            '`torch.cuda.set_sync_debug_mode("error")` '
+            "that distmon's non-export steps never sync the host.",
+            "",
+        ]
     return "\n".join(L)
 
 
-def plot(res: dict, path: str) -> Optional[str]:
+def plot(res: dict, path: str) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:
@@ -1418,17 +1676,30 @@ def plot(res: dict, path: str) -> Optional[str]:
     sizes = res["sizes"]
     names = [a for a in res["approaches"] if a != "baseline"]
     xs = list(range(len(sizes)))
-    xt = [f"{s['info']['size']}\n{s['info']['n_params'] / 1e6:.1f}M params\n{s['info']['n_tensors']} tensors"
-          for s in sizes]
+    xt = [
+        f"{s['info']['size']}\n{s['info']['n_params'] / 1e6:.1f}M params\n{s['info']['n_tensors']} tensors"
+        for s in sizes
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(15, 6))
     markers = "os^vDPX*<>"
     for j, a in enumerate(names):
-        kw = dict(marker=markers[j % len(markers)], label=_label(a, res["hist_freq"]),
-                  lw=2.8 if a.startswith("distmon") else 1.2, ms=7 if a.startswith("distmon") else 5)
+        kw = dict(
+            marker=markers[j % len(markers)],
+            label=_label(a, res["hist_freq"]),
+            lw=2.8 if a.startswith("distmon") else 1.2,
+            ms=7 if a.startswith("distmon") else 5,
+        )
         r = [s["rows"][a] for s in sizes]
-        axes[0].errorbar(xs, [x["ratio"] for x in r],
-                         yerr=[[max(0.0, x["ratio"] - x["ratio_min"]) for x in r],
-                               [max(0.0, x["ratio_max"] - x["ratio"]) for x in r]], capsize=3, **kw)
+        axes[0].errorbar(
+            xs,
+            [x["ratio"] for x in r],
+            yerr=[
+                [max(0.0, x["ratio"] - x["ratio_min"]) for x in r],
+                [max(0.0, x["ratio_max"] - x["ratio"]) for x in r],
+            ],
+            capsize=3,
+            **kw,
+        )
         axes[1].plot(xs, [max(x["own_passes"], 1e-3) for x in r], **kw)
     axes[0].axhline(1.0, color="k", lw=0.8)
     axes[0].axhline(RATIO_TARGET, color="r", lw=0.8, ls="--", label=f"target {RATIO_TARGET}")
@@ -1447,8 +1718,11 @@ def plot(res: dict, path: str) -> Optional[str]:
         ax.grid(True, which="both", alpha=0.3)
     axes[1].legend(fontsize=7, loc="best")
     m = res["machine"]
-    fig.suptitle(f"Gradient monitoring overhead, DDP {m['world_size']} ranks ({m['backend']}); {m['cpu']}, "
-                 f"{m['cores']} cores; torch {m['torch']}" + ("" if m["gpu"] else "; no GPU"), fontsize=10)
+    fig.suptitle(
+        f"Gradient monitoring overhead, DDP {m['world_size']} ranks ({m['backend']}); {m['cpu']}, "
+        f"{m['cores']} cores; torch {m['torch']}" + ("" if m["gpu"] else "; no GPU"),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1457,38 +1731,81 @@ def plot(res: dict, path: str) -> Optional[str]:
 
 # ------------------------------------------------------------------------------- main
 
+
 def parse(argv=None) -> argparse.Namespace:  # noqa: ANN001
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="~1M, ~5M, 2k-tensor models (default)")
-    mode.add_argument("--full", dest="mode", action="store_const", const="full", help="+ ~20M and ~50M models")
-    mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tiny model, a few steps")
+    mode.add_argument(
+        "--quick",
+        dest="mode",
+        action="store_const",
+        const="quick",
+        help="~1M, ~5M, 2k-tensor models (default)",
+    )
+    mode.add_argument(
+        "--full", dest="mode", action="store_const", const="full", help="+ ~20M and ~50M models"
+    )
+    mode.add_argument(
+        "--smoke", dest="mode", action="store_const", const="smoke", help="tiny model, a few steps"
+    )
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), help="override the mode's model sizes")
-    p.add_argument("--approaches", nargs="+", default=[a.name for a in APPROACHES],
-                   choices=[a.name for a in APPROACHES], help="subset of approaches (baseline is always run)")
-    p.add_argument("--rounds", type=int, default=0, help="timed rounds per size (default: from the time budget)")
+    p.add_argument(
+        "--approaches",
+        nargs="+",
+        default=[a.name for a in APPROACHES],
+        choices=[a.name for a in APPROACHES],
+        help="subset of approaches (baseline is always run)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=0, help="timed rounds per size (default: from the time budget)"
+    )
     p.add_argument("--budget-scale", type=float, default=1.0, help="scale the per-size time budgets")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed warm-up rounds (one more, memory-measuring, round follows)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed warm-up rounds (one more, memory-measuring, round follows)",
+    )
     p.add_argument("--repeats", type=int, default=4, help="blocks of rounds for the ratio's min-max")
     p.add_argument("--hist-freq", type=int, default=100, help="wandb-style histogram every N steps")
-    p.add_argument("--profile", dest="profile", action="store_true", default=True,
-                   help="torch.profiler breakdown of distmon's time (default on)")
+    p.add_argument(
+        "--profile",
+        dest="profile",
+        action="store_true",
+        default=True,
+        help="torch.profiler breakdown of distmon's time (default on)",
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false")
-    p.add_argument("--profile-steps", type=int, default=0, help="steps per profiled approach (default: ~15 s worth)")
-    p.add_argument("--out", default=None,
-                   help="output directory (default: benchmarks/results for --full, benchmarks/results/quick for "
-                        "--quick, a temporary directory for --smoke)")
-    p.add_argument("--readme", default=None,
-                   help="where to write the README 'Performance' section (default: benchmarks/README_performance.md "
-                        "for --full with the default --out)")
-    p.add_argument("--bucket-view", action="store_true",
-                   help="DDP(gradient_as_bucket_view=True) (default: DDP's default, False)")
+    p.add_argument(
+        "--profile-steps", type=int, default=0, help="steps per profiled approach (default: ~15 s worth)"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: benchmarks/results for --full, benchmarks/results/quick for "
+        "--quick, a temporary directory for --smoke)",
+    )
+    p.add_argument(
+        "--readme",
+        default=None,
+        help="where to write the README 'Performance' section (default: benchmarks/README_performance.md "
+        "for --full with the default --out)",
+    )
+    p.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True) (default: DDP's default, False)",
+    )
     p.add_argument("--ranks", type=int, default=2, help="ranks when this script starts torchrun itself")
     p.add_argument("--cpu", action="store_true", help="stay on CPU/gloo even if CUDA is available")
-    p.add_argument("--render", metavar="RESULTS_JSON", default=None,
-                   help="run nothing: print the README's Performance section from a saved overhead.json")
+    p.add_argument(
+        "--render",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="run nothing: print the README's Performance section from a saved overhead.json",
+    )
     args = p.parse_args(argv)
     args.mode = args.mode or "quick"
     if "baseline" not in args.approaches:
@@ -1498,7 +1815,8 @@ def parse(argv=None) -> argparse.Namespace:  # noqa: ANN001
         args.readme = os.path.join(HERE, "README_performance.md")
     if args.out is None:
         args.out = default_out.get(args.mode) or (
-            tempfile.mkdtemp(prefix="distmon-bench-") if os.environ.get("RANK", "0") == "0" else "")
+            tempfile.mkdtemp(prefix="distmon-bench-") if os.environ.get("RANK", "0") == "0" else ""
+        )
     args.readme = args.readme or None
     if args.mode == "smoke":
         args.warmup = min(args.warmup, 1)
@@ -1516,11 +1834,25 @@ def main(argv=None) -> int:  # noqa: ANN001
         return 0
     if "RANK" not in os.environ:  # started as a plain script: become torchrun
         given = list(sys.argv[1:] if argv is None else argv)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-               os.path.abspath(__file__), *given, "--out", args.out, "--readme", args.readme or ""]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(args.ranks),
+            os.path.abspath(__file__),
+            *given,
+            "--out",
+            args.out,
+            "--readme",
+            args.readme or "",
+        ]
         env = dict(os.environ)
-        env.setdefault("DISTMON_BENCH_COMMAND", " ".join(["python", os.path.relpath(os.path.abspath(__file__), REPO)]
-                                                         + given))
+        env.setdefault(
+            "DISTMON_BENCH_COMMAND",
+            " ".join(["python", os.path.relpath(os.path.abspath(__file__), REPO)] + given),
+        )
         env.setdefault("OMP_NUM_THREADS", "1")
         return subprocess.call(cmd, env=env)
     _use_checkout()
@@ -1528,19 +1860,23 @@ def main(argv=None) -> int:  # noqa: ANN001
         if k.startswith("DISTMON_") and k != "DISTMON_BENCH_COMMAND":
             del os.environ[k]
     import warnings
+
     warnings.filterwarnings("ignore")
     t0 = now_s()
     bench = Bench(args)
     command = os.environ.get("DISTMON_BENCH_COMMAND") or (
-        f"torchrun --nproc-per-node {bench.world} " + " ".join([os.path.relpath(os.path.abspath(__file__), REPO)]
-                                                              + sys.argv[1:]))
+        f"torchrun --nproc-per-node {bench.world} "
+        + " ".join([os.path.relpath(os.path.abspath(__file__), REPO)] + sys.argv[1:])
+    )
     machine = machine_info(bench.cuda, bench.backend, bench.world)
     plan = [(s, b) for s, b in MODES[args.mode]]
     if args.sizes:
         budgets = dict(MODES["full"])
         plan = [(s, budgets.get(s, 60.0)) for s in args.sizes]
-    bench.log(f"distmon overhead benchmark, {args.mode} mode: {[s for s, _ in plan]}; {bench.world} ranks, "
-              f"{bench.backend}, torch {machine['torch']}")
+    bench.log(
+        f"distmon overhead benchmark, {args.mode} mode: {[s for s, _ in plan]}; {bench.world} ranks, "
+        f"{bench.backend}, torch {machine['torch']}"
+    )
     results, skipped = [], []
     for size, budget in plan:
         try:
@@ -1554,18 +1890,36 @@ def main(argv=None) -> int:  # noqa: ANN001
             results.append(s)
             print_size(s, args.hist_freq)
     if bench.rank == 0:
-        res = dict(machine=machine, command=command, mode=args.mode, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                   hist_freq=args.hist_freq, warmup=args.warmup, approaches=args.approaches, sizes=results,
-                   skipped=skipped, labels={a: _label(a, args.hist_freq) for a in args.approaches},
-                   wall_s=now_s() - t0, load_avg_end=os.getloadavg() if hasattr(os, "getloadavg") else None)
-        res["acceptance"] = acceptance(results, bool(machine["gpu"])) if all(
-            a in args.approaches for a in ("distmon", "hand-written")) else []
+        res = dict(
+            machine=machine,
+            command=command,
+            mode=args.mode,
+            date=datetime.datetime.now().isoformat(timespec="seconds"),
+            hist_freq=args.hist_freq,
+            warmup=args.warmup,
+            approaches=args.approaches,
+            sizes=results,
+            skipped=skipped,
+            labels={a: _label(a, args.hist_freq) for a in args.approaches},
+            wall_s=now_s() - t0,
+            load_avg_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
+        )
+        res["acceptance"] = (
+            acceptance(results, bool(machine["gpu"]))
+            if all(a in args.approaches for a in ("distmon", "hand-written"))
+            else []
+        )
         readme = args.readme
         write_reports(res, args.out, readme)
         print("\n".join(f"{v}: {w} -- {d}" for w, v, d in res["acceptance"]))
-        print(f"\nwrote {os.path.join(args.out, 'overhead.md')}, overhead.json, overhead.png"
-              + (f", {readme}" if readme else "") + f" in {res['wall_s'] / 60:.1f} min", flush=True)
+        print(
+            f"\nwrote {os.path.join(args.out, 'overhead.md')}, overhead.json, overhead.png"
+            + (f", {readme}" if readme else "")
+            + f" in {res['wall_s'] / 60:.1f} min",
+            flush=True,
+        )
     import torch.distributed as dist
+
     dist.barrier()
     dist.destroy_process_group()
     return 0

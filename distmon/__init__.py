@@ -20,5 +20,4 @@ from .detectors import DetectorConfig
 from .monitor import GradientAnomalyError, GradMonitor
 from .snapshot import AnomalyEvent, Snapshot
 
-__all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "GradientAnomalyError",
-           "__version__"]
+__all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "GradientAnomalyError", "__version__"]

@@ -12,7 +12,7 @@ matched against one of them on another rank, and hang the job).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,8 @@ class RankFields:
         self.n_layer_cols = n_layers if rank_layers else 0
         names = ("errors", "valid") if rank_layers else ("total_sq", "first_nonfinite", "errors", "valid")
         col = {name: self.n_layer_cols + i for i, name in enumerate(names)}
-        self.total_sq: Optional[int] = col.get("total_sq")
-        self.first_nonfinite: Optional[int] = col.get("first_nonfinite")
+        self.total_sq: int | None = col.get("total_sq")
+        self.first_nonfinite: int | None = col.get("first_nonfinite")
         self.errors, self.valid = col["errors"], col["valid"]
         self.width = self.n_layer_cols + len(names)
 
@@ -87,21 +87,25 @@ class RankGather:
     ``rank_layers``, the total and first non-finite layer.
     """
 
-    def __init__(self, fields: RankFields, n_layers: int, group: Optional[dist.ProcessGroup],
-                 device: torch.device) -> None:
+    def __init__(
+        self, fields: RankFields, n_layers: int, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
         self.fields = fields
         self.group = group
         self.send = torch.zeros(fields.width, dtype=torch.float32, device=device)
-        self.layer_sq = self.send[:n_layers] if fields.n_layer_cols else \
-            torch.zeros(n_layers, dtype=torch.float32, device=device)
-        self._sent_meta: Optional[tuple[int, bool]] = None  # (errors, valid) now in the send buffer
-        self._work: Optional[dist.Work] = None
+        self.layer_sq = (
+            self.send[:n_layers]
+            if fields.n_layer_cols
+            else torch.zeros(n_layers, dtype=torch.float32, device=device)
+        )
+        self._sent_meta: tuple[int, bool] | None = None  # (errors, valid) now in the send buffer
+        self._work: dist.Work | None = None
 
     def pack(self, layer_order: torch.Tensor, errors: int, valid: bool) -> None:
         """Fill the send buffer's per-rank fields after the last bucket (device ops only)."""
         f = self.fields
         if f.total_sq is not None and f.first_nonfinite is not None:
-            torch.sum(self.layer_sq, 0, keepdim=True, out=self.send[f.total_sq:f.total_sq + 1])
+            torch.sum(self.layer_sq, 0, keepdim=True, out=self.send[f.total_sq : f.total_sq + 1])
             sums.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
         if self._sent_meta != (errors, valid):
             self.send[f.errors].fill_(errors)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any
 
 from .detectors import DetectorConfig
 from .grouping import GroupSpec, validate_groups
@@ -23,7 +24,7 @@ DEFAULT_PORT = 9290
 __all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT"]
 
 
-def _env(name: str) -> Optional[str]:
+def _env(name: str) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else None
 
@@ -59,7 +60,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 class MonitorConfig:
     """Validated options of :class:`distmon.GradMonitor` (see its docstring for each one)."""
 
-    comm_hook: Optional[Callable] = None
+    comm_hook: Callable | None = None
     comm_state: Any = None
     export_every: int = 10
     groups: GroupSpec = None
@@ -69,21 +70,21 @@ class MonitorConfig:
     port: int = DEFAULT_PORT
     addr: str = "127.0.0.1"
     port_fallback: bool = False
-    tls_cert: Optional[str] = None
-    tls_key: Optional[str] = None
-    tls_client_ca: Optional[str] = None
-    basic_auth_file: Optional[str] = None
-    run_id: Optional[str] = None
-    log_path: Optional[str] = None
-    file_sd_dir: Optional[str] = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    basic_auth_file: str | None = None
+    run_id: str | None = None
+    log_path: str | None = None
+    file_sd_dir: str | None = None
     linger_s: float = 30.0
     window_s: float = 60.0
-    guard: Optional[str] = None
+    guard: str | None = None
     lr_scheduler: Any = None
     detect: Any = True  # bool or DetectorConfig
 
     @classmethod
-    def from_options(cls, **options: Any) -> "MonitorConfig":
+    def from_options(cls, **options: Any) -> MonitorConfig:
         """Merge keyword options (``None`` = not given) with the environment and defaults, then validate.
 
         Example:
@@ -122,38 +123,70 @@ class MonitorConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the bad option."""
+
         def need(cond: bool, msg: str, exc: type = ValueError) -> None:
             if not cond:
                 raise exc(f"distmon: {msg}")
 
-        need(self.comm_hook is None or callable(self.comm_hook),
-             f"comm_hook must be a DDP comm hook function (state, bucket) -> Future, got {self.comm_hook!r}",
-             TypeError)
-        need(isinstance(self.export_every, int) and not isinstance(self.export_every, bool)
-             and self.export_every >= 1, f"export_every must be an int >= 1, got {self.export_every!r}")
+        need(
+            self.comm_hook is None or callable(self.comm_hook),
+            f"comm_hook must be a DDP comm hook function (state, bucket) -> Future, got {self.comm_hook!r}",
+            TypeError,
+        )
+        need(
+            isinstance(self.export_every, int)
+            and not isinstance(self.export_every, bool)
+            and self.export_every >= 1,
+            f"export_every must be an int >= 1, got {self.export_every!r}",
+        )
         validate_groups(self.groups)
-        need(isinstance(self.max_layers, int) and self.max_layers >= 1,
-             f"max_layers must be an int >= 1, got {self.max_layers!r}")
-        need(isinstance(self.rank_layers, bool), f"rank_layers must be a bool, got {self.rank_layers!r}",
-             TypeError)
+        need(
+            isinstance(self.max_layers, int) and self.max_layers >= 1,
+            f"max_layers must be an int >= 1, got {self.max_layers!r}",
+        )
+        need(
+            isinstance(self.rank_layers, bool),
+            f"rank_layers must be a bool, got {self.rank_layers!r}",
+            TypeError,
+        )
         need(self.serve in SERVE_MODES, f"serve must be one of {SERVE_MODES}, got {self.serve!r}")
-        need(isinstance(self.port, int) and 0 <= self.port <= 65535,
-             f"port must be an int in 0..65535 (0 = ephemeral), got {self.port!r}")
-        need(isinstance(self.addr, str) and bool(self.addr), f"addr must be a host address, got {self.addr!r}")
-        self.security  # pairs and types of the TLS/auth options; their files are read at bind time
-        need(self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
-             f"run_id must be a non-empty string, got {self.run_id!r}")
-        need(isinstance(self.linger_s, (int, float)) and math.isfinite(self.linger_s) and self.linger_s >= 0,
-             f"linger_s must be a number >= 0, got {self.linger_s!r}")
-        need(isinstance(self.window_s, (int, float)) and self.window_s > 0,
-             f"window_s must be a number > 0, got {self.window_s!r}")
+        need(
+            isinstance(self.port, int) and 0 <= self.port <= 65535,
+            f"port must be an int in 0..65535 (0 = ephemeral), got {self.port!r}",
+        )
+        need(
+            isinstance(self.addr, str) and bool(self.addr), f"addr must be a host address, got {self.addr!r}"
+        )
+        _ = self.security  # pairs and types of the TLS/auth options; their files are read at bind time
+        need(
+            self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
+            f"run_id must be a non-empty string, got {self.run_id!r}",
+        )
+        need(
+            isinstance(self.linger_s, (int, float)) and math.isfinite(self.linger_s) and self.linger_s >= 0,
+            f"linger_s must be a number >= 0, got {self.linger_s!r}",
+        )
+        need(
+            isinstance(self.window_s, (int, float)) and self.window_s > 0,
+            f"window_s must be a number > 0, got {self.window_s!r}",
+        )
         need(self.guard in GUARD_MODES, f"guard must be one of {GUARD_MODES}, got {self.guard!r}")
-        schedulers = self.lr_scheduler if isinstance(self.lr_scheduler, (list, tuple)) else [self.lr_scheduler]
-        need(all(s is None or hasattr(s, "step") for s in schedulers),
-             f"lr_scheduler must have a step() method (or be a list of such), got {self.lr_scheduler!r}", TypeError)
-        need(isinstance(self.detect, (bool, DetectorConfig)),
-             f"detect must be a bool or a distmon.DetectorConfig, got {self.detect!r}", TypeError)
-        need(self.guard is None or self.detect is not False,
-             "guard needs the detectors: pass detect=True or a DetectorConfig")
+        schedulers = (
+            self.lr_scheduler if isinstance(self.lr_scheduler, (list, tuple)) else [self.lr_scheduler]
+        )
+        need(
+            all(s is None or hasattr(s, "step") for s in schedulers),
+            f"lr_scheduler must have a step() method (or be a list of such), got {self.lr_scheduler!r}",
+            TypeError,
+        )
+        need(
+            isinstance(self.detect, (bool, DetectorConfig)),
+            f"detect must be a bool or a distmon.DetectorConfig, got {self.detect!r}",
+            TypeError,
+        )
+        need(
+            self.guard is None or self.detect is not False,
+            "guard needs the detectors: pass detect=True or a DetectorConfig",
+        )
         if self.file_sd_dir is not None:
             need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")

@@ -27,9 +27,9 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from enum import IntEnum
-from typing import Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from .ring import RowLayout
 from .snapshot import AnomalyEvent, Snapshot
 
 __all__ = ["DetectorConfig", "DeviceDetector", "DetectorDecoder"]
+
 
 class Col(IntEnum):
     """The detector columns of a ring row (then one rank-outlier score per rank)."""
@@ -79,7 +80,9 @@ class DetectorConfig:
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 if not (f.name == "warmup_steps" and v == 0):
-                    raise ValueError(f"distmon: detector option {f.name} must be a positive number, got {v!r}")
+                    raise ValueError(
+                        f"distmon: detector option {f.name} must be a positive number, got {v!r}"
+                    )
         if not self.ema_alpha < 1:
             raise ValueError(f"distmon: ema_alpha must be in (0, 1), got {self.ema_alpha}")
         if self.spike_ratio <= 1:
@@ -109,8 +112,9 @@ def _trimmed_consistency(world: int, samples: int = 20000) -> float:
     return float(1.0 / d2.mean())
 
 
-def _prefix_ema(state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
-                alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_ema(
+    state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The EMA ``s <- (1 - alpha) s + alpha y_t`` over the rows of ``y`` where ``mask``, in closed form.
 
     Returns ``(before, after)``: the state before each row (``(k, ...)``) and after the last.
@@ -133,8 +137,9 @@ def _prefix_ema(state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
     return before, (1 - alpha) ** kept_through[-1] * (state + through[-1])
 
 
-def _seed(state: torch.Tensor, seeded: torch.Tensor, y: torch.Tensor,
-          mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _seed(
+    state: torch.Tensor, seeded: torch.Tensor, y: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Seed unseeded columns of ``state`` with their first kept value in the run.
 
     Returns the seeded state, the rows that find the column seeded (for a column seeded in
@@ -160,8 +165,9 @@ class DeviceDetector:
     no per-step cost on ordinary steps.
     """
 
-    def __init__(self, cfg: DetectorConfig, n_layers: int, world: int, fields: RankFields,
-                 device: torch.device) -> None:
+    def __init__(
+        self, cfg: DetectorConfig, n_layers: int, world: int, fields: RankFields, device: torch.device
+    ) -> None:
         self.cfg = cfg
         self.world = world
         self.fields = fields
@@ -195,12 +201,12 @@ class DeviceDetector:
         window = self.cfg.median_window
         if len(rows) > self._max_run:
             for i in range(0, len(rows), self._max_run):
-                self.update(rows[i:i + self._max_run], layout)
+                self.update(rows[i : i + self._max_run], layout)
             return
         cfg = self.cfg
         k = len(rows)
         armed_from = max(0, cfg.warmup_steps - self.updates)  # first armed row of this run
-        x = 0.5 * torch.log(rows[:, 1:layout.layers.stop])  # log-norms: global, then layers
+        x = 0.5 * torch.log(rows[:, 1 : layout.layers.stop])  # log-norms: global, then layers
         finite = torch.isfinite(x)
         a = cfg.ema_alpha
         mean0, _, live = _seed(self.mean, self.seeded, x, finite)
@@ -223,8 +229,11 @@ class DeviceDetector:
         below = finite[:, 0] & (x[:, 0] < self._log_floor)
         count = below.float().cumsum(0)
         reset = ~below
-        count = count - torch.where(reset, count, 0.0).cummax(0).values \
+        count = (
+            count
+            - torch.where(reset, count, 0.0).cummax(0).values
             + torch.where(reset.cumsum(0) == 0, self.below, 0.0)
+        )
         self.below.copy_(count[-1])
 
         score, outlier_rank, outlier_score = self._rank_outliers(rows, layout)
@@ -233,15 +242,21 @@ class DeviceDetector:
         if self.world < 3:
             outlier.zero_()
         verdicts = {
-            Col.ZSCORE: z[:, 0], Col.MEDIAN_RATIO: torch.exp(x[:, 0] - median), Col.LAYER_ZMAX: z[:, 1:].max(1).values,
-            Col.SPIKE_GLOBAL: spike[:, 0], Col.SPIKE_LAYER: torch.where(any_layer, best, -1),
-            Col.SPIKE_LAYER_Z: torch.where(any_layer, best_z, 0.0), Col.VANISHING: count == cfg.vanishing_steps,
-            Col.OUTLIER: outlier, Col.OUTLIER_RANK: outlier_rank, Col.OUTLIER_SCORE: outlier_score,
+            Col.ZSCORE: z[:, 0],
+            Col.MEDIAN_RATIO: torch.exp(x[:, 0] - median),
+            Col.LAYER_ZMAX: z[:, 1:].max(1).values,
+            Col.SPIKE_GLOBAL: spike[:, 0],
+            Col.SPIKE_LAYER: torch.where(any_layer, best, -1),
+            Col.SPIKE_LAYER_Z: torch.where(any_layer, best_z, 0.0),
+            Col.VANISHING: count == cfg.vanishing_steps,
+            Col.OUTLIER: outlier,
+            Col.OUTLIER_RANK: outlier_rank,
+            Col.OUTLIER_SCORE: outlier_score,
             Col.BLOCK: ~finite[:, 0] | spike.any(1),
         }
         out = rows[:, layout.detector]
-        out[:, :len(Col)] = torch.stack([verdicts[c].float() for c in Col], 1)
-        out[:, len(Col):] = score
+        out[:, : len(Col)] = torch.stack([verdicts[c].float() for c in Col], 1)
+        out[:, len(Col) :] = score
 
         self.mean.copy_(mean_after)
         self.var.copy_(var_after)
@@ -301,12 +316,26 @@ class DetectorDecoder:
         if c[Col.VANISHING]:
             events.append(AnomalyEvent("vanishing", step, -1, "", snap.grad_norm, cfg.vanishing_norm))
         if c[Col.OUTLIER]:
-            events.append(AnomalyEvent("rank_outlier", step, int(c[Col.OUTLIER_RANK]), "",
-                                       c[Col.OUTLIER_SCORE], cfg.outlier_score))
-        return replace(snap, events=tuple(events),
-                       scores={"zscore": c[Col.ZSCORE], "median_ratio": c[Col.MEDIAN_RATIO],
-                               "layer_zmax": c[Col.LAYER_ZMAX]},
-                       rank_outlier_scores=c[len(Col):])
+            events.append(
+                AnomalyEvent(
+                    "rank_outlier",
+                    step,
+                    int(c[Col.OUTLIER_RANK]),
+                    "",
+                    c[Col.OUTLIER_SCORE],
+                    cfg.outlier_score,
+                )
+            )
+        return replace(
+            snap,
+            events=tuple(events),
+            scores={
+                "zscore": c[Col.ZSCORE],
+                "median_ratio": c[Col.MEDIAN_RATIO],
+                "layer_zmax": c[Col.LAYER_ZMAX],
+            },
+            rank_outlier_scores=c[len(Col) :],
+        )
 
 
 def block_column(layout: RowLayout) -> int:

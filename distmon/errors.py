@@ -35,5 +35,8 @@ class ErrorCounter:
             first = site not in self._seen
             self._seen.add(site)
         if first:
-            logger.exception("distmon: error in %s; training continues unaffected (further errors "
-                             "here are counted in distmon_monitor_errors_total, not logged)", site)
+            logger.exception(
+                "distmon: error in %s; training continues unaffected (further errors "
+                "here are counted in distmon_monitor_errors_total, not logged)",
+                site,
+            )

@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import tempfile
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 __all__ = ["TargetFile", "target_host"]
 
@@ -49,11 +49,13 @@ class TargetFile:
         os.makedirs(directory, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
         self.path = os.path.join(directory, f"{safe}.json")
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
         self._reserve()
 
     def _reserve(self) -> None:
-        self._fd, self._tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".distmon-", suffix=".tmp")
+        self._fd, self._tmp = tempfile.mkstemp(
+            dir=os.path.dirname(self.path), prefix=".distmon-", suffix=".tmp"
+        )
 
     def write(self, targets: Sequence[tuple[str, dict[str, str]]]) -> None:
         groups = [{"targets": [t], "labels": labels} for t, labels in targets]

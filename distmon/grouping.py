@@ -9,14 +9,14 @@ capped so Prometheus series stay bounded: groups past the cap fold into ``"other
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
 
 import torch
 
 GroupFn = Callable[[str, torch.nn.Parameter], str]
 GroupRules = Sequence[tuple[str, str]]
-GroupSpec = Union[None, GroupFn, GroupRules]
+GroupSpec = GroupFn | GroupRules | None
 
 OTHER = "other"
 ROOT = "root"  # parameters owned directly by the top module
@@ -69,16 +69,19 @@ def validate_groups(groups: GroupSpec) -> GroupFn:
         return groups
     if isinstance(groups, (list, tuple)):
         for rule in groups:
-            if not (isinstance(rule, (list, tuple)) and len(rule) == 2
-                    and all(isinstance(x, str) for x in rule)):
+            if not (
+                isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(x, str) for x in rule)
+            ):
                 raise TypeError(f"distmon: groups rules must be (regex, group) string pairs, got {rule!r}")
             try:
                 re.compile(rule[0])
             except re.error as e:
                 raise ValueError(f"distmon: bad regex {rule[0]!r} in groups: {e}") from None
         return _rules_fn(groups)
-    raise TypeError(f"distmon: groups must be None, a callable or a list of (regex, group) pairs, "
-                    f"got {type(groups).__name__}")
+    raise TypeError(
+        f"distmon: groups must be None, a callable or a list of (regex, group) pairs, "
+        f"got {type(groups).__name__}"
+    )
 
 
 def build_grouping(module: torch.nn.Module, groups: GroupSpec, max_layers: int) -> Grouping:
@@ -111,5 +114,4 @@ def build_grouping(module: torch.nn.Module, groups: GroupSpec, max_layers: int) 
         order = {label: i for i, label in enumerate(keep)}
         order[OTHER] = len(order)
         labels = [label if label in order else OTHER for label in labels]
-    return Grouping(tuple(params), tuple(names), tuple(order[label] for label in labels),
-                    tuple(order))
+    return Grouping(tuple(params), tuple(names), tuple(order[label] for label in labels), tuple(order))

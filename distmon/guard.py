@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -27,8 +28,9 @@ class GradientAnomalyError(RuntimeError):
     """Raised from ``optimizer.step()`` with ``guard="raise"`` (on every rank alike)."""
 
 
-def uncovered_parameters(named: Sequence[tuple[str, torch.nn.Parameter]],
-                         optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+def uncovered_parameters(
+    named: Sequence[tuple[str, torch.nn.Parameter]], optimizers: Sequence[torch.optim.Optimizer]
+) -> list[str]:
     """Names of the trainable parameters that none of ``optimizers`` steps.
 
     Example:
@@ -40,16 +42,20 @@ def uncovered_parameters(named: Sequence[tuple[str, torch.nn.Parameter]],
     return [name for name, p in named if id(p) not in covered]
 
 
-def warn_uncovered(named: Sequence[tuple[str, torch.nn.Parameter]],
-                   optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def warn_uncovered(
+    named: Sequence[tuple[str, torch.nn.Parameter]], optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
     """Warn (once, at construction) when the monitored optimizers do not step the whole model."""
     missing = uncovered_parameters(named, optimizers)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        warnings.warn(f"distmon: {len(missing)} trainable parameter(s) are stepped by none of the monitored "
-                      f"optimizers ({shown}): steps are counted, and a guard applied, only where those "
-                      f"optimizers step. Pass every optimizer that steps the model: "
-                      f"GradMonitor(model, [opt1, opt2, ...]).", stacklevel=3)
+        warnings.warn(
+            f"distmon: {len(missing)} trainable parameter(s) are stepped by none of the monitored "
+            f"optimizers ({shown}): steps are counted, and a guard applied, only where those "
+            f"optimizers step. Pass every optimizer that steps the model: "
+            f"GradMonitor(model, [opt1, opt2, ...]).",
+            stacklevel=3,
+        )
 
 
 class StepHooks:
@@ -65,15 +71,21 @@ class StepHooks:
         >>> hooks.install(); ...; hooks.remove()                                           # doctest: +SKIP
     """
 
-    def __init__(self, tracker: StepTracker, optimizers: Sequence[torch.optim.Optimizer], guard: Optional[str],
-                 schedulers: Sequence[Any], verdict_column: int) -> None:
+    def __init__(
+        self,
+        tracker: StepTracker,
+        optimizers: Sequence[torch.optim.Optimizer],
+        guard: str | None,
+        schedulers: Sequence[Any],
+        verdict_column: int,
+    ) -> None:
         self.tracker = tracker
         self.optimizers = tuple(optimizers)
         self.guard = guard
         self.schedulers = tuple(schedulers)
         self._column = verdict_column
         self._stepped: set[int] = set()  # ids of the optimizers that stepped in this training step
-        self._verdict: Optional[bool] = None  # True: the guard refuses this training step
+        self._verdict: bool | None = None  # True: the guard refuses this training step
         self._hold: set[int] = set()  # ids of the schedulers to hold back once
         self._undo: list[Callable[[], Any]] = []
 
@@ -131,9 +143,11 @@ class StepHooks:
             self._hold = {id(s) for s in self.schedulers}
             self._finish(opt)
             if self.guard == "raise":
-                raise GradientAnomalyError(f"distmon: non-finite or spiking gradient at step {step}; "
-                                           "optimizer step not taken")
+                raise GradientAnomalyError(
+                    f"distmon: non-finite or spiking gradient at step {step}; optimizer step not taken"
+                )
             return None
+
         return guarded_step
 
     def _held(self, sched: Any, inner_step: Callable[..., Any]) -> Callable[..., Any]:
@@ -143,4 +157,5 @@ class StepHooks:
                 self._hold.discard(id(sched))
                 return None
             return inner_step(*args, **kwargs)
+
         return held_step

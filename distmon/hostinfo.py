@@ -7,7 +7,6 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ class RankInfo:
         return out
 
 
-def resolve_run_id(explicit: Optional[str]) -> str:
+def resolve_run_id(explicit: str | None) -> str:
     """The run id: explicit option/``DISTMON_RUN_ID``, else torchrun's, else Slurm's, else generated.
 
     torchrun sets ``TORCHELASTIC_RUN_ID=none`` when no ``--rdzv-id`` is given; that is not an id.
@@ -58,7 +57,7 @@ def _gpu_uuid(device: torch.device) -> str:
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
-def local_rank_info(group: Optional[dist.ProcessGroup], device: torch.device) -> RankInfo:
+def local_rank_info(group: dist.ProcessGroup | None, device: torch.device) -> RankInfo:
     """This process's identity in ``group``."""
     host = socket.gethostname()
     node_rank = os.environ.get("GROUP_RANK")
@@ -71,7 +70,7 @@ def local_rank_info(group: Optional[dist.ProcessGroup], device: torch.device) ->
     )
 
 
-def exchange(payload: object, group: Optional[dist.ProcessGroup]) -> list:
+def exchange(payload: object, group: dist.ProcessGroup | None) -> list:
     """All ranks' ``payload`` in rank order: one collective, at construction only."""
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, payload, group=group)

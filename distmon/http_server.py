@@ -38,8 +38,9 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Union
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -49,17 +50,19 @@ from .errors import ErrorCounter, logger
 
 __all__ = ["EndpointSecurity", "BasicAuth", "MetricServer", "MAX_CONNECTIONS", "TIMEOUT_S", "MAX_IDLE"]
 
-MAX_CONNECTIONS = 8   # requests handled at once (worker threads)
-TIMEOUT_S = 10.0      # per connection, from accept to close; Prometheus' default scrape_timeout
-MAX_IDLE = 64         # accepted connections waiting for their first byte
+MAX_CONNECTIONS = 8  # requests handled at once (worker threads)
+TIMEOUT_S = 10.0  # per connection, from accept to close; Prometheus' default scrape_timeout
+MAX_IDLE = 64  # accepted connections waiting for their first byte
 REALM = "distmon"
 
 # bcrypt as htpasswd -B, Apache and Go write it: $2a$, $2b$ or $2y$, cost 04-31, 53 characters
 _BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
 # Checked for an unknown user name, so that it costs as much as a wrong password.
 _UNKNOWN_USER_HASH = b"$2b$10$RSgx4VLcrbItJmPp8AlFXuVyO6an0T.8NEpCf8yCCIxlAIH4mHZdm"
-_HTTP_TO_HTTPS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                  b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
+_HTTP_TO_HTTPS = (
+    b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+)
 
 PathLike = Union[str, "os.PathLike[str]"]
 WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
@@ -97,10 +100,10 @@ class EndpointSecurity:
         ValueError: distmon: tls_cert (DISTMON_TLS_CERT) needs tls_key (DISTMON_TLS_KEY) too (its private key)
     """
 
-    tls_cert: Optional[PathLike] = None
-    tls_key: Optional[PathLike] = None
-    tls_client_ca: Optional[PathLike] = None
-    basic_auth_file: Optional[PathLike] = None
+    tls_cert: PathLike | None = None
+    tls_key: PathLike | None = None
+    tls_client_ca: PathLike | None = None
+    basic_auth_file: PathLike | None = None
 
     def __post_init__(self) -> None:
         for name in ("tls_cert", "tls_key", "tls_client_ca", "basic_auth_file"):
@@ -111,14 +114,20 @@ class EndpointSecurity:
                 raise TypeError(f"distmon: {_option(name)} must be a file path, got {value!r}")
             object.__setattr__(self, name, os.fspath(value))
         if self.tls_cert is not None and self.tls_key is None:
-            raise ValueError(f"distmon: {_option('tls_cert')} needs {_option('tls_key')} too (its private key)")
+            raise ValueError(
+                f"distmon: {_option('tls_cert')} needs {_option('tls_key')} too (its private key)"
+            )
         if self.tls_key is not None and self.tls_cert is None:
-            raise ValueError(f"distmon: {_option('tls_key')} needs {_option('tls_cert')} too (its certificate)")
+            raise ValueError(
+                f"distmon: {_option('tls_key')} needs {_option('tls_cert')} too (its certificate)"
+            )
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError(f"distmon: {_option('tls_client_ca')} needs {_option('tls_cert')} and "
-                             f"{_option('tls_key')}: client certificates are checked in the TLS handshake")
+            raise ValueError(
+                f"distmon: {_option('tls_client_ca')} needs {_option('tls_cert')} and "
+                f"{_option('tls_key')}: client certificates are checked in the TLS handshake"
+            )
 
-    def load(self) -> tuple[Optional[ssl.SSLContext], Optional["BasicAuth"]]:
+    def load(self) -> tuple[ssl.SSLContext | None, BasicAuth | None]:
         """Read every file: ``(TLS context or None, BasicAuth or None)``.
 
         Raises ``ValueError`` naming distmon, the option and the path of what cannot be
@@ -132,20 +141,26 @@ class EndpointSecurity:
             try:
                 context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_password)
             except (OSError, ValueError) as e:
-                raise ValueError(f"distmon: tls_cert {self.tls_cert!r} / tls_key {self.tls_key!r} "
-                                 f"(DISTMON_TLS_CERT / DISTMON_TLS_KEY) cannot be loaded: {e} (expected PEM "
-                                 f"files: the certificate chain and its unencrypted private key)") from e
+                raise ValueError(
+                    f"distmon: tls_cert {self.tls_cert!r} / tls_key {self.tls_key!r} "
+                    f"(DISTMON_TLS_CERT / DISTMON_TLS_KEY) cannot be loaded: {e} (expected PEM "
+                    f"files: the certificate chain and its unencrypted private key)"
+                ) from e
             if self.tls_client_ca is not None:
                 try:
                     context.load_verify_locations(cafile=self.tls_client_ca)
                 except OSError as e:
-                    raise ValueError(f"distmon: {_option('tls_client_ca')} {self.tls_client_ca!r} cannot be "
-                                     f"loaded: {e} (expected PEM CA certificates)") from e
+                    raise ValueError(
+                        f"distmon: {_option('tls_client_ca')} {self.tls_client_ca!r} cannot be "
+                        f"loaded: {e} (expected PEM CA certificates)"
+                    ) from e
                 context.verify_mode = ssl.CERT_REQUIRED
         auth = BasicAuth.from_file(self.basic_auth_file) if self.basic_auth_file is not None else None
         if auth is not None and context is None:
-            logger.warning("distmon: basic_auth_file is set without tls_cert/tls_key: passwords cross the "
-                           "network in clear text; set DISTMON_TLS_CERT and DISTMON_TLS_KEY")
+            logger.warning(
+                "distmon: basic_auth_file is set without tls_cert/tls_key: passwords cross the "
+                "network in clear text; set DISTMON_TLS_CERT and DISTMON_TLS_KEY"
+            )
         return context, auth
 
 
@@ -177,7 +192,7 @@ class BasicAuth:
         self._bcrypt_lock = threading.Lock()  # failed guesses use one core at most
 
     @classmethod
-    def from_file(cls, path: str) -> "BasicAuth":
+    def from_file(cls, path: str) -> BasicAuth:
         """Read an htpasswd file of ``user:bcrypt-hash`` lines (blank lines are skipped).
 
         Raises ``ValueError`` naming the option, the path and the line of what is wrong,
@@ -187,8 +202,10 @@ class BasicAuth:
         try:
             import bcrypt
         except ImportError as e:
-            raise ValueError(f"distmon: {where} needs the bcrypt package: pip install bcrypt "
-                             f"(or pip install 'distmon[auth]')") from e
+            raise ValueError(
+                f"distmon: {where} needs the bcrypt package: pip install bcrypt "
+                f"(or pip install 'distmon[auth]')"
+            ) from e
         try:
             with open(path, encoding="utf-8") as f:
                 lines = f.read().splitlines()
@@ -200,18 +217,24 @@ class BasicAuth:
             if not line:
                 continue
             user, sep, hashed = line.partition(":")
-            if not (sep and user and _BCRYPT_HASH.fullmatch(hashed)):  # the line is not echoed: it may hold a password
-                raise ValueError(f"distmon: {where} line {number} is not 'user:bcrypt-hash' (a $2a$, $2b$ or "
-                                 f"$2y$ hash, as `htpasswd -nbB user password` prints)")
+            if not (
+                sep and user and _BCRYPT_HASH.fullmatch(hashed)
+            ):  # the line is not echoed: it may hold a password
+                raise ValueError(
+                    f"distmon: {where} line {number} is not 'user:bcrypt-hash' (a $2a$, $2b$ or "
+                    f"$2y$ hash, as `htpasswd -nbB user password` prints)"
+                )
             if user in users:
                 raise ValueError(f"distmon: {where} line {number}: user {user!r} is listed twice")
             users[user] = hashed.encode()
         if not users:
-            raise ValueError(f"distmon: {where} is empty: expected 'user:bcrypt-hash' lines "
-                             f"(`htpasswd -nbB user password`)")
+            raise ValueError(
+                f"distmon: {where} is empty: expected 'user:bcrypt-hash' lines "
+                f"(`htpasswd -nbB user password`)"
+            )
         return cls(users, bcrypt.checkpw)
 
-    def check(self, header: Optional[str]) -> bool:
+    def check(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value holds a listed user and its password."""
         scheme, _, encoded = (header or "").strip().partition(" ")
         if scheme.lower() != "basic":
@@ -239,12 +262,19 @@ class BasicAuth:
 
     def wrap(self, app: WSGIApp) -> WSGIApp:
         """``app`` behind basic auth: 401 with ``WWW-Authenticate`` unless the request's credentials check."""
+
         def authenticated(environ: dict, start_response: Callable) -> Iterable[bytes]:
             if self.check(environ.get("HTTP_AUTHORIZATION")):
                 return app(environ, start_response)
-            start_response("401 Unauthorized", [("WWW-Authenticate", f'Basic realm="{REALM}"'),
-                                                ("Content-Type", "text/plain; charset=utf-8")])
+            start_response(
+                "401 Unauthorized",
+                [
+                    ("WWW-Authenticate", f'Basic realm="{REALM}"'),
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                ],
+            )
             return [b"401 Unauthorized\n"]
+
         return authenticated
 
 
@@ -281,11 +311,14 @@ class _WSGIServer(WSGIServer):
 
 def _resolve(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
-                                                       flags=socket.AI_PASSIVE)[0]
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as e:
-        raise socket.gaierror(e.errno, f"distmon: cannot bind metrics endpoint to {addr}:{port}: "
-                                       f"{e.strerror} (DISTMON_ADDR / addr)") from e
+        raise socket.gaierror(
+            e.errno,
+            f"distmon: cannot bind metrics endpoint to {addr}:{port}: {e.strerror} (DISTMON_ADDR / addr)",
+        ) from e
     return family, sockaddr[0]
 
 
@@ -327,8 +360,14 @@ class MetricServer:
         >>> server.close()
     """
 
-    def __init__(self, registry: CollectorRegistry, server: _WSGIServer, tls: Optional[ssl.SSLContext],
-                 max_connections: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        server: _WSGIServer,
+        tls: ssl.SSLContext | None,
+        max_connections: int,
+        timeout_s: float,
+    ) -> None:
         self.registry = registry
         self.addr, self.port = server.server_address[0], server.server_address[1]
         self.scheme = "https" if tls is not None else "http"
@@ -346,9 +385,17 @@ class MetricServer:
         self._thread.start()
 
     @classmethod
-    def bind(cls, addr: str, port: int, fallback: bool, security: Optional[EndpointSecurity] = None, *,
-             tries: int = 100, max_connections: int = MAX_CONNECTIONS,
-             timeout_s: float = TIMEOUT_S) -> "MetricServer":
+    def bind(
+        cls,
+        addr: str,
+        port: int,
+        fallback: bool,
+        security: EndpointSecurity | None = None,
+        *,
+        tries: int = 100,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout_s: float = TIMEOUT_S,
+    ) -> MetricServer:
         """Load ``security``, then serve an (initially empty) registry on ``addr:port``.
 
         ``port`` 0 takes an ephemeral port; ``fallback`` the next free one after ``port``.
@@ -363,20 +410,26 @@ class MetricServer:
             app = auth.wrap(app)
         family, host = _resolve(addr, port)
         candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) if fallback and port else [])
-        last: Optional[OSError] = None
+        last: OSError | None = None
         for p in candidates:
             try:
                 server = _WSGIServer(family, host, p, app)
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
-                    raise OSError(e.errno, f"distmon: cannot bind metrics endpoint to {addr}:{p}: {e.strerror} "
-                                           f"(DISTMON_ADDR / addr, DISTMON_PORT / port)") from e
+                    raise OSError(
+                        e.errno,
+                        f"distmon: cannot bind metrics endpoint to {addr}:{p}: {e.strerror} "
+                        f"(DISTMON_ADDR / addr, DISTMON_PORT / port)",
+                    ) from e
                 last = e
                 continue
             return cls(registry, server, tls, max_connections, timeout_s)
-        hint = (f"ports {port}-{candidates[-1]} are all in use" if fallback
-                else f"port {port} on {addr} is already in use; pass port=0 (ephemeral), another "
-                     f"port (DISTMON_PORT), or port_fallback=True to take the next free one")
+        hint = (
+            f"ports {port}-{candidates[-1]} are all in use"
+            if fallback
+            else f"port {port} on {addr} is already in use; pass port=0 (ephemeral), another "
+            f"port (DISTMON_PORT), or port_fallback=True to take the next free one"
+        )
         raise OSError(errno.EADDRINUSE, f"distmon: {hint}") from last
 
     def attach(self, collector: Collector) -> None:
@@ -429,14 +482,18 @@ class MetricServer:
                 sock.close()
             selector.close()
 
-    def _next_timeout(self, idle: dict[socket.socket, tuple[Any, float]]) -> Optional[float]:
+    def _next_timeout(self, idle: dict[socket.socket, tuple[Any, float]]) -> float | None:
         deadlines = [deadline for _, deadline in itertools.islice(idle.values(), 1)]
         with self._lock:
             deadlines += self._deadlines.values()
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
-    def _accept(self, listener: socket.socket, selector: selectors.BaseSelector,
-                idle: dict[socket.socket, tuple[Any, float]]) -> None:
+    def _accept(
+        self,
+        listener: socket.socket,
+        selector: selectors.BaseSelector,
+        idle: dict[socket.socket, tuple[Any, float]],
+    ) -> None:
         while True:
             try:
                 sock, client = listener.accept()
@@ -464,8 +521,9 @@ class MetricServer:
                 return
             self._busy += 1
         try:
-            threading.Thread(target=self._work, args=(sock, client), name="distmon-http-worker",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._work, args=(sock, client), name="distmon-http-worker", daemon=True
+            ).start()
         except RuntimeError:  # no thread to be had: drop this connection, keep the slot count right
             with self._lock:
                 self._busy -= 1

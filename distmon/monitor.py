@@ -5,7 +5,8 @@ optimizer hooks; starts on every rank or on none; shuts them down in order.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -40,8 +41,10 @@ def _check_optimizers(optimizers: Sequence[Any]) -> None:
         raise ValueError("distmon: pass the optimizer (or a list of optimizers) that steps the model")
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"distmon: optimizer must be a torch.optim.Optimizer (or a list of them), "
-                            f"got {type(opt).__name__}")
+            raise TypeError(
+                f"distmon: optimizer must be a torch.optim.Optimizer (or a list of them), "
+                f"got {type(opt).__name__}"
+            )
 
 
 class GradMonitor:
@@ -75,44 +78,87 @@ class GradMonitor:
         ...     print(mon.latest().grad_norm)
     """
 
-    def __init__(self, model: torch.nn.Module,
-                 optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], *,
-                 comm_hook: Optional[Callable] = None, comm_state: Any = None,
-                 export_every: Optional[int] = None, groups: GroupSpec = None,
-                 max_layers: Optional[int] = None, rank_layers: Optional[bool] = None,
-                 serve: Optional[str] = None, port: Optional[int] = None, addr: Optional[str] = None,
-                 port_fallback: Optional[bool] = None, tls_cert: Optional[str] = None,
-                 tls_key: Optional[str] = None, tls_client_ca: Optional[str] = None,
-                 basic_auth_file: Optional[str] = None, run_id: Optional[str] = None,
-                 log_path: Optional[str] = None, file_sd_dir: Optional[str] = None,
-                 linger_s: Optional[float] = None, window_s: Optional[float] = None,
-                 detect: Union[bool, DetectorConfig, None] = None, guard: Optional[str] = None,
-                 lr_scheduler: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        comm_hook: Callable | None = None,
+        comm_state: Any = None,
+        export_every: int | None = None,
+        groups: GroupSpec = None,
+        max_layers: int | None = None,
+        rank_layers: bool | None = None,
+        serve: str | None = None,
+        port: int | None = None,
+        addr: str | None = None,
+        port_fallback: bool | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+        basic_auth_file: str | None = None,
+        run_id: str | None = None,
+        log_path: str | None = None,
+        file_sd_dir: str | None = None,
+        linger_s: float | None = None,
+        window_s: float | None = None,
+        detect: bool | DetectorConfig | None = None,
+        guard: str | None = None,
+        lr_scheduler: Any = None,
+    ) -> None:
         self._closed = True  # until every rank has started
         optimizers = _as_tuple(optimizer)
         source = source_for(model, comm_hook, comm_state)  # the model's type: the same on every rank
         me = hostinfo.local_rank_info(source.group, source.device)
         # Everything that can fail, on this rank; nothing is installed yet.
-        proposal: Optional[str] = None  # this rank's run id; rank 0's wins
+        proposal: str | None = None  # this rank's run id; rank 0's wins
         prepared = Prepared()
-        failure: Optional[Exception] = None
+        failure: Exception | None = None
         try:
             self.config = cfg = MonitorConfig.from_options(
-                comm_hook=comm_hook, comm_state=comm_state, export_every=export_every, groups=groups,
-                max_layers=max_layers, rank_layers=rank_layers, serve=serve, port=port, addr=addr,
-                port_fallback=port_fallback, tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca,
-                basic_auth_file=basic_auth_file, run_id=run_id, log_path=log_path, file_sd_dir=file_sd_dir,
-                linger_s=linger_s, window_s=window_s, detect=detect, guard=guard, lr_scheduler=lr_scheduler)
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                export_every=export_every,
+                groups=groups,
+                max_layers=max_layers,
+                rank_layers=rank_layers,
+                serve=serve,
+                port=port,
+                addr=addr,
+                port_fallback=port_fallback,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                tls_client_ca=tls_client_ca,
+                basic_auth_file=basic_auth_file,
+                run_id=run_id,
+                log_path=log_path,
+                file_sd_dir=file_sd_dir,
+                linger_s=linger_s,
+                window_s=window_s,
+                detect=detect,
+                guard=guard,
+                lr_scheduler=lr_scheduler,
+            )
             _check_optimizers(optimizers)
             source.check()
             grouping = build_grouping(source.module, cfg.groups, cfg.max_layers)
             self._errors = ErrorCounter()
             det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
             world = source.group.size()
-            factory = (lambda fields: DeviceDetector(det_cfg, len(grouping.layers), world, fields, source.device)) \
-                if cfg.detect is not False else None
-            self._tracker = tracker = StepTracker(len(grouping.layers), source.group, source.device,
-                                                  cfg.export_every, cfg.rank_layers, self._errors, factory)
+            factory = (
+                (lambda fields: DeviceDetector(det_cfg, len(grouping.layers), world, fields, source.device))
+                if cfg.detect is not False
+                else None
+            )
+            self._tracker = tracker = StepTracker(
+                len(grouping.layers),
+                source.group,
+                source.device,
+                cfg.export_every,
+                cfg.rank_layers,
+                self._errors,
+                factory,
+            )
             source.bind(tracker, grouping)
             proposal = hostinfo.resolve_run_id(cfg.run_id)
             prepared = prepare(cfg, me, proposal)
@@ -134,37 +180,63 @@ class GradMonitor:
         self._server, self._log, self._target = prepared.server, prepared.log, prepared.target
         self._callbacks: list[Callable[[AnomalyEvent, Snapshot], None]] = []
         sinks: list[Callable[[Sequence[Snapshot]], None]] = []
-        self._aggregate: Optional[MetricsAggregate] = None
+        self._aggregate: MetricsAggregate | None = None
         if self._server is not None:
             cluster, served = served_ranks(cfg.serve, me, self.rank_infos)
-            self._aggregate = MetricsAggregate(self.run_id, self.world_size, __version__, cfg.serve,
-                                               cluster, served, cfg.window_s, me.rank, lambda: self._errors.count)
+            self._aggregate = MetricsAggregate(
+                self.run_id,
+                self.world_size,
+                __version__,
+                cfg.serve,
+                cluster,
+                served,
+                cfg.window_s,
+                me.rank,
+                lambda: self._errors.count,
+            )
             self._server.attach(GradCollector(self._aggregate))
             sinks.append(self._aggregate.add)
         if self._log is not None:
             sinks.append(self._log)
         sinks.append(self._dispatch_events)
-        decoder = RowDecoder(tracker.layout, grouping.layers, tracker.gather.fields, self.run_id,
-                             lambda: tracker.layer_order_host,
-                             DetectorDecoder(det_cfg, grouping.layers) if factory else None)
+        decoder = RowDecoder(
+            tracker.layout,
+            grouping.layers,
+            tracker.gather.fields,
+            self.run_id,
+            lambda: tracker.layer_order_host,
+            DetectorDecoder(det_cfg, grouping.layers) if factory else None,
+        )
         self._publisher = Publisher(decoder, sinks, self._errors)
         tracker.publish_batch = self._publisher.submit
         self._source = source
         source.install()
-        self._hooks = StepHooks(tracker, optimizers, cfg.guard, _as_tuple(cfg.lr_scheduler or ()),
-                                block_column(tracker.layout))
+        self._hooks = StepHooks(
+            tracker, optimizers, cfg.guard, _as_tuple(cfg.lr_scheduler or ()), block_column(tracker.layout)
+        )
         self._hooks.install()
         self._closed = False
         warn_uncovered(list(zip(grouping.param_names, grouping.params)), optimizers)
         if self._target is not None:
             try:
-                self._target.write([(p.endpoint, {"run_id": self.run_id, "node": p.info.node})
-                                    for p in peers if p.endpoint is not None])
+                self._target.write(
+                    [
+                        (p.endpoint, {"run_id": self.run_id, "node": p.info.node})
+                        for p in peers
+                        if p.endpoint is not None
+                    ]
+                )
             except OSError:
                 self._errors.record("file_sd target file")
         if self._server is not None:
-            logger.info("distmon: serving %s metrics at %s://%s:%d/metrics (run_id=%s)",
-                        cfg.serve, self._server.scheme, cfg.addr, self._server.port, self.run_id)
+            logger.info(
+                "distmon: serving %s metrics at %s://%s:%d/metrics (run_id=%s)",
+                cfg.serve,
+                self._server.scheme,
+                cfg.addr,
+                self._server.port,
+                self.run_id,
+            )
 
     def _dispatch_events(self, snaps: Sequence[Snapshot]) -> None:
         for snap in snaps:
@@ -176,7 +248,9 @@ class GradMonitor:
                         self._errors.record(f"on_anomaly callback {getattr(fn, '__qualname__', fn)}")
 
     # -- public API -------------------------------------------------------------------------
-    def on_anomaly(self, fn: Callable[[AnomalyEvent, Snapshot], None]) -> Callable[[AnomalyEvent, Snapshot], None]:
+    def on_anomaly(
+        self, fn: Callable[[AnomalyEvent, Snapshot], None]
+    ) -> Callable[[AnomalyEvent, Snapshot], None]:
         """Call ``fn(event, snapshot)`` for every detector event (usable as a decorator).
 
         Runs on the publisher thread when the step is exported (up to ``export_every`` steps
@@ -191,8 +265,13 @@ class GradMonitor:
         self._callbacks.append(fn)
         return fn
 
-    def clip_grad_norm_(self, max_norm: Union[float, torch.Tensor], norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float | torch.Tensor,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the monitored parameters, with the norm already measured.
 
         Same return value and same resulting gradients as torch's (its own
@@ -207,29 +286,42 @@ class GradMonitor:
             >>> opt.step()                       # doctest: +SKIP
         """
         if self._closed:
-            raise RuntimeError("distmon: clip_grad_norm_ on a closed GradMonitor (it no longer measures "
-                               "gradients); use torch.nn.utils.clip_grad_norm_")
-        if not (isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1
-                or isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
-            raise ValueError(f"distmon: max_norm must be a positive number (or a 1-element tensor), got {max_norm!r}")
+            raise RuntimeError(
+                "distmon: clip_grad_norm_ on a closed GradMonitor (it no longer measures "
+                "gradients); use torch.nn.utils.clip_grad_norm_"
+            )
+        if not (
+            isinstance(max_norm, torch.Tensor)
+            and max_norm.numel() == 1
+            or isinstance(max_norm, (int, float))
+            and not isinstance(max_norm, bool)
+            and max_norm > 0
+        ):
+            raise ValueError(
+                f"distmon: max_norm must be a positive number (or a 1-element tensor), got {max_norm!r}"
+            )
         if float(norm_type) != 2.0:
-            raise ValueError(f"distmon: clip_grad_norm_ clips by the L2 norm distmon measures; norm_type "
-                             f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_")
+            raise ValueError(
+                f"distmon: clip_grad_norm_ clips by the L2 norm distmon measures; norm_type "
+                f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_"
+            )
         total = self._tracker.total_sq().sqrt()
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
-                               "non-finite, so it cannot be clipped. To disable this error and scale the "
-                               "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
         torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total, foreach)
         return total
 
     @property
-    def port(self) -> Optional[int]:
+    def port(self) -> int | None:
         """The port this process serves metrics on, or None if it does not serve (or is closed)."""
         return self._server.port if self._server and not self._closed else None
 
     @property
-    def metrics_url(self) -> Optional[str]:
+    def metrics_url(self) -> str | None:
         """Where this process serves its metrics (``http(s)://host:port/metrics``), or None."""
         if self.port is None:
             return None
@@ -241,7 +333,7 @@ class GradMonitor:
         """Training steps finished so far (the first is 1): what a snapshot's ``step`` counts."""
         return self._tracker.step
 
-    def latest(self) -> Optional[Snapshot]:
+    def latest(self) -> Snapshot | None:
         """The newest published snapshot (None before the first export). Never blocks.
 
         Example:
@@ -250,7 +342,7 @@ class GradMonitor:
         """
         return self._publisher.latest
 
-    def flush(self) -> Optional[Snapshot]:
+    def flush(self) -> Snapshot | None:
         """Publish every finished step now and wait until the exporters have it.
 
         May synchronize with the device: call it in tests, at evaluation points or at the
@@ -288,6 +380,7 @@ class GradMonitor:
         Each part on its own: one failing (a full disk under the log, say) is counted and
         logged, and the rest still shuts down; nothing raises into the training job.
         """
+
         def quietly(site: str, fn: Callable[[], Any]) -> None:
             try:
                 fn()
@@ -300,8 +393,10 @@ class GradMonitor:
         if self._server is not None and finished and self.config.linger_s > 0:
             # Prometheus must scrape distmon_run_finished=1 before the target goes away, or the
             # vanished-metrics alert cannot tell a clean finish from a crash.
-            logger.info("distmon: run finished; serving final metrics for %.0f s (DISTMON_LINGER_S)",
-                        self.config.linger_s)
+            logger.info(
+                "distmon: run finished; serving final metrics for %.0f s (DISTMON_LINGER_S)",
+                self.config.linger_s,
+            )
             time.sleep(self.config.linger_s)
         if self._target is not None and finished:
             quietly("file_sd target file", self._target.remove)
@@ -313,7 +408,7 @@ class GradMonitor:
         if self._log is not None:
             quietly("JSONL log", self._log.close)
 
-    def __enter__(self) -> "GradMonitor":
+    def __enter__(self) -> GradMonitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

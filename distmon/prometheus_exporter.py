@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 from prometheus_client import Histogram
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    Metric)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .hostinfo import RankInfo
@@ -28,7 +28,7 @@ __all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS",
 
 ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier")
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
-NORM_BUCKETS = tuple(m * 10.0 ** k for k in range(-4, 5) for m in (1.0, 2.5, 5.0))
+NORM_BUCKETS = tuple(m * 10.0**k for k in range(-4, 5) for m in (1.0, 2.5, 5.0))
 RANK_LABELS = ("rank", "local_rank", "hostname", "gpu_uuid")
 
 
@@ -44,27 +44,48 @@ class MetricSpec(NamedTuple):
 # README's metric table and the deploy tests read it.
 METRICS: dict[str, MetricSpec] = {
     "distmon_run_info": MetricSpec("gauge", ("world_size", "version", "serve"), "Run metadata; value 1."),
-    "distmon_grad_norm": MetricSpec("gauge", (), "L2 norm of the reduced gradient at the latest measured step."),
+    "distmon_grad_norm": MetricSpec(
+        "gauge", (), "L2 norm of the reduced gradient at the latest measured step."
+    ),
     "distmon_layer_grad_norm": MetricSpec(
-        "gauge", ("layer", "depth"),
-        "L2 norm of one layer's reduced gradient at the latest measured step; depth = position in model order."),
-    "distmon_step_grad_norm": MetricSpec("histogram", (),
-                                         "Every step's finite global gradient norm (spikes between scrapes)."),
-    "distmon_grad_norm_window_max": MetricSpec("gauge", (), "Largest global gradient norm over the last window_s seconds."),
+        "gauge",
+        ("layer", "depth"),
+        "L2 norm of one layer's reduced gradient at the latest measured step; depth = position in model "
+        "order.",
+    ),
+    "distmon_step_grad_norm": MetricSpec(
+        "histogram", (), "Every step's finite global gradient norm (spikes between scrapes)."
+    ),
+    "distmon_grad_norm_window_max": MetricSpec(
+        "gauge", (), "Largest global gradient norm over the last window_s seconds."
+    ),
     "distmon_optimizer_steps_total": MetricSpec("counter", (), "Optimizer steps taken."),
     "distmon_last_step_timestamp_seconds": MetricSpec("gauge", (), "Unix time of the latest optimizer step."),
-    "distmon_nonfinite_steps_total": MetricSpec("counter", (), "Steps whose gradient held a NaN or Inf on some rank."),
-    "distmon_monitor_errors_total": MetricSpec("counter", (), "Errors caught in distmon's own code, all ranks."),
-    "distmon_run_finished": MetricSpec("gauge", (), "1 after a clean finish (served a while longer), else 0."),
+    "distmon_nonfinite_steps_total": MetricSpec(
+        "counter", (), "Steps whose gradient held a NaN or Inf on some rank."
+    ),
+    "distmon_monitor_errors_total": MetricSpec(
+        "counter", (), "Errors caught in distmon's own code, all ranks."
+    ),
+    "distmon_run_finished": MetricSpec(
+        "gauge", (), "1 after a clean finish (served a while longer), else 0."
+    ),
     "distmon_anomalies_total": MetricSpec("counter", ("kind",), "Detector events by kind."),
-    "distmon_grad_norm_zscore": MetricSpec("gauge", (), "Spike score: z-score of the log global norm against its EMA."),
-    "distmon_grad_norm_median_ratio": MetricSpec("gauge", (), "Global norm over the running median of recent norms."),
-    "distmon_rank_grad_norm": MetricSpec("gauge", RANK_LABELS,
-                                         "A rank's local gradient norm before all-reduce, latest measured step."),
-    "distmon_rank_nonfinite_steps_total": MetricSpec("counter", RANK_LABELS,
-                                                     "Steps whose local gradient held a NaN or Inf on this rank."),
-    "distmon_rank_outlier_score": MetricSpec("gauge", RANK_LABELS,
-                                             "Robust distance of a rank's log-norm from the other ranks'."),
+    "distmon_grad_norm_zscore": MetricSpec(
+        "gauge", (), "Spike score: z-score of the log global norm against its EMA."
+    ),
+    "distmon_grad_norm_median_ratio": MetricSpec(
+        "gauge", (), "Global norm over the running median of recent norms."
+    ),
+    "distmon_rank_grad_norm": MetricSpec(
+        "gauge", RANK_LABELS, "A rank's local gradient norm before all-reduce, latest measured step."
+    ),
+    "distmon_rank_nonfinite_steps_total": MetricSpec(
+        "counter", RANK_LABELS, "Steps whose local gradient held a NaN or Inf on this rank."
+    ),
+    "distmon_rank_outlier_score": MetricSpec(
+        "gauge", RANK_LABELS, "Robust distance of a rank's log-norm from the other ranks'."
+    ),
 }
 
 
@@ -81,8 +102,8 @@ def _family(name: str, gpu: bool = True) -> Metric:
 
 @dataclass(frozen=True)
 class _View:
-    latest: Optional[Snapshot] = None  # the newest step
-    measured: Optional[Snapshot] = None  # the newest step whose figures were all measured
+    latest: Snapshot | None = None  # the newest step
+    measured: Snapshot | None = None  # the newest step whose figures were all measured
     nonfinite_steps: int = 0
     rank_nonfinite: tuple[int, ...] = ()
     anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
@@ -114,8 +135,13 @@ class MetricsAggregate:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._window: deque[tuple[float, float]] = deque()
-        self._hist = Histogram("distmon_step_grad_norm", METRICS["distmon_step_grad_norm"].help, ["run_id"],
-                               buckets=NORM_BUCKETS, registry=None)
+        self._hist = Histogram(
+            "distmon_step_grad_norm",
+            METRICS["distmon_step_grad_norm"].help,
+            ["run_id"],
+            buckets=NORM_BUCKETS,
+            registry=None,
+        )
         self._hist_child = self._hist.labels(self.run_id)
         self._anomalies = dict(self.view.anomalies)
         self._rank_nonfinite = [0] * self.world_size
@@ -140,9 +166,14 @@ class MetricsAggregate:
             while self._window and self._window[0][0] < last.timestamp - self.window_s:
                 self._window.popleft()
             self.view = replace(
-                self.view, latest=last, measured=measured, nonfinite_steps=self._nonfinite,
-                rank_nonfinite=tuple(self._rank_nonfinite), anomalies=tuple(self._anomalies.items()),
-                window_max=max((v for _, v in self._window), default=math.nan))
+                self.view,
+                latest=last,
+                measured=measured,
+                nonfinite_steps=self._nonfinite,
+                rank_nonfinite=tuple(self._rank_nonfinite),
+                anomalies=tuple(self._anomalies.items()),
+                window_max=max((v for _, v in self._window), default=math.nan),
+            )
 
     def mark_finished(self) -> None:
         with self._lock:
@@ -202,8 +233,10 @@ class GradCollector(Collector):
             if m is not None:
                 yield self._one("distmon_grad_norm", m.grad_norm)
                 yield self._one("distmon_grad_norm_window_max", v.window_max)
-                for name, key in (("distmon_grad_norm_zscore", "zscore"),
-                                  ("distmon_grad_norm_median_ratio", "median_ratio")):
+                for name, key in (
+                    ("distmon_grad_norm_zscore", "zscore"),
+                    ("distmon_grad_norm_median_ratio", "median_ratio"),
+                ):
                     if key in m.scores:
                         yield self._one(name, m.scores[key])
                 layers = _family("distmon_layer_grad_norm")
@@ -211,14 +244,16 @@ class GradCollector(Collector):
                     layers.add_metric(run + [layer, f"{depth:04d}"], norm)
                 yield layers
         if agg.ranks:
+
             def per_rank(name: str, value_of: Callable[[int], float]) -> Metric:
                 family = _family(name, gpu)
                 for info in agg.ranks:
                     family.add_metric(run + list(info.labels().values()), value_of(info.rank))
                 return family
 
-            yield per_rank("distmon_rank_nonfinite_steps_total",
-                           lambda r: v.rank_nonfinite[r] if v.rank_nonfinite else 0)
+            yield per_rank(
+                "distmon_rank_nonfinite_steps_total", lambda r: v.rank_nonfinite[r] if v.rank_nonfinite else 0
+            )
             m = v.measured
             if m is not None:
                 yield per_rank("distmon_rank_grad_norm", m.rank_grad_norms.__getitem__)

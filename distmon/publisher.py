@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
-from .errors import ErrorCounter
 from .collective import RankFields, earliest_nonfinite
+from .errors import ErrorCounter
 from .ring import HostCopy, RowLayout
 from .snapshot import Snapshot
 
@@ -41,9 +41,15 @@ class RowDecoder:
     were seen); ``decode_detector`` turns the detector columns into events and scores.
     """
 
-    def __init__(self, layout: RowLayout, layers: Sequence[str], fields: RankFields, run_id: str,
-                 layer_order: Callable[[], Sequence[float]],
-                 decode_detector: Optional[Callable[[int, list[float], "Snapshot"], Snapshot]]) -> None:
+    def __init__(
+        self,
+        layout: RowLayout,
+        layers: Sequence[str],
+        fields: RankFields,
+        run_id: str,
+        layer_order: Callable[[], Sequence[float]],
+        decode_detector: Callable[[int, list[float], Snapshot], Snapshot] | None,
+    ) -> None:
         self.layout = layout
         self.layers = tuple(layers)
         self.fields = fields
@@ -57,7 +63,7 @@ class RowDecoder:
         gathered = row[lay.gathered]
         f = self.fields
         order = self.layer_order()
-        ranks = [gathered[r * lay.rank_width:(r + 1) * lay.rank_width] for r in range(lay.world)]
+        ranks = [gathered[r * lay.rank_width : (r + 1) * lay.rank_width] for r in range(lay.world)]
         rank_norms: list[float] = []
         rank_layers: list[list[float]] = []
         bad: list[tuple[int, int]] = []  # (rank, layer)
@@ -70,13 +76,13 @@ class RowDecoder:
             all_valid &= ok
             rank_norms.append(_sqrt(total) if ok else math.nan)
             if f.n_layer_cols:
-                rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[:f.n_layer_cols]])
+                rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[: f.n_layer_cols]])
             first_bad = f.first_nonfinite_layer(vals, order) if ok else -1
             if first_bad >= 0:
                 bad.append((r, first_bad))
         # a figure that was not measured is NaN, never a real-looking number (and not "non-finite")
         grad_norm = _sqrt(row[1]) if measured else math.nan
-        first: Optional[tuple[int, str]] = None
+        first: tuple[int, str] | None = None
         if bad:
             r, layer = min(bad, key=lambda rl: (order[rl[1]], rl[0]))
             first = (r, self.layers[layer])
@@ -89,7 +95,9 @@ class RowDecoder:
             step=step,
             timestamp=timestamp,
             grad_norm=grad_norm,
-            layer_grad_norms={name: _sqrt(v) if measured else math.nan for name, v in zip(self.layers, layer_sq)},
+            layer_grad_norms={
+                name: _sqrt(v) if measured else math.nan for name, v in zip(self.layers, layer_sq)
+            },
             rank_grad_norms=rank_norms,
             rank_layer_grad_norms=rank_layers if f.n_layer_cols else None,
             nonfinite=first is not None or (measured and not math.isfinite(grad_norm)),
@@ -119,8 +127,8 @@ class Publisher:
         self.decoder = decoder
         self.sinks = sinks
         self.errors = errors
-        self.latest: Optional[Snapshot] = None
-        self._queue: "queue.Queue[Optional[ExportBatch]]" = queue.Queue()
+        self.latest: Snapshot | None = None
+        self._queue: queue.Queue[ExportBatch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="distmon-publisher", daemon=True)
         self._thread.start()
 
@@ -153,7 +161,9 @@ class Publisher:
             rows = batch.copy.rows.tolist()  # host memory: no device sync
         finally:
             batch.copy.release()
-        snaps = [self.decoder.decode(step, ts, skipped, rows[slot]) for step, slot, ts, skipped in batch.steps]
+        snaps = [
+            self.decoder.decode(step, ts, skipped, rows[slot]) for step, slot, ts, skipped in batch.steps
+        ]
         if not snaps:
             return
         self.latest = snaps[-1]

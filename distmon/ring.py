@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -54,7 +53,7 @@ class HostCopy:
     """One export in flight: host rows, the event that says they landed, and a release hook."""
 
     rows: torch.Tensor
-    event: Optional[torch.cuda.Event]
+    event: torch.cuda.Event | None
     _free: threading.Event
 
     def wait_ready(self, poll_s: float = 0.0005) -> None:
@@ -109,9 +108,9 @@ class DeviceRing:
         """
         start, n = self.slot(first), last - first + 1
         head = min(n, self.n_rows - start)
-        self.data[start:start + head].copy_(blank.expand(head, -1))
+        self.data[start : start + head].copy_(blank.expand(head, -1))
         if n > head:
-            self.data[:n - head].copy_(blank.expand(n - head, -1))
+            self.data[: n - head].copy_(blank.expand(n - head, -1))
 
     def copy_to_host(self) -> HostCopy:
         """Start the copy of the whole ring; the caller hands the result to the host thread."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["Snapshot", "AnomalyEvent", "to_jsonable"]
 
@@ -62,10 +62,10 @@ class Snapshot:
     grad_norm: float
     layer_grad_norms: dict[str, float]
     rank_grad_norms: list[float]
-    rank_layer_grad_norms: Optional[list[list[float]]]
+    rank_layer_grad_norms: list[list[float]] | None
     nonfinite: bool
     nonfinite_ranks: list[int]
-    first_nonfinite: Optional[tuple[int, str]]
+    first_nonfinite: tuple[int, str] | None
     events: tuple[AnomalyEvent, ...] = ()
     monitor_errors: int = 0
     valid: bool = True

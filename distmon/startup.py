@@ -3,16 +3,17 @@
 A monitor that starts on some ranks and not on others hangs the job at its first collective;
 one that fails after its hooks are installed leaves them running. So the constructor
 prepares on each rank everything that can fail (options, the HTTP endpoint's port and its
-TLS and basic-auth files, the JSONL log, the file_sd directory), the ranks exchange their outcomes in one collective, and then
-either every rank installs its hooks, or every rank releases what it prepared and raises the
-same error, naming the rank, the option and the path.
+TLS and basic-auth files, the JSONL log, the file_sd directory), the ranks exchange their
+outcomes in one collective, and then either every rank installs its hooks, or every rank
+releases what it prepared and raises the same error, naming the rank, the option and the path.
 """
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -20,8 +21,8 @@ from . import hostinfo
 from .config import MonitorConfig
 from .file_sd import TargetFile, target_host
 from .hostinfo import RankInfo
-from .jsonl_log import JsonlLog
 from .http_server import MetricServer
+from .jsonl_log import JsonlLog
 
 __all__ = ["Peer", "Prepared", "prepare", "agree", "serves", "served_ranks"]
 
@@ -31,9 +32,9 @@ class Peer:
     """What one rank tells the others at start-up."""
 
     info: RankInfo
-    run_id: Optional[str]  # its proposal; rank 0's wins
-    endpoint: Optional[str]  # "host:port" it serves metrics on, if it serves
-    failure: Optional[tuple[str, int, str]] = None  # (exception type, errno, message) if it cannot start
+    run_id: str | None  # its proposal; rank 0's wins
+    endpoint: str | None  # "host:port" it serves metrics on, if it serves
+    failure: tuple[str, int, str] | None = None  # (exception type, errno, message) if it cannot start
 
 
 def serves(serve: str, rank: int, local_rank: int) -> bool:
@@ -53,9 +54,9 @@ def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tupl
     """
     if not serves(serve, me.rank, me.local_rank):
         return False, ()
-    ranks = {"rank0": tuple(everyone),
-             "node": tuple(i for i in everyone if i.node == me.node),
-             "all": (me,)}[serve]
+    ranks = {"rank0": tuple(everyone), "node": tuple(i for i in everyone if i.node == me.node), "all": (me,)}[
+        serve
+    ]
     return me.rank == 0, ranks
 
 
@@ -63,10 +64,10 @@ def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tupl
 class Prepared:
     """What a rank opened at start-up, released again if the start-up does not complete."""
 
-    server: Optional[MetricServer] = None
-    endpoint: Optional[str] = None
-    log: Optional[JsonlLog] = None
-    target: Optional[TargetFile] = None
+    server: MetricServer | None = None
+    endpoint: str | None = None
+    log: JsonlLog | None = None
+    target: TargetFile | None = None
 
     def release(self) -> None:
         if self.server is not None:
@@ -117,15 +118,22 @@ def _describe(exc: BaseException) -> tuple[str, int, str]:
     return kind, getattr(exc, "errno", None) or 0, message.removeprefix("distmon: ")
 
 
-def agree(me: RankInfo, run_id: Optional[str], endpoint: Optional[str], failure: Optional[BaseException],
-          group: Optional[dist.ProcessGroup]) -> list[Peer]:
+def agree(
+    me: RankInfo,
+    run_id: str | None,
+    endpoint: str | None,
+    failure: BaseException | None,
+    group: dist.ProcessGroup | None,
+) -> list[Peer]:
     """Exchange every rank's outcome (one collective); raise the same error everywhere if any failed.
 
     Call on every rank, whatever happened locally: that is what keeps a failure on one rank
     from leaving the others waiting. The caller releases what it prepared before the error
     propagates.
     """
-    everyone: list[Peer] = hostinfo.exchange(Peer(me, run_id, endpoint, failure and _describe(failure)), group)
+    everyone: list[Peer] = hostinfo.exchange(
+        Peer(me, run_id, endpoint, failure and _describe(failure)), group
+    )
     failed = [p for p in everyone if p.failure is not None]
     if not failed:
         return everyone

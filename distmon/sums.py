@@ -6,8 +6,8 @@ returns or writes tensors on the same device, without a host sync.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -44,8 +44,13 @@ def sparse_sq_sum(grad: torch.Tensor) -> torch.Tensor:
     return sq_sums([torch.view_as_real(values) if values.is_complex() else values])[0]
 
 
-def fold_layers(sums: Sequence[torch.Tensor], layer_of: torch.Tensor, stage: torch.Tensor,
-                zeros: torch.Tensor, out: torch.Tensor) -> None:
+def fold_layers(
+    sums: Sequence[torch.Tensor],
+    layer_of: torch.Tensor,
+    stage: torch.Tensor,
+    zeros: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """Write into ``out`` the per-layer totals of 0-d ``sums`` (``sums[i]`` belongs to layer ``layer_of[i]``).
 
     Two ops whatever the number of sums: a stack into the preallocated ``stage``, then one
@@ -99,7 +104,7 @@ class Runs:
 class _FoldPlan:
     """How the sums of one combination of run sets become per-layer sums."""
 
-    order: Optional[list[int]]  # every layer exactly once: the sums in layer order, one stack folds them
+    order: list[int] | None  # every layer exactly once: the sums in layer order, one stack folds them
     layer_of: torch.Tensor  # otherwise: the layer of each sum, for an index_add
     stage: torch.Tensor  # ...from this scratch
 
@@ -145,8 +150,10 @@ class LayerFold:
     def _plan(self, key: tuple[int, ...], pending: list[tuple[Runs, list[torch.Tensor]]]) -> _FoldPlan:
         ids = [layer for runs, _ in pending for layer in runs.layer_ids]
         bijective = sorted(ids) == list(range(self.n_layers))
-        plan = _FoldPlan(order=sorted(range(len(ids)), key=ids.__getitem__) if bijective else None,
-                         layer_of=torch.cat([runs.layers for runs, _ in pending]),
-                         stage=torch.zeros(len(ids), device=self.device))
+        plan = _FoldPlan(
+            order=sorted(range(len(ids)), key=ids.__getitem__) if bijective else None,
+            layer_of=torch.cat([runs.layers for runs, _ in pending]),
+            stage=torch.zeros(len(ids), device=self.device),
+        )
         self._plans[key] = plan
         return plan

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,9 +54,16 @@ class StepTracker:
         >>> tracker.before_step(); tracker.after_step()   # around an optimizer step  # doctest: +SKIP
     """
 
-    def __init__(self, n_layers: int, group: Optional[dist.ProcessGroup], device: torch.device,
-                 export_every: int, rank_layers: bool, errors: ErrorCounter,
-                 detector_factory: Optional[Callable[[RankFields], DeviceDetector]] = None) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        export_every: int,
+        rank_layers: bool,
+        errors: ErrorCounter,
+        detector_factory: Callable[[RankFields], DeviceDetector] | None = None,
+    ) -> None:
         self.device = device
         self.errors = errors
         self.fold = LayerFold(n_layers, device)
@@ -67,8 +74,12 @@ class StepTracker:
         fields = RankFields(n_layers, rank_layers)
         self.gather = RankGather(fields, n_layers, group, device)
         self.detector = detector_factory(fields) if detector_factory else None
-        self.layout = RowLayout(n_layers, dist.get_world_size(group), fields.width,
-                                self.detector.n_outputs if self.detector else 0)
+        self.layout = RowLayout(
+            n_layers,
+            dist.get_world_size(group),
+            fields.width,
+            self.detector.n_outputs if self.detector else 0,
+        )
         self.ring = DeviceRing(export_every, self.layout, device)
         # a step's row before it is measured: valid, zero sums, the detectors' "no verdict";
         # rows are reset to it in bulk when published, so a step writes only what it measures
@@ -188,7 +199,7 @@ class StepTracker:
         return row[1]
 
     def judge_now(self) -> torch.Tensor:
-        """Judge the step in progress now (a guard's verdict before its ``optimizer.step()``); returns its row."""
+        """Judge the step in progress now (a guard's verdict before ``optimizer.step()``); returns its row."""
         self.before_step()
         self.gather.wait()
         row = self.row()
@@ -196,7 +207,7 @@ class StepTracker:
         return row
 
     def after_step(self, skipped: bool = False) -> None:
-        """The step ended (optimizer post-hook, or the guard skipping it): close its row, publish on schedule."""
+        """The step ended (optimizer post-hook, or a skip): close its row, publish on schedule."""
         if not self.active:
             return
         self.before_step()  # a step whose start was not seen still sends its (invalid) row
@@ -222,20 +233,20 @@ class StepTracker:
         try:
             lay = self.layout
             a = self.ring.slot(first)
-            rows = self.ring.data[a:a + through - first + 1]
+            rows = self.ring.data[a : a + through - first + 1]
             rows[:, 1] = rows[:, lay.layers].sum(1)
             if self.detector is not None:
                 start = 0
-                for valid, run in itertools.groupby(self._valid[a:a + len(rows)]):
+                for valid, run in itertools.groupby(self._valid[a : a + len(rows)]):
                     n = len(list(run))
                     if valid:
-                        self.detector.update(rows[start:start + n], lay)
+                        self.detector.update(rows[start : start + n], lay)
                     start += n
         except Exception:
             self.errors.record("detectors")
 
     def publish(self) -> None:
-        """Judge the finished rows not yet published, copy the ring to the host (non-blocking), hand them over.
+        """Judge the finished rows not yet published, copy them to the host (non-blocking), hand them over.
 
         The published rows are then reset to the blank row (ordered after the copy on the
         device), ready for the steps that reuse them. Fewer than ``export_every`` steps are ever
@@ -251,8 +262,10 @@ class StepTracker:
         self._judge(last)
         self._published_through = last
         try:
-            steps = tuple((s, i, self._timestamps[i], self._skipped[i])
-                          for s, i in ((s, self.ring.slot(s)) for s in range(first, last + 1)))
+            steps = tuple(
+                (s, i, self._timestamps[i], self._skipped[i])
+                for s, i in ((s, self.ring.slot(s)) for s in range(first, last + 1))
+            )
             copy = self.ring.copy_to_host()
             self.ring.reset(first, last, self._blank)
             self.publish_batch(ExportBatch(copy, steps))

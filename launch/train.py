@@ -117,61 +117,129 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps to run")
     g.add_argument("--seed", type=int, default=0, help="seed for the model init and the synthetic grammar")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
-                   help="model/batch size preset (tiny ~0.1M, small ~0.8M, 20m ~21M params); "
-                   "the size flags below override single fields")
-    g.add_argument("--batch-size", type=int, default=None, help="sequences per micro-batch per rank (default: from preset)")
+    g.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=DEFAULT_PRESET,
+        help="model/batch size preset (tiny ~0.1M, small ~0.8M, 20m ~21M params); "
+        "the size flags below override single fields",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per micro-batch per rank (default: from preset)",
+    )
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: from preset)")
     g.add_argument("--d-model", type=int, default=None, help="model width (default: from preset)")
     g.add_argument("--n-layers", type=int, default=None, help="transformer blocks (default: from preset)")
     g.add_argument("--n-heads", type=int, default=None, help="attention heads (default: from preset)")
     g.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: from preset)")
     g.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default: from preset)")
-    g.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per optimizer step (all but the last under DDP no_sync())")
+    g.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (all but the last under DDP no_sync())",
+    )
     g.add_argument("--print-every", type=int, default=10, help="progress line every N steps (rank 0)")
-    g.add_argument("--min-step-s", type=float, default=0.0,
-                   help="throttle: each optimizer step takes at least this many seconds (the loop "
-                   "sleeps the rest), so a step number maps to a predictable time and CPU use stays low")
+    g.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="throttle: each optimizer step takes at least this many seconds (the loop "
+        "sleeps the rest), so a step number maps to a predictable time and CPU use stays low",
+    )
     g.add_argument("--list-layers", action="store_true", help="print the model's layer names and exit")
-    g.add_argument("--nproc", type=int, default=None,
-                   help="run this many processes under torchrun (a private rendezvous on a free local "
-                   "port); ignored when already started by torchrun")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="run this many processes under torchrun (a private rendezvous on a free local "
+        "port); ignored when already started by torchrun",
+    )
 
     m = p.add_argument_group("monitoring (unset options: distmon defaults / DISTMON_* env)")
     m.add_argument("--no-monitor", action="store_true", help="train without distmon")
-    m.add_argument("--export-every", type=int, default=None, help="steps between distmon host exports (default: env DISTMON_EXPORT_EVERY, else 10)")
-    m.add_argument("--serve", choices=("rank0", "node", "all", "none"), default=None,
-                   help="which ranks serve /metrics (default: env DISTMON_SERVE, else rank0)")
-    m.add_argument("--port", type=int, default=None, help="metrics port, 0 = ephemeral (default: env DISTMON_PORT, else 9290)")
-    m.add_argument("--addr", default=None, help="metrics bind address, 0.0.0.0 for remote scrapes "
-                   "(default: env DISTMON_ADDR, else 127.0.0.1)")
-    m.add_argument("--log-path", default=None, help="JSONL file of snapshots, written by rank 0 (default: env DISTMON_LOG_PATH, else none)")
-    m.add_argument("--linger", type=float, default=None,
-                   help="seconds to keep serving metrics after training ends "
-                   "(default: env DISTMON_LINGER_S, else 30)")
-    m.add_argument("--guard", choices=("skip", "raise"), default=None,
-                   help="distmon guard: skip optimizer steps with a non-finite or spiking gradient "
-                   "(holding the LR schedule back too), or raise; costs one host sync per step")
+    m.add_argument(
+        "--export-every",
+        type=int,
+        default=None,
+        help="steps between distmon host exports (default: env DISTMON_EXPORT_EVERY, else 10)",
+    )
+    m.add_argument(
+        "--serve",
+        choices=("rank0", "node", "all", "none"),
+        default=None,
+        help="which ranks serve /metrics (default: env DISTMON_SERVE, else rank0)",
+    )
+    m.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="metrics port, 0 = ephemeral (default: env DISTMON_PORT, else 9290)",
+    )
+    m.add_argument(
+        "--addr",
+        default=None,
+        help="metrics bind address, 0.0.0.0 for remote scrapes (default: env DISTMON_ADDR, else 127.0.0.1)",
+    )
+    m.add_argument(
+        "--log-path",
+        default=None,
+        help="JSONL file of snapshots, written by rank 0 (default: env DISTMON_LOG_PATH, else none)",
+    )
+    m.add_argument(
+        "--linger",
+        type=float,
+        default=None,
+        help="seconds to keep serving metrics after training ends (default: env DISTMON_LINGER_S, else 30)",
+    )
+    m.add_argument(
+        "--guard",
+        choices=("skip", "raise"),
+        default=None,
+        help="distmon guard: skip optimizer steps with a non-finite or spiking gradient "
+        "(holding the LR schedule back too), or raise; costs one host sync per step",
+    )
 
     f = p.add_argument_group("fault injection (step S = the S-th optimizer step, first is 1)")
-    f.add_argument("--nan-step", type=int, default=None, help="put a NaN into a layer's local gradient at step S")
+    f.add_argument(
+        "--nan-step", type=int, default=None, help="put a NaN into a layer's local gradient at step S"
+    )
     f.add_argument("--nan-rank", type=int, default=0, help="rank whose gradient gets the NaN")
-    f.add_argument("--nan-layer", default=None,
-                   help="layer for the NaN (default: the middle block's mlp.fc1; see --list-layers)")
-    f.add_argument("--spike-step", type=int, default=None, help="multiply a layer's gradient by --spike-factor at step S")
-    f.add_argument("--spike-until", type=int, default=None,
-                   help="last step of the spike: steps --spike-step..U all get it, a sustained explosion "
-                   "(default: --spike-step only)")
+    f.add_argument(
+        "--nan-layer",
+        default=None,
+        help="layer for the NaN (default: the middle block's mlp.fc1; see --list-layers)",
+    )
+    f.add_argument(
+        "--spike-step", type=int, default=None, help="multiply a layer's gradient by --spike-factor at step S"
+    )
+    f.add_argument(
+        "--spike-until",
+        type=int,
+        default=None,
+        help="last step of the spike: steps --spike-step..U all get it, a sustained explosion "
+        "(default: --spike-step only)",
+    )
     f.add_argument("--spike-factor", type=float, default=100.0, help="gradient multiplier for --spike-step")
     f.add_argument("--spike-layer", default=None, help="layer to spike (default: the middle block's mlp.fc1)")
     f.add_argument("--spike-rank", type=int, default=None, help="rank to spike (default: all ranks)")
-    f.add_argument("--corrupt-rank", type=int, default=None,
-                   help="rank with a bad data shard: its loss (hence its gradient) is scaled")
+    f.add_argument(
+        "--corrupt-rank",
+        type=int,
+        default=None,
+        help="rank with a bad data shard: its loss (hence its gradient) is scaled",
+    )
     f.add_argument("--corrupt-scale", type=float, default=10.0, help="loss scale on --corrupt-rank")
     f.add_argument("--corrupt-from", type=int, default=1, help="first step of the corruption")
-    f.add_argument("--hang-step", type=int, default=None,
-                   help="all ranks hang (sleep forever) before step S; metrics keep being served")
+    f.add_argument(
+        "--hang-step",
+        type=int,
+        default=None,
+        help="all ranks hang (sleep forever) before step S; metrics keep being served",
+    )
     return p
 
 
@@ -184,8 +252,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.nproc is not None and args.nproc < 1:
         parser.error("--nproc must be >= 1")
-    for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "vocab",
-                 "grad_accum", "print_every"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "vocab",
+        "grad_accum",
+        "print_every",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.d_model % args.n_heads:
@@ -206,8 +283,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The :class:`GPTConfig` the flags describe."""
-    return GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
-                     n_layers=args.n_layers, n_heads=args.n_heads)
+    return GPTConfig(
+        vocab=args.vocab,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+    )
 
 
 def build_model(args: argparse.Namespace, device: torch.device | str | None = None) -> GPT:
@@ -276,21 +358,27 @@ class FaultInjector:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.descriptions: list[str] = []
         if args.nan_step is not None:
-            self.descriptions.append(f"NaN into {args.nan_layer} on rank {args.nan_rank} at step {args.nan_step}")
+            self.descriptions.append(
+                f"NaN into {args.nan_layer} on rank {args.nan_rank} at step {args.nan_step}"
+            )
             if rank == args.nan_rank:
                 self._hook(model, args.nan_layer, self._nan_hook)
         if args.spike_step is not None:
             who = "all ranks" if args.spike_rank is None else f"rank {args.spike_rank}"
             until = self.spike_until
-            when = (f"step {args.spike_step}" if until == args.spike_step
-                    else f"steps {args.spike_step}-{until}")
+            when = (
+                f"step {args.spike_step}" if until == args.spike_step else f"steps {args.spike_step}-{until}"
+            )
             self.descriptions.append(
-                f"gradient x{args.spike_factor:g} in {args.spike_layer} on {who} at {when}")
+                f"gradient x{args.spike_factor:g} in {args.spike_layer} on {who} at {when}"
+            )
             if args.spike_rank is None or rank == args.spike_rank:
                 self._hook(model, args.spike_layer, self._spike_hook)
         if args.corrupt_rank is not None:
             self.descriptions.append(
-                f"rank {args.corrupt_rank}'s loss x{args.corrupt_scale:g} from step {args.corrupt_from} (bad shard)")
+                f"rank {args.corrupt_rank}'s loss x{args.corrupt_scale:g} from step {args.corrupt_from} "
+                "(bad shard)"
+            )
         if args.hang_step is not None:
             self.descriptions.append(f"all ranks hang before step {args.hang_step}")
 
@@ -351,9 +439,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, train_args: Sequence[str], *, nnodes: int = 1,
-                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
-                     rdzv_conf: str | None = None) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    train_args: Sequence[str],
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
+) -> list[str]:
     """The ``python -m torch.distributed.run`` command that runs this trainer on ``nproc`` processes.
 
     Without ``rdzv_endpoint``, a private c10d rendezvous on a free local port, so several jobs
@@ -363,8 +457,19 @@ def torchrun_command(nproc: int, train_args: Sequence[str], *, nnodes: int = 1,
         >>> torchrun_command(2, ["--steps", "5"], rdzv_endpoint="127.0.0.1:1234")[3:7]
         ['--nnodes', '1', '--nproc-per-node', '2']
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint or f"127.0.0.1:{free_port()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint or f"127.0.0.1:{free_port()}",
+    ]
     if rdzv_id:
         cmd += ["--rdzv-id", rdzv_id]
     if rdzv_conf:
@@ -378,8 +483,9 @@ def init_distributed() -> DistContext:
     NCCL with one GPU per process (``LOCAL_RANK``) when CUDA is available, else gloo.
     """
     if "RANK" not in os.environ:  # plain `python launch/train.py`: world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1")
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+        )
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -389,8 +495,13 @@ def init_distributed() -> DistContext:
         backend, device = "nccl", torch.device("cuda", local_rank)
     else:
         backend, device = "gloo", torch.device("cpu")
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                            **({"device_id": device} if backend == "nccl" else {}))
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        **({"device_id": device} if backend == "nccl" else {}),
+    )
     return DistContext(rank, local_rank, world_size, backend, device)
 
 
@@ -414,14 +525,24 @@ def shutdown_distributed() -> None:
 # --------------------------------------------------------------------------- monitor plumbing
 
 
-def make_monitor(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer,
-                 sched: Any = None) -> distmon.GradMonitor:
+def make_monitor(
+    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, sched: Any = None
+) -> distmon.GradMonitor:
     """``distmon.GradMonitor`` with only the options the user set (None: library default/env)."""
     if distmon is None:
-        raise SystemExit(f"train.py: error: distmon is not usable ({_DISTMON_IMPORT_ERROR}); run with --no-monitor")
-    options = {"export_every": args.export_every, "serve": args.serve, "port": args.port,
-               "addr": args.addr, "log_path": args.log_path, "linger_s": args.linger,
-               "guard": args.guard, "lr_scheduler": sched if args.guard else None}
+        raise SystemExit(
+            f"train.py: error: distmon is not usable ({_DISTMON_IMPORT_ERROR}); run with --no-monitor"
+        )
+    options = {
+        "export_every": args.export_every,
+        "serve": args.serve,
+        "port": args.port,
+        "addr": args.addr,
+        "log_path": args.log_path,
+        "linger_s": args.linger,
+        "guard": args.guard,
+        "lr_scheduler": sched if args.guard else None,
+    }
     return distmon.GradMonitor(model, opt, **{k: v for k, v in options.items() if v is not None})
 
 
@@ -481,9 +602,11 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> tuple[torch.op
     """AdamW (decay on matrices only) with linear warmup then cosine decay to 10%."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     warmup = max(1, min(20, args.steps // 10))
 
     def factor(i: int) -> float:  # i = optimizer steps taken so far
@@ -511,7 +634,9 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
     injector = FaultInjector(model, args, ctx.rank)
     ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
     opt, sched = make_optimizer(model, args)
-    data = MarkovTokenStream(args.vocab, grammar_seed=args.seed, stream_seed=args.seed * 100_003 + ctx.rank + 1)
+    data = MarkovTokenStream(
+        args.vocab, grammar_seed=args.seed, stream_seed=args.seed * 100_003 + ctx.rank + 1
+    )
 
     mon = None if args.no_monitor else make_monitor(args, ddp, opt, sched)
     anomalies = AnomalyLog()
@@ -521,14 +646,23 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
 
     n_params = num_params(model)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * ctx.world_size
-    say(f"distmon demo: world_size {ctx.world_size}  backend {ctx.backend}  device {ctx.device.type}  "
-        f"run_id {run_id}")
-    say(f"model: GPT preset {args.preset}  vocab {args.vocab}  seq_len {args.seq_len}  d_model {args.d_model}  "
-        f"n_layers {args.n_layers}  n_heads {args.n_heads}  params {n_params / 1e6:.2f}M ({n_params:,})")
-    say(f"data: synthetic 2nd-order Markov stream, one shard per rank; loss starts near "
-        f"{math.log(args.vocab):.2f} (uniform), floor ~{data.entropy:.2f} nats")
-    say(f"batch: {args.batch_size} seqs x {args.seq_len} tokens x {args.grad_accum} micro-batch(es) x "
-        f"{ctx.world_size} rank(s) = {tokens_per_step} tokens/step; {args.steps} steps, lr {args.lr:g}")
+    say(
+        f"distmon demo: world_size {ctx.world_size}  backend {ctx.backend}  device {ctx.device.type}  "
+        f"run_id {run_id}"
+    )
+    say(
+        f"model: GPT preset {args.preset}  vocab {args.vocab}  seq_len {args.seq_len}  d_model "
+        f"{args.d_model}  "
+        f"n_layers {args.n_layers}  n_heads {args.n_heads}  params {n_params / 1e6:.2f}M ({n_params:,})"
+    )
+    say(
+        f"data: synthetic 2nd-order Markov stream, one shard per rank; loss starts near "
+        f"{math.log(args.vocab):.2f} (uniform), floor ~{data.entropy:.2f} nats"
+    )
+    say(
+        f"batch: {args.batch_size} seqs x {args.seq_len} tokens x {args.grad_accum} micro-batch(es) x "
+        f"{ctx.world_size} rank(s) = {tokens_per_step} tokens/step; {args.steps} steps, lr {args.lr:g}"
+    )
     url = mon.metrics_url if mon is not None else None
     if mon is None:
         say("monitor: off (--no-monitor)")
@@ -550,14 +684,18 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                 t_step = time.perf_counter()
                 injector.step = step
                 if injector.should_hang():
-                    say(f"--hang-step {step}: the training loop hangs here on all ranks (sleeping); "
-                        f"the process stays up{' and keeps serving ' + url if url else ''}. Ctrl-C to stop.")
+                    say(
+                        f"--hang-step {step}: the training loop hangs here on all ranks (sleeping); "
+                        f"the process stays up{' and keeps serving ' + url if url else ''}. Ctrl-C to stop."
+                    )
                     while True:
                         time.sleep(3600)
                 opt.zero_grad(set_to_none=True)
                 scale = injector.loss_scale()
                 for micro in range(args.grad_accum):
-                    x, y = (t.to(ctx.device, non_blocking=True) for t in data.batch(args.batch_size, args.seq_len))
+                    x, y = (
+                        t.to(ctx.device, non_blocking=True) for t in data.batch(args.batch_size, args.seq_len)
+                    )
                     sync = micro == args.grad_accum - 1
                     with contextlib.nullcontext() if sync else ddp.no_sync():
                         _, loss = ddp(x, y)
@@ -580,8 +718,11 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                     snap = mon.latest() if mon is not None else None
                     if mon is None:  # no monitor: norm of the reduced gradients, here and now
                         grads = [p.grad for p in params if p.grad is not None]
-                        grad_norm = float(torch.linalg.vector_norm(
-                            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+                        grad_norm = float(
+                            torch.linalg.vector_norm(
+                                torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                            )
+                        )
                         norm_txt = _fmt_norm(grad_norm)
                     elif snap is None:
                         norm_txt = "-"
@@ -589,8 +730,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                         grad_norm = snap.grad_norm
                         norm_txt = _fmt_norm(grad_norm) + ("" if snap.step == step else f" (@{snap.step})")
                         anomalies.add_snapshot(snap)
-                    line = (f"step {step:>{len(str(args.steps))}}/{args.steps}  loss {last_loss:.4f}  "
-                            f"grad_norm {norm_txt}  lr {sched.get_last_lr()[0]:.2e}  {rate:.1f} steps/s")
+                    line = (
+                        f"step {step:>{len(str(args.steps))}}/{args.steps}  loss {last_loss:.4f}  "
+                        f"grad_norm {norm_txt}  lr {sched.get_last_lr()[0]:.2e}  {rate:.1f} steps/s"
+                    )
                     if snap is not None and snap.nonfinite:
                         first = snap.first_nonfinite
                         line += "  NONFINITE" + (f" (first: rank {first[0]} {first[1]})" if first else "")
@@ -606,8 +749,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                     time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - t_step)))
             elapsed = time.perf_counter() - t0
             if url and mon.config.linger_s:
-                say(f"training done; metrics stay up for another {mon.config.linger_s:g}s "
-                    f"(so Prometheus sees the finish; --linger 0 to skip)")
+                say(
+                    f"training done; metrics stay up for another {mon.config.linger_s:g}s "
+                    f"(so Prometheus sees the finish; --linger 0 to skip)"
+                )
         # The monitor is closed here (its final export is done).
         if mon is not None:
             snap = mon.latest()
@@ -616,13 +761,25 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                 grad_norm = snap.grad_norm
         report_events(anomalies.take_pending(), say)
         kinds = Counter(e.kind for e in anomalies.seen.values())
-        say(f"done: {step} steps in {elapsed:.1f}s ({step / max(elapsed, 1e-9):.1f} steps/s)  "
+        say(
+            f"done: {step} steps in {elapsed:.1f}s ({step / max(elapsed, 1e-9):.1f} steps/s)  "
             f"loss {first_loss:.4f} -> {last_loss:.4f}  final grad_norm {_fmt_norm(grad_norm)}  "
-            + ("anomalies: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none")
-               if mon is not None else "monitor off"))
-        return {"steps": step, "first_loss": first_loss, "final_loss": last_loss, "elapsed_s": elapsed,
-                "grad_norm": grad_norm, "world_size": ctx.world_size, "run_id": run_id,
-                "anomalies": dict(kinds)}
+            + (
+                "anomalies: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none")
+                if mon is not None
+                else "monitor off"
+            )
+        )
+        return {
+            "steps": step,
+            "first_loss": first_loss,
+            "final_loss": last_loss,
+            "elapsed_s": elapsed,
+            "grad_norm": grad_norm,
+            "world_size": ctx.world_size,
+            "run_id": run_id,
+            "anomalies": dict(kinds),
+        }
     finally:
         injector.remove()
 
@@ -640,8 +797,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     validate_faults(args, build_model(args, device="meta"), world_size)
     if launching:  # become torchrun, with the same flags but --nproc
         given = list(sys.argv[1:] if argv is None else argv)
-        rest = [a for i, a in enumerate(given) if not (a == "--nproc" or a.startswith("--nproc=")
-                                                       or (i > 0 and given[i - 1] == "--nproc"))]
+        rest = [
+            a
+            for i, a in enumerate(given)
+            if not (a == "--nproc" or a.startswith("--nproc=") or (i > 0 and given[i - 1] == "--nproc"))
+        ]
         raise SystemExit(subprocess.call(torchrun_command(args.nproc, rest)))
 
     ctx = init_distributed()

@@ -160,8 +160,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, init="file", env
                     break
             except mp.ProcessRaisedException as e:
                 raise RankFailure(
-                    f"rank {e.error_index} of {world_size} raised in "
-                    f"{getattr(fn, '__name__', fn)}:\n{e}"
+                    f"rank {e.error_index} of {world_size} raised in {getattr(fn, '__name__', fn)}:\n{e}"
                 ) from None
             except mp.ProcessExitedException as e:
                 raise RankFailure(
@@ -187,12 +186,8 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, init="file", env
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DDP_HOOKS_DIR = os.path.join(_TORCH_DIR, "distributed", "algorithms", "ddp_comm_hooks") + os.sep
-_STDLIB_DIRS = tuple(
-    {os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")}
-)
-_SITE_DIRS = tuple(
-    {os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")}
-)
+_STDLIB_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib")})
+_SITE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")})
 _THIS_FILE = os.path.abspath(__file__)
 
 
@@ -251,36 +246,98 @@ def _short_stack(frame, limit=12):
 
 
 _SYNC_TENSOR_METHODS = (
-    "item", "tolist", "cpu", "numpy",
-    "__bool__", "__float__", "__int__", "__index__", "__complex__",
-    "__repr__", "__format__", "__array__",
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__complex__",
+    "__repr__",
+    "__format__",
+    "__array__",
 )
 
 _COLLECTIVE_NAMES = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-    "all_gather_single", "all_gather_coalesced", "_all_gather_base", "all_gather_object",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-    "_reduce_scatter_base", "broadcast", "broadcast_object_list", "barrier",
-    "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list",
-    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "send_object_list", "recv_object_list",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_coalesced",
+    "_all_gather_base",
+    "all_gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "send_object_list",
+    "recv_object_list",
 )
 
 _FUNCTIONAL_COLLECTIVE_NAMES = (
-    "all_reduce", "all_reduce_coalesced", "all_reduce_inplace", "all_gather_tensor",
-    "all_gather_tensor_inplace", "all_gather_into_tensor_coalesced", "all_gather_inplace",
-    "all_gather_single", "all_gather_single_coalesced", "reduce_scatter_tensor",
-    "reduce_scatter_tensor_coalesced", "reduce_scatter_single", "reduce_scatter_single_coalesced",
-    "all_to_all_single", "broadcast", "permute_tensor",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_reduce_inplace",
+    "all_gather_tensor",
+    "all_gather_tensor_inplace",
+    "all_gather_into_tensor_coalesced",
+    "all_gather_inplace",
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "permute_tensor",
 )
 
 _PG_METHODS = (
-    "allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "broadcast",
-    "barrier", "monitored_barrier", "gather", "scatter", "alltoall", "alltoall_base",
-    "all_to_all_single", "send", "recv", "recv_anysource",
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "broadcast",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "scatter",
+    "alltoall",
+    "alltoall_base",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "recv_anysource",
 )
 
 
@@ -448,8 +505,9 @@ class TinyLM(nn.Module):
     [extra], norm, head. ``sparse=True`` gives the embedding sparse gradients.
     """
 
-    def __init__(self, vocab=VOCAB, dim=DIM, n_blocks=2, tied=False, branch=False, sparse=False,
-                 complex_param=False):
+    def __init__(
+        self, vocab=VOCAB, dim=DIM, n_blocks=2, tied=False, branch=False, sparse=False, complex_param=False
+    ):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim, sparse=sparse)
         self.phase = Phase(dim) if complex_param else None
@@ -511,9 +569,7 @@ def reference_norms(named_grads):
         by_layer.setdefault(layer_of(name), [])
         if g is not None:
             by_layer[layer_of(name)].append(as_float64(g))
-    layers = {
-        k: (float(torch.nn.utils.get_total_norm(v, 2.0)) if v else 0.0) for k, v in by_layer.items()
-    }
+    layers = {k: (float(torch.nn.utils.get_total_norm(v, 2.0)) if v else 0.0) for k, v in by_layer.items()}
     return total, layers
 
 
@@ -526,9 +582,17 @@ def sync_twin(twin, module):
 
 
 SNAPSHOT_FIELDS = (
-    "step", "timestamp", "grad_norm", "layer_grad_norms", "rank_grad_norms",
-    "rank_layer_grad_norms", "nonfinite", "nonfinite_ranks", "first_nonfinite",
-    "run_id", "world_size",
+    "step",
+    "timestamp",
+    "grad_norm",
+    "layer_grad_norms",
+    "rank_grad_norms",
+    "rank_layer_grad_norms",
+    "nonfinite",
+    "nonfinite_ranks",
+    "first_nonfinite",
+    "run_id",
+    "world_size",
 )
 MISSING = "<field missing from Snapshot>"
 

@@ -29,12 +29,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import pytest
-
 from ddp_harness import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
@@ -85,8 +85,10 @@ def commented_block(text: str, first: str, end: str) -> str:
     - b: 2
       c: 3  # note
     """
-    lines = [re.sub(r"^(\s*)# ?", r"\1", line) if line.lstrip().startswith("#") else None
-             for line in text.splitlines(keepends=True)]
+    lines = [
+        re.sub(r"^(\s*)# ?", r"\1", line) if line.lstrip().startswith("#") else None
+        for line in text.splitlines(keepends=True)
+    ]
     start = next(i for i, line in enumerate(lines) if line is not None and line.strip() == first)
     stop = next(i for i, line in enumerate(lines[start:], start) if line is None or line.strip() == end)
     assert lines[stop] is not None, f"the block from {first!r} has an uncommented line before {end!r}"
@@ -129,7 +131,7 @@ def parse_rfc3339(text: str) -> float:
     if "." in text:
         head, rest = text.split(".", 1)
         digits = "".join(c for c in rest if c.isdigit())
-        tz = rest[len(digits):]
+        tz = rest[len(digits) :]
         text = f"{head}.{digits[:6]}{tz}"
     return _dt.datetime.fromisoformat(text).timestamp()
 
@@ -142,8 +144,9 @@ def http_get(url: str, params: Mapping[str, Any] | None = None, timeout: float =
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:  # Prometheus explains a bad query in the body
-        raise AssertionError(f"GET {urllib.parse.unquote(url)} -> {e.code}: "
-                             f"{e.read().decode(errors='replace')[:2000]}") from None
+        raise AssertionError(
+            f"GET {urllib.parse.unquote(url)} -> {e.code}: {e.read().decode(errors='replace')[:2000]}"
+        ) from None
 
 
 def tail(path: Path, chars: int = 3000) -> str:
@@ -155,8 +158,9 @@ def tail(path: Path, chars: int = 3000) -> str:
     return ("..." if len(data) > chars else "") + text
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, diagnose: Callable[[], str],
-             interval: float = 0.5) -> Any:
+def wait_for(
+    cond: Callable[[], Any], timeout: float, what: str, diagnose: Callable[[], str], interval: float = 0.5
+) -> Any:
     """Poll ``cond()`` until it returns something truthy (returned); fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -207,12 +211,21 @@ class Webhook:
         return [dict(a, received=t) for t, p in payloads for a in p.get("alerts", [])]
 
     def received(self, alertname: str, run_id: str, status: str = "firing") -> list[dict]:
-        return [a for a in self.alerts() if a.get("status") == status
-                and a["labels"].get("alertname") == alertname and a["labels"].get("run_id") == run_id]
+        return [
+            a
+            for a in self.alerts()
+            if a.get("status") == status
+            and a["labels"].get("alertname") == alertname
+            and a["labels"].get("run_id") == run_id
+        ]
 
     def summary(self) -> str:
-        seen = sorted({(a["labels"].get("alertname", "?"), a["labels"].get("run_id", "?"), a.get("status", "?"))
-                       for a in self.alerts()})
+        seen = sorted(
+            {
+                (a["labels"].get("alertname", "?"), a["labels"].get("run_id", "?"), a.get("status", "?"))
+                for a in self.alerts()
+            }
+        )
         return "\n".join(f"  {n} run_id={r} {s}" for n, r, s in seen) or "  (nothing received)"
 
     def close(self) -> None:
@@ -229,15 +242,24 @@ class ServerProcess:
     def __init__(self, name: str, cmd: Sequence[str], log_path: Path, ready_url: str, cwd: Path) -> None:
         self.name, self.cmd, self.log_path, self.ready_url = name, list(cmd), log_path, ready_url
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode}: {' '.join(self.cmd)}\n"
-                            f"{tail(self.log_path)}", pytrace=False)
+                pytest.fail(
+                    f"{self.name} exited with {self.proc.returncode}: {' '.join(self.cmd)}\n"
+                    f"{tail(self.log_path)}",
+                    pytrace=False,
+                )
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=2) as r:
                     if r.status == 200:
@@ -245,8 +267,10 @@ class ServerProcess:
             except (OSError, urllib.error.URLError):
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"{self.name} not ready at {self.ready_url} after {timeout:.0f} s\n"
-                            f"{tail(self.log_path)}", pytrace=False)
+                pytest.fail(
+                    f"{self.name} not ready at {self.ready_url} after {timeout:.0f} s\n{tail(self.log_path)}",
+                    pytrace=False,
+                )
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -270,10 +294,18 @@ class Prometheus(ServerProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         data = workdir / "prometheus-data"
         data.mkdir()
-        super().__init__("prometheus", [
-            binary, f"--config.file={config_file}", f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
-        ], workdir / "prometheus.log", self.url + "/-/ready", cwd=workdir)
+        super().__init__(
+            "prometheus",
+            [
+                binary,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={data}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            workdir / "prometheus.log",
+            self.url + "/-/ready",
+            cwd=workdir,
+        )
 
     def api(self, path: str, **params: Any) -> Any:
         doc = http_get(self.url + "/api/v1/" + path, params)
@@ -310,10 +342,19 @@ class Alertmanager(ServerProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         data = workdir / "alertmanager-data"
         data.mkdir()
-        super().__init__("alertmanager", [
-            binary, f"--config.file={config_file}", f"--storage.path={data}",
-            f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=",
-        ], workdir / "alertmanager.log", self.url + "/-/ready", cwd=workdir)
+        super().__init__(
+            "alertmanager",
+            [
+                binary,
+                f"--config.file={config_file}",
+                f"--storage.path={data}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--cluster.listen-address=",
+            ],
+            workdir / "alertmanager.log",
+            self.url + "/-/ready",
+            cwd=workdir,
+        )
 
     def alerts(self) -> list[dict]:
         """``GET /api/v2/alerts``: active alerts, including inhibited (state "suppressed") ones."""
@@ -346,8 +387,9 @@ class Recorder:
         self._thread.start()
 
     @staticmethod
-    def _note(book: dict[tuple, dict], key: tuple, labels: Mapping[str, str], state: str, now: float,
-              **info: Any) -> None:
+    def _note(
+        book: dict[tuple, dict], key: tuple, labels: Mapping[str, str], state: str, now: float, **info: Any
+    ) -> None:
         rec = book.setdefault(key, {"labels": dict(labels), "states": {}})
         first, _ = rec["states"].get(state, (now, now))
         rec["states"][state] = (first, now)
@@ -357,8 +399,10 @@ class Recorder:
 
     def poll_once(self) -> None:
         sources: list[tuple[str, Callable[[], list[dict]]]] = [
-            ("prometheus alerts", self.prom.alerts), ("alertmanager alerts", self.am.alerts),
-            ("prometheus targets", self.prom.targets)]
+            ("prometheus alerts", self.prom.alerts),
+            ("alertmanager alerts", self.am.alerts),
+            ("prometheus targets", self.prom.targets),
+        ]
         for name, fetch in sources:
             try:
                 items = fetch()
@@ -370,18 +414,39 @@ class Recorder:
             with self._lock:
                 for a in items:
                     if name == "prometheus alerts":
-                        self._note(self.prom_alerts, _key(a["labels"]), a["labels"], a["state"], now,
-                                   activeAt=a.get("activeAt"), value=a.get("value"),
-                                   annotations=a.get("annotations", {}))
+                        self._note(
+                            self.prom_alerts,
+                            _key(a["labels"]),
+                            a["labels"],
+                            a["state"],
+                            now,
+                            activeAt=a.get("activeAt"),
+                            value=a.get("value"),
+                            annotations=a.get("annotations", {}),
+                        )
                     elif name == "alertmanager alerts":
                         st = a.get("status", {})
-                        self._note(self.am_alerts, _key(a["labels"]), a["labels"], st.get("state", "?"), now,
-                                   annotations=a.get("annotations", {}), inhibitedBy=st.get("inhibitedBy") or [],
-                                   startsAt=a.get("startsAt"))
+                        self._note(
+                            self.am_alerts,
+                            _key(a["labels"]),
+                            a["labels"],
+                            st.get("state", "?"),
+                            now,
+                            annotations=a.get("annotations", {}),
+                            inhibitedBy=st.get("inhibitedBy") or [],
+                            startsAt=a.get("startsAt"),
+                        )
                     else:
-                        self._note(self.targets, (a["scrapeUrl"],) + _key(a["labels"]), a["labels"],
-                                   a["health"], now, scrapeUrl=a["scrapeUrl"],
-                                   discoveredLabels=a.get("discoveredLabels", {}), lastError=a.get("lastError"))
+                        self._note(
+                            self.targets,
+                            (a["scrapeUrl"],) + _key(a["labels"]),
+                            a["labels"],
+                            a["health"],
+                            now,
+                            scrapeUrl=a["scrapeUrl"],
+                            discoveredLabels=a.get("discoveredLabels", {}),
+                            lastError=a.get("lastError"),
+                        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -396,47 +461,64 @@ class Recorder:
     @staticmethod
     def _match(rec: dict, alertname: str | None, run_id: str | None, labels: Mapping[str, str]) -> bool:
         lab = rec["labels"]
-        return ((alertname is None or lab.get("alertname") == alertname)
-                and (run_id is None or lab.get("run_id") == run_id)
-                and all(lab.get(k) == v for k, v in labels.items()))
+        return (
+            (alertname is None or lab.get("alertname") == alertname)
+            and (run_id is None or lab.get("run_id") == run_id)
+            and all(lab.get(k) == v for k, v in labels.items())
+        )
 
     def prom_alert(self, alertname: str, run_id: str, state: str | None = None, **labels: str) -> list[dict]:
         """Prometheus alert records (any state, or ``state``) seen so far."""
         with self._lock:
-            recs = [json.loads(json.dumps(r)) for r in self.prom_alerts.values()
-                    if self._match(r, alertname, run_id, labels)]
+            recs = [
+                json.loads(json.dumps(r))
+                for r in self.prom_alerts.values()
+                if self._match(r, alertname, run_id, labels)
+            ]
         return [r for r in recs if state is None or state in r["states"]]
 
     def am_alert(self, alertname: str, run_id: str, **labels: str) -> list[dict]:
         """Alertmanager alert records seen so far (state "active" or "suppressed")."""
         with self._lock:
-            return [json.loads(json.dumps(r)) for r in self.am_alerts.values()
-                    if self._match(r, alertname, run_id, labels)]
+            return [
+                json.loads(json.dumps(r))
+                for r in self.am_alerts.values()
+                if self._match(r, alertname, run_id, labels)
+            ]
 
     def target_records(self, run_id: str) -> list[dict]:
         with self._lock:
-            return [json.loads(json.dumps(r)) for r in self.targets.values()
-                    if r["labels"].get("run_id") == run_id]
+            return [
+                json.loads(json.dumps(r))
+                for r in self.targets.values()
+                if r["labels"].get("run_id") == run_id
+            ]
 
     def summary(self, run_ids: Iterable[str] | None = None) -> str:
         wanted = set(run_ids) if run_ids is not None else None
         lines = []
         with self._lock:
-            for title, book in (("Prometheus alerts seen", self.prom_alerts),
-                                ("Alertmanager alerts seen", self.am_alerts)):
+            for title, book in (
+                ("Prometheus alerts seen", self.prom_alerts),
+                ("Alertmanager alerts seen", self.am_alerts),
+            ):
                 lines.append(title + ":")
                 for rec in book.values():
                     lab = rec["labels"]
                     if wanted is None or lab.get("run_id") in wanted:
                         extra = {k: v for k, v in lab.items() if k not in ("alertname", "run_id", "severity")}
                         states = ", ".join(f"{s} {_hms(a)}-{_hms(b)}" for s, (a, b) in rec["states"].items())
-                        lines.append(f"  {lab.get('alertname')} run_id={lab.get('run_id')} {extra or ''} [{states}]")
+                        lines.append(
+                            f"  {lab.get('alertname')} run_id={lab.get('run_id')} {extra or ''} [{states}]"
+                        )
             lines.append("Prometheus targets seen:")
             for rec in self.targets.values():
                 tl = rec["labels"]
                 if wanted is None or tl.get("run_id") in wanted:
                     states = ", ".join(f"{s} {_hms(a)}-{_hms(b)}" for s, (a, b) in rec["states"].items())
-                    lines.append(f"  {rec['scrapeUrl']} {tl} [{states}] lastError={rec.get('last_lastError')!r}")
+                    lines.append(
+                        f"  {rec['scrapeUrl']} {tl} [{states}] lastError={rec.get('last_lastError')!r}"
+                    )
             if self.errors:
                 lines.append(f"poll errors (last): {self.errors}")
         return "\n".join(lines)
@@ -463,10 +545,21 @@ def has_data(result: list[dict]) -> bool:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment without distmon/torchrun settings, one OpenMP thread."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DISTMON_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                         "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DISTMON_", "TORCHELASTIC_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -480,24 +573,47 @@ class TorchrunJob:
     ``E2E_JOB_TOKEN`` in their environment (inherited by the workers).
     """
 
-    def __init__(self, name: str, workdir: Path, train_args: Sequence[str], env: Mapping[str, str], *,
-                 nproc: int = 2, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                 rdzv_id: str | None = None, rdzv_conf: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        train_args: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        nproc: int = 2,
+        nnodes: int = 1,
+        rdzv_endpoint: str | None = None,
+        rdzv_id: str | None = None,
+        rdzv_conf: str | None = None,
+    ) -> None:
         self.name = name
         self.token = f"{name}-{uuid.uuid4().hex}"
         self.out = workdir / f"{name}.out"
         self.err = workdir / f"{name}.err"
-        self.cmd = torchrun_command(nproc, train_args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
-                                    rdzv_id=rdzv_id, rdzv_conf=rdzv_conf)
+        self.cmd = torchrun_command(
+            nproc,
+            train_args,
+            nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_id=rdzv_id,
+            rdzv_conf=rdzv_conf,
+        )
         self.env = clean_env(**env, E2E_JOB_TOKEN=self.token)
         self.proc: subprocess.Popen | None = None
         self.started: float | None = None
         self.ended: float | None = None  # when the launcher exited (set by a waiter thread)
 
-    def start(self) -> "TorchrunJob":
+    def start(self) -> TorchrunJob:
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=err,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.started = time.time()
         threading.Thread(target=self._note_exit, name=f"e2e-wait-{self.name}", daemon=True).start()
         return self
@@ -510,8 +626,12 @@ class TorchrunJob:
         return self.proc.poll()
 
     def wait(self, timeout: float, diagnose: Callable[[], str]) -> int:
-        wait_for(lambda: self.poll() is not None and self.ended is not None, timeout,
-                 f"job {self.name} to exit", diagnose)
+        wait_for(
+            lambda: self.poll() is not None and self.ended is not None,
+            timeout,
+            f"job {self.name} to exit",
+            diagnose,
+        )
         return self.proc.returncode
 
     def pids(self) -> list[int]:
@@ -564,6 +684,8 @@ class TorchrunJob:
         return hit
 
     def log_tail(self, chars: int = 2500) -> str:
-        return (f"--- {self.name}: {' '.join(self.cmd)}\n"
-                f"    returncode={self.proc.poll() if self.proc else None}\n"
-                f"--- stdout (tail):\n{tail(self.out, chars)}\n--- stderr (tail):\n{tail(self.err, chars)}")
+        return (
+            f"--- {self.name}: {' '.join(self.cmd)}\n"
+            f"    returncode={self.proc.poll() if self.proc else None}\n"
+            f"--- stdout (tail):\n{tail(self.out, chars)}\n--- stderr (tail):\n{tail(self.err, chars)}"
+        )

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from e2e_stack import require_binary
 
 _LEAF_EXTENSIONS = {
@@ -45,22 +44,71 @@ def make_pki(directory: Path) -> Pki:
     """CA ``ca.pem``; ``server.pem``/``server.key`` (127.0.0.1); ``client.pem``/``client.key``."""
     directory.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run_openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=distmon test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=directory)
+    run_openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=distmon test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )
     for name, extensions in _LEAF_EXTENSIONS.items():
         (directory / f"{name}.ext").write_text(extensions)
-        run_openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=distmon test {name}",
-                 cwd=directory)
-        run_openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=directory)
-    return Pki(directory / "ca.pem", directory / "server.pem", directory / "server.key",
-               directory / "client.pem", directory / "client.key")
+        run_openssl(
+            "req",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=distmon test {name}",
+            cwd=directory,
+        )
+        run_openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=directory,
+        )
+    return Pki(
+        directory / "ca.pem",
+        directory / "server.pem",
+        directory / "server.key",
+        directory / "client.pem",
+        directory / "client.key",
+    )
 
 
 def write_htpasswd(path: Path, users: dict[str, str], rounds: int = 4) -> Path:
     """``user:bcrypt-hash`` lines for ``users`` (name -> password); bcrypt cost ``rounds``."""
     bcrypt = pytest.importorskip("bcrypt")
-    path.write_text("".join(f"{user}:{bcrypt.hashpw(pw.encode(), bcrypt.gensalt(rounds)).decode()}\n"
-                            for user, pw in users.items()))
+    path.write_text(
+        "".join(
+            f"{user}:{bcrypt.hashpw(pw.encode(), bcrypt.gensalt(rounds)).decode()}\n"
+            for user, pw in users.items()
+        )
+    )
     return path

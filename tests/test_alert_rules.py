@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from e2e_stack import require_binary, secure_scrape_job
 
 from distmon.prometheus_exporter import METRICS
-from e2e_stack import require_binary, secure_scrape_job
 
 yaml = pytest.importorskip("yaml")
 
@@ -297,8 +297,7 @@ def test_promtool_check_config(promtool, tmp_path):
     # The end-to-end substitution: 1 s intervals, absolute paths, another port.
     file_sd = tmp_path / "file_sd"
     file_sd.mkdir()
-    (file_sd / "run-node0.json").write_text(
-        '[{"targets": ["127.0.0.1:9290"], "labels": {"run_id": "run"}}]')
+    (file_sd / "run-node0.json").write_text('[{"targets": ["127.0.0.1:9290"], "labels": {"run_id": "run"}}]')
     text = PROM_CONFIG.read_text()
     values = {"am_port": "19093", "rules_dir": str(RULES_DIR), "file_sd_dir": str(file_sd)}
     for old, new in SUBSTITUTIONS.items():
@@ -322,7 +321,9 @@ def test_promtool_check_config_with_the_secure_job(promtool, tmp_path):
     (job,) = yaml.safe_load(secure_scrape_job(PROM_CONFIG.read_text()))
     assert job["scheme"] == "https" and job["honor_labels"] is True
     assert job["tls_config"]["ca_file"] and job["basic_auth"]["password_file"]
-    assert {"target_label": "job", "replacement": "distmon"} in job["relabel_configs"]  # the rules' up{job=...}
+    assert {"target_label": "job", "replacement": "distmon"} in job[
+        "relabel_configs"
+    ]  # the rules' up{job=...}
     cfg = yaml.safe_load(PROM_CONFIG.read_text())
     cfg["scrape_configs"].append(job)
     (conf / "prometheus.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))

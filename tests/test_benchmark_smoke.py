@@ -2,9 +2,10 @@
 
 A tiny model and a few steps of every approach (bare DDP, distmon at defaults and at its most
 detailed, the tutorial hook, wandb-style histograms, Lightning's grad_norm, the hand-written
-best effort, the hook-read reference). Timing is not asserted (a tiny model on a shared machine says nothing); that the
-benchmark produces its table with every row, that the monitors ran without errors and that
-distmon's global norm equals an independent computation on an identical model copy are.
+best effort, the hook-read reference). Timing is not asserted (a tiny model on a shared
+machine says nothing); that the benchmark produces its table with every row, that the
+monitors ran without errors and that distmon's global norm equals an independent computation
+on an identical model copy are.
 """
 
 import json
@@ -17,8 +18,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "overhead.py")
 # every peer the benchmark must measure (the issue's list), baseline first, then the hook-read
 # reference (one read of the local buckets inside a comm hook: what a read costs where distmon reads)
-APPROACHES = ["baseline", "distmon", "distmon-detailed", "tutorial", "wandb-hist", "wandb-hist-1",
-              "lightning", "hand-written", "hook-read"]
+APPROACHES = [
+    "baseline",
+    "distmon",
+    "distmon-detailed",
+    "tutorial",
+    "wandb-hist",
+    "wandb-hist-1",
+    "lightning",
+    "hand-written",
+    "hook-read",
+]
 
 
 def _run_smoke(out_dir):
@@ -28,7 +38,11 @@ def _run_smoke(out_dir):
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [sys.executable, SCRIPT, "--smoke", "--out", str(out_dir), "--ranks", "2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 
@@ -57,14 +71,20 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
 
     assert not size["info"].get("uninstrumented"), (
         "distmon's internals changed: the benchmark no longer times these sites "
-        f"(update Distmon.attach in benchmarks/overhead.py): {size['info']['uninstrumented']}")
+        f"(update Distmon.attach in benchmarks/overhead.py): {size['info']['uninstrumented']}"
+    )
 
     # every monitoring approach actually ran its code on the timed steps
     for name in names[1:]:
         assert size["rows"][name]["own_ms"] > 0, name
     for name in ("distmon", "distmon-detailed"):
         sites = size["rows"][name]["sites_ms"]
-        for site in ("distmon::local_sums", "distmon::reduced_sums", "distmon::before_step", "distmon::after_step"):
+        for site in (
+            "distmon::local_sums",
+            "distmon::reduced_sums",
+            "distmon::before_step",
+            "distmon::after_step",
+        ):
             assert sites.get(site, 0) > 0, (name, site, sites)
         assert size["rows"][name]["kept_bytes"] > 0
 
@@ -79,8 +99,13 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
     assert health["distmon-detailed"]["n_layers"] == size["info"]["n_tensors"]
 
     # the report's other parts
-    for part in ("## Acceptance", "## Where distmon's time goes", "## How it is measured", "Command: `",
-                 "torch " + res["machine"]["torch"]):
+    for part in (
+        "## Acceptance",
+        "## Where distmon's time goes",
+        "## How it is measured",
+        "Command: `",
+        "torch " + res["machine"]["torch"],
+    ):
         assert part in md, part
     assert size["profile"]["distmon"]["sites_ms"]
     try:

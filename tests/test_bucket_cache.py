@@ -14,9 +14,8 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from ddp_harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +44,7 @@ def _job(rank: int, world: int, groups, slack: int) -> dict:  # noqa: ANN001
         def reduced(fut):  # noqa: ANN001
             pending.append((layout, layout.measure(fut.value(), views)))
             return fut.value()
+
         return source.ddp_allreduce_hook(group, bucket).then(reduced)
 
     model.register_comm_hook(model.process_group, measuring_hook)
@@ -66,8 +66,9 @@ def _job(rank: int, world: int, groups, slack: int) -> dict:  # noqa: ANN001
         ids = [layer for layout in seen for layer in layout.layer_ids]
         out["views"].append(len(ids))
         out["direct"].append(sorted(ids) == list(range(len(grouping.layers))))  # the fold's one-stack case
-        out["runs"] += [layout.split_sizes[i] for layout in seen
-                        for i in (layout.pick or range(len(layout.split_sizes)))]
+        out["runs"] += [
+            layout.split_sizes[i] for layout in seen for i in (layout.pick or range(len(layout.split_sizes)))
+        ]
     gc.collect()
     out["cached"], out["live_buckets"] = layouts.cached_buffers, len(seen)
     out["alive_buffers"] = len({id(b()) for b in buffers if b() is not None})
@@ -97,7 +98,9 @@ RUN_CASES = [
 
 
 @pytest.mark.parametrize("groups,slack,n_views,direct", RUN_CASES)
-def test_a_layers_adjacent_parameters_are_read_as_one_view_and_layers_stay_right(groups, slack, n_views, direct):
+def test_a_layers_adjacent_parameters_are_read_as_one_view_and_layers_stay_right(
+    groups, slack, n_views, direct
+):
     for out in run_ranks(_job, 2, groups, slack):
         for views, is_direct in zip(out["views"], out["direct"]):
             assert is_direct == direct and (views == n_views if n_views else 2 <= views < 8), (groups, out)

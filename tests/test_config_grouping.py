@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-
 from ddp_harness import run_ranks
 
 import distmon
@@ -18,18 +17,21 @@ from distmon.file_sd import TargetFile
 from distmon.grouping import OTHER, build_grouping
 
 
-@pytest.mark.parametrize("option,value,match", [
-    ("export_every", 0, "export_every"),
-    ("export_every", 2.5, "export_every"),
-    ("serve", "everyone", "serve must be one of"),
-    ("port", 70000, "port"),
-    ("max_layers", 0, "max_layers"),
-    ("groups", [("(unclosed", "x")], "bad regex"),
-    ("guard", "maybe", "guard"),
-    ("linger_s", -1, "linger_s"),
-    ("comm_hook", 42, "comm_hook"),
-    ("detect", "yes", "detect"),
-])
+@pytest.mark.parametrize(
+    "option,value,match",
+    [
+        ("export_every", 0, "export_every"),
+        ("export_every", 2.5, "export_every"),
+        ("serve", "everyone", "serve must be one of"),
+        ("port", 70000, "port"),
+        ("max_layers", 0, "max_layers"),
+        ("groups", [("(unclosed", "x")], "bad regex"),
+        ("guard", "maybe", "guard"),
+        ("linger_s", -1, "linger_s"),
+        ("comm_hook", 42, "comm_hook"),
+        ("detect", "yes", "detect"),
+    ],
+)
 def test_bad_options_fail_with_a_message_naming_them(option, value, match):
     with pytest.raises((ValueError, TypeError), match=match):
         MonitorConfig.from_options(**{option: value})
@@ -46,9 +48,16 @@ def test_environment_fills_unset_options_and_arguments_win(monkeypatch):
     monkeypatch.setenv("DISTMON_PORT", "0")
     monkeypatch.setenv("DISTMON_PORT_FALLBACK", "true")
     monkeypatch.setenv("DISTMON_LINGER_S", "2.5")
-    cfg = MonitorConfig.from_options(export_every=None, serve="all", port=None, port_fallback=None,
-                                     linger_s=None)
-    assert (cfg.export_every, cfg.serve, cfg.port, cfg.port_fallback, cfg.linger_s) == (7, "all", 0, True, 2.5)
+    cfg = MonitorConfig.from_options(
+        export_every=None, serve="all", port=None, port_fallback=None, linger_s=None
+    )
+    assert (cfg.export_every, cfg.serve, cfg.port, cfg.port_fallback, cfg.linger_s) == (
+        7,
+        "all",
+        0,
+        True,
+        2.5,
+    )
 
 
 def test_bad_environment_value_names_the_variable(monkeypatch):
@@ -92,7 +101,9 @@ def test_cap_folds_the_tail_into_other():
 
 def test_target_file_is_written_atomically_and_removed(tmp_path):
     f = TargetFile(str(tmp_path / "sd"), "run/1 x")
-    f.write([("h0:9290", {"run_id": "run/1 x", "node": "h0"}), ("h1:9290", {"run_id": "run/1 x", "node": "h1"})])
+    f.write(
+        [("h0:9290", {"run_id": "run/1 x", "node": "h0"}), ("h1:9290", {"run_id": "run/1 x", "node": "h1"})]
+    )
     assert os.listdir(tmp_path / "sd") == ["run_1_x.json"]  # no temporary file left behind
     groups = json.loads((tmp_path / "sd" / "run_1_x.json").read_text())
     assert [g["targets"] for g in groups] == [["h0:9290"], ["h1:9290"]]
@@ -130,10 +141,20 @@ def test_endpoint_security_options_from_arguments_and_environment(monkeypatch, t
     monkeypatch.setenv("DISTMON_TLS_KEY", "/etc/distmon/server.key")
     monkeypatch.setenv("DISTMON_TLS_CLIENT_CA", "/etc/distmon/ca.pem")
     monkeypatch.setenv("DISTMON_BASIC_AUTH_FILE", "/etc/distmon/users")
-    cfg = MonitorConfig.from_options(tls_cert=None, tls_key=None, tls_client_ca=None,
-                                     basic_auth_file=str(tmp_path / "users"))
-    assert (cfg.security.tls_cert, cfg.security.tls_key, cfg.security.tls_client_ca, cfg.security.basic_auth_file) \
-        == ("/etc/distmon/server.pem", "/etc/distmon/server.key", "/etc/distmon/ca.pem", str(tmp_path / "users"))
+    cfg = MonitorConfig.from_options(
+        tls_cert=None, tls_key=None, tls_client_ca=None, basic_auth_file=str(tmp_path / "users")
+    )
+    assert (
+        cfg.security.tls_cert,
+        cfg.security.tls_key,
+        cfg.security.tls_client_ca,
+        cfg.security.basic_auth_file,
+    ) == (
+        "/etc/distmon/server.pem",
+        "/etc/distmon/server.key",
+        "/etc/distmon/ca.pem",
+        str(tmp_path / "users"),
+    )
     monkeypatch.delenv("DISTMON_TLS_KEY")
     with pytest.raises(ValueError, match=r"tls_cert \(DISTMON_TLS_CERT\) needs tls_key"):
         MonitorConfig.from_options(tls_cert=None, tls_key=None)

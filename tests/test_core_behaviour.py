@@ -35,9 +35,6 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
-from prometheus_client.parser import text_string_to_metric_families
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from ddp_harness import (
     BUCKET_CAP_MB,
     VOCAB,
@@ -53,6 +50,8 @@ from ddp_harness import (
     snapshot_dict,
     sync_twin,
 )
+from prometheus_client.parser import text_string_to_metric_families
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 REL = 1e-5
 LAYERS = ["emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "norm", "head"]
@@ -61,6 +60,7 @@ LAYERS = ["emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "no
 # ----------------------------------------------------------------------------------------
 # shared helpers (run inside the ranks)
 # ----------------------------------------------------------------------------------------
+
 
 def _setup(seed=0):
     torch.manual_seed(seed)
@@ -79,7 +79,7 @@ def _train_step(rank, step, model, twin, ddp, opt, batch=None, after_backward=No
     twin.zero_grad(set_to_none=True)
     for micro in range(accum):
         x, y = batch if batch is not None else make_batch(rank, step, micro)
-        with (ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext()):
+        with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
             loss = lm_loss(ddp(x), y)
             loss.backward()
         lm_loss(twin(x), y).backward()
@@ -125,6 +125,7 @@ def port_closed(port, within_s=5.0):
 # parent-side helpers
 # ----------------------------------------------------------------------------------------
 
+
 def parse_metrics(text):
     """[(sample_name, labels, value, family_type)] from Prometheus text exposition."""
     out = []
@@ -163,19 +164,24 @@ def number_problems(snap, step, recs_by_rank, world_size, skip=()):
             if ("reduced", layer) in skip:
                 continue
             if not close(lg[layer], ref["ref_layers"][layer], REL):
-                problems.append(f"{where}: layer {layer} {lg[layer]!r} != reference {ref['ref_layers'][layer]!r}")
+                problems.append(
+                    f"{where}: layer {layer} {lg[layer]!r} != reference {ref['ref_layers'][layer]!r}"
+                )
     for q in range(world_size):
         loc = recs_by_rank[q][step - 1]
         if (q, None) not in skip and not close(snap["rank_grad_norms"][q], loc["local_total"], REL):
-            problems.append(f"{where}: rank_grad_norms[{q}] {snap['rank_grad_norms'][q]!r} != "
-                            f"twin {loc['local_total']!r}")
+            problems.append(
+                f"{where}: rank_grad_norms[{q}] {snap['rank_grad_norms'][q]!r} != twin {loc['local_total']!r}"
+            )
         for j, layer in enumerate(LAYERS if snap["rank_layer_grad_norms"] is not None else ()):
             if (q, layer) in skip:
                 continue
             got = snap["rank_layer_grad_norms"][q][j]
             if not close(got, loc["local_layers"][layer], REL):
-                problems.append(f"{where}: rank_layer_grad_norms[{q}][{layer}] {got!r} != "
-                                f"twin {loc['local_layers'][layer]!r}")
+                problems.append(
+                    f"{where}: rank_layer_grad_norms[{q}][{layer}] {got!r} != "
+                    f"twin {loc['local_layers'][layer]!r}"
+                )
     return problems
 
 
@@ -205,6 +211,7 @@ def _nonfinite_job(rank, world_size, rank_layers):
             if plan and plan[0] == rank and plan[1] == layer:
                 return grad * plan[2]
             return grad
+
         return hook
 
     for layer in {p[1] for p in INJECT.values()}:
@@ -242,20 +249,25 @@ def test_nonfinite_reported_with_rank_and_layer(nonfinite_run):
                 problems.append(f"rank {r} step {step}: snapshot {snap and snap['step']!r}")
                 continue
             if (snap["rank_layer_grad_norms"] is None) == rank_layers:
-                problems.append(f"rank {r} step {step}: rank_layer_grad_norms {snap['rank_layer_grad_norms']!r} "
-                                f"with rank_layers={rank_layers}")
+                problems.append(
+                    f"rank {r} step {step}: rank_layer_grad_norms {snap['rank_layer_grad_norms']!r} "
+                    f"with rank_layers={rank_layers}"
+                )
             if step in INJECT:
                 bad_rank, bad_layer, _ = INJECT[step]
                 j = LAYERS.index(bad_layer)
                 if snap["nonfinite"] is not True:
                     problems.append(f"rank {r} step {step}: nonfinite = {snap['nonfinite']!r}")
                 if snap["nonfinite_ranks"] != [bad_rank]:
-                    problems.append(f"rank {r} step {step}: nonfinite_ranks = {snap['nonfinite_ranks']!r}, "
-                                    f"expected [{bad_rank}]")
+                    problems.append(
+                        f"rank {r} step {step}: nonfinite_ranks = {snap['nonfinite_ranks']!r}, "
+                        f"expected [{bad_rank}]"
+                    )
                 fnf = snap["first_nonfinite"]
                 if fnf is None or tuple(fnf) != (bad_rank, bad_layer):
-                    problems.append(f"rank {r} step {step}: first_nonfinite = {fnf!r}, "
-                                    f"expected {(bad_rank, bad_layer)!r}")
+                    problems.append(
+                        f"rank {r} step {step}: first_nonfinite = {fnf!r}, expected {(bad_rank, bad_layer)!r}"
+                    )
                 if not _isnonfinite(snap["grad_norm"]):
                     problems.append(f"rank {r} step {step}: grad_norm {snap['grad_norm']!r} is finite")
                 if not _isnonfinite(snap["layer_grad_norms"].get(bad_layer)):
@@ -263,17 +275,23 @@ def test_nonfinite_reported_with_rank_and_layer(nonfinite_run):
                 if not _isnonfinite(snap["rank_grad_norms"][bad_rank]):
                     problems.append(f"rank {r} step {step}: rank_grad_norms[{bad_rank}] is finite")
                 if rank_layers and not _isnonfinite(snap["rank_layer_grad_norms"][bad_rank][j]):
-                    problems.append(f"rank {r} step {step}: rank_layer_grad_norms[{bad_rank}][{bad_layer}] "
-                                    "is finite")
+                    problems.append(
+                        f"rank {r} step {step}: rank_layer_grad_norms[{bad_rank}][{bad_layer}] is finite"
+                    )
                 # everything else is still measured exactly: the other rank, the other layers
                 skip = {("reduced", None), ("reduced", bad_layer), (bad_rank, None), (bad_rank, bad_layer)}
                 problems += [f"rank {r}: {p}" for p in number_problems(snap, step, recs, 2, skip)]
             else:
-                if snap["nonfinite"] is not False or snap["nonfinite_ranks"] != [] \
-                        or snap["first_nonfinite"] is not None:
-                    problems.append(f"rank {r} step {step}: finite step reported "
-                                    f"{snap['nonfinite']!r} {snap['nonfinite_ranks']!r} "
-                                    f"{snap['first_nonfinite']!r}")
+                if (
+                    snap["nonfinite"] is not False
+                    or snap["nonfinite_ranks"] != []
+                    or snap["first_nonfinite"] is not None
+                ):
+                    problems.append(
+                        f"rank {r} step {step}: finite step reported "
+                        f"{snap['nonfinite']!r} {snap['nonfinite_ranks']!r} "
+                        f"{snap['first_nonfinite']!r}"
+                    )
                 problems += [f"rank {r}: {p}" for p in number_problems(snap, step, recs, 2)]
     assert not problems, "\n".join(problems[:30])
     # training went on: the steps after the injections have finite losses
@@ -286,7 +304,7 @@ def test_nonfinite_reported_with_rank_and_layer(nonfinite_run):
 
 WARMUP, WINDOW, ACCUM_WINDOW = 3, 6, 3  # then ACCUM_WINDOW steps of 2 micro-batches (no_sync)
 
-PROBE_SRC = '''
+PROBE_SRC = """
 def probe(torch, dist):
     t = torch.ones(3)
     t[0].item()
@@ -301,9 +319,16 @@ def probe(torch, dist):
     except Exception:
         pass
     dist.all_reduce(torch.ones(1))
-'''
-PROBE_EXPECTED_SYNCS = {"Tensor.item", "Tensor.tolist", "Tensor.cpu", "Tensor.numpy",
-                        "Tensor.__float__", "Tensor.__int__", "Tensor.__bool__"}
+"""
+PROBE_EXPECTED_SYNCS = {
+    "Tensor.item",
+    "Tensor.tolist",
+    "Tensor.cpu",
+    "Tensor.numpy",
+    "Tensor.__float__",
+    "Tensor.__int__",
+    "Tensor.__bool__",
+}
 
 
 def _probe(filename):
@@ -432,8 +457,16 @@ def _http_job(rank, world_size):
 
     model, twin, ddp, opt = _setup()
     t0 = time.time()
-    mon = distmon.GradMonitor(ddp, opt, export_every=HTTP_EXPORT_EVERY, serve="rank0", port=0,
-                              addr="127.0.0.1", run_id=RUN_ID, linger_s=LINGER_S)
+    mon = distmon.GradMonitor(
+        ddp,
+        opt,
+        export_every=HTTP_EXPORT_EVERY,
+        serve="rank0",
+        port=0,
+        addr="127.0.0.1",
+        run_id=RUN_ID,
+        linger_s=LINGER_S,
+    )
     out = {"port": mon.port, "run_id": mon.run_id, "hostname": socket.gethostname()}
     recs = []
     for step in range(1, HTTP_STEPS + 1):
@@ -531,10 +564,11 @@ def test_scrape_has_every_step_in_the_histogram_and_window_max(http_run):
     assert value(m, "distmon_step_grad_norm_count") == HTTP_STEPS
     assert close(value(m, "distmon_step_grad_norm_sum"), sum(norms), REL)
     buckets = {float(s[1]["le"]): s[2] for s in samples(m, "distmon_step_grad_norm_bucket")}
-    expected_le = sorted(mult * 10.0 ** k for k in range(-4, 5) for mult in (1, 2.5, 5))
+    expected_le = sorted(mult * 10.0**k for k in range(-4, 5) for mult in (1, 2.5, 5))
     finite_le = sorted(le for le in buckets if math.isfinite(le))
     assert len(finite_le) == len(expected_le) and all(
-        math.isclose(a, b, rel_tol=1e-9) for a, b in zip(finite_le, expected_le)), finite_le
+        math.isclose(a, b, rel_tol=1e-9) for a, b in zip(finite_le, expected_le)
+    ), finite_le
     assert buckets[math.inf] == HTTP_STEPS
     for le in finite_le:
         assert buckets[le] == sum(1 for n in norms if n <= le), (le, buckets[le], norms)
@@ -581,8 +615,9 @@ def _port_job(rank, world_size):
 
     for label, kwargs in (("fallback", {"port": busy_port, "port_fallback": True}), ("zero", {"port": 0})):
         ddp, opt = fresh()
-        m = distmon.GradMonitor(ddp, opt, serve="rank0", addr="127.0.0.1", linger_s=0,
-                                export_every=1, **kwargs)
+        m = distmon.GradMonitor(
+            ddp, opt, serve="rank0", addr="127.0.0.1", linger_s=0, export_every=1, **kwargs
+        )
         for step in range(1, 3):
             x, y = make_batch(rank, step)
             opt.zero_grad()
@@ -710,8 +745,16 @@ def _fault_job(rank, world_size):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         mon, inj, res = None, None, {"recs": [], "scrapes": {}, "raised": []}
         if monitored:
-            mon = distmon.GradMonitor(ddp, opt, export_every=1, serve="rank0", port=0,
-                                      addr="127.0.0.1", linger_s=0, run_id="fault-run")
+            mon = distmon.GradMonitor(
+                ddp,
+                opt,
+                export_every=1,
+                serve="rank0",
+                port=0,
+                addr="127.0.0.1",
+                linger_s=0,
+                run_id="fault-run",
+            )
             inj = FailureInjector()
             inj.install()
             res["patched"] = inj.patched

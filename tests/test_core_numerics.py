@@ -45,9 +45,6 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from ddp_harness import (
     BUCKET_CAP_MB,
     TinyLM,
@@ -60,6 +57,8 @@ from ddp_harness import (
     snapshot_dict,
     sync_twin,
 )
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 STEPS = 4
 REL = 1e-5
@@ -163,9 +162,7 @@ def _run_variant(rank, world_size, name, steps):
         }
         if cfg.get("hook") == "fp16_compress":
             # The wrapped hook really ran: every reduced value went through fp16.
-            rec["fp16_exact"] = all(
-                torch.equal(g, g.half().to(g.dtype)) for _, g in reduced if g is not None
-            )
+            rec["fp16_exact"] = all(torch.equal(g, g.half().to(g.dtype)) for _, g in reduced if g is not None)
         # the gradients themselves, to check that the monitor left DDP's result alone
         rec["reduced_grads"] = {n: None if g is None else as_float64(g) for n, g in reduced}
         rec["local_grads"] = {n: None if g is None else as_float64(g) for n, g in local}
@@ -194,9 +191,11 @@ def _numerics_job(rank, world_size, variant_names, steps):
         ok = [None] * world_size
         dist.all_gather_object(ok, "error" not in out[name], group=ctrl)
         if not all(ok):
-            for rest in variant_names[i + 1:]:
-                out[rest] = {"error": f"not run: variant {name!r} failed on ranks "
-                             f"{[r for r, k in enumerate(ok) if not k]}"}
+            for rest in variant_names[i + 1 :]:
+                out[rest] = {
+                    "error": f"not run: variant {name!r} failed on ranks "
+                    f"{[r for r, k in enumerate(ok) if not k]}"
+                }
             break
     return out
 
@@ -276,8 +275,11 @@ def check_numerics(results, name, world_size):
                             f"(twin model) {_fmt(exp)}"
                         )
             rl = snap["rank_layer_grad_norms"]
-            if (not isinstance(rl, list) or len(rl) != world_size
-                    or any(not isinstance(row, list) or len(row) != len(layers) for row in rl)):
+            if (
+                not isinstance(rl, list)
+                or len(rl) != world_size
+                or any(not isinstance(row, list) or len(row) != len(layers) for row in rl)
+            ):
                 problems.append(
                     f"{where}: rank_layer_grad_norms is not a {world_size} x {len(layers)} list: {rl!r}"
                 )
@@ -290,10 +292,15 @@ def check_numerics(results, name, world_size):
                                 f"{where}: rank_layer_grad_norms[{q}][{j}] ({layer}) {_fmt(rl[q][j])} "
                                 f"!= rank {q}'s local layer norm {_fmt(exp_layers[layer])}"
                             )
-            if snap["nonfinite"] is not False or snap["nonfinite_ranks"] != [] or snap["first_nonfinite"] is not None:
+            if (
+                snap["nonfinite"] is not False
+                or snap["nonfinite_ranks"] != []
+                or snap["first_nonfinite"] is not None
+            ):
                 problems.append(
                     f"{where}: finite step reported nonfinite={snap['nonfinite']!r}, "
-                    f"nonfinite_ranks={snap['nonfinite_ranks']!r}, first_nonfinite={snap['first_nonfinite']!r}"
+                    f"nonfinite_ranks={snap['nonfinite_ranks']!r}, "
+                    f"first_nonfinite={snap['first_nonfinite']!r}"
                 )
     return problems
 
@@ -311,7 +318,14 @@ def test_norms_equal_float64_references(numerics_runs, world_size):
     _assert_ok(check_numerics(results, "base", world_size), "base", world_size)
     # default grouping = owning module's qualified name, in model order
     assert results[0]["base"]["layers"] == [
-        "emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "norm", "head"]
+        "emb",
+        "blocks.0.ln",
+        "blocks.0.fc",
+        "blocks.1.ln",
+        "blocks.1.fc",
+        "norm",
+        "head",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -332,7 +346,10 @@ def test_norms_equal_references_in_every_ddp_configuration(numerics_runs, world_
             ref = rec["ref_layers"]["extra"]
             assert (ref == 0.0) == (not rec["use_extra"]), (rec["step"], ref)
             assert close(rec["snap"]["layer_grad_norms"]["extra"], ref, REL), (
-                rec["step"], rec["snap"]["layer_grad_norms"]["extra"], ref)
+                rec["step"],
+                rec["snap"]["layer_grad_norms"]["extra"],
+                ref,
+            )
 
     if name == "frozen_parameters":
         assert "blocks.0.ln" not in layers and "blocks.1.fc" in layers
@@ -359,11 +376,17 @@ def test_norms_equal_references_in_every_ddp_configuration(numerics_runs, world_
             )
         for i in range(STEPS):
             # grad_norm is the norm of the halved gradient, not of the plain mean
-            full = math.sqrt(sum(
-                float((0.5 * sum(recs[q][i]["local_grads"][n] for q in range(world_size)) / world_size)
-                      .double().pow(2).sum())
-                for n in recs[0][i]["reduced_grads"]
-            ))
+            full = math.sqrt(
+                sum(
+                    float(
+                        (0.5 * sum(recs[q][i]["local_grads"][n] for q in range(world_size)) / world_size)
+                        .double()
+                        .pow(2)
+                        .sum()
+                    )
+                    for n in recs[0][i]["reduced_grads"]
+                )
+            )
             assert recs[0][i]["snap"]["grad_norm"] == pytest.approx(full, rel=REL)
 
 
@@ -394,20 +417,30 @@ def test_monitor_leaves_the_reduced_gradient_unchanged(numerics_runs, world_size
                 expected = None
             else:
                 ref = next(g for g in locs if g is not None)
-                expected = scale * sum(
-                    (torch.zeros_like(ref, dtype=torch.float64) if g is None else g.double()) for g in locs
-                ) / world_size
+                expected = (
+                    scale
+                    * sum(
+                        (torch.zeros_like(ref, dtype=torch.float64) if g is None else g.double())
+                        for g in locs
+                    )
+                    / world_size
+                )
             for r in range(world_size):
                 got = recs[r][i]["reduced_grads"][pname]
                 where = f"rank {r} step {i + 1} {pname}"
                 if expected is None or got is None:
                     if not (got is None and expected is None) and not (
-                            expected is not None and got is None and expected.abs().max() == 0):
-                        problems.append(f"{where}: p.grad {'None' if got is None else 'set'}, "
-                                        f"expected {'None' if expected is None else 'a gradient'}")
+                        expected is not None and got is None and expected.abs().max() == 0
+                    ):
+                        problems.append(
+                            f"{where}: p.grad {'None' if got is None else 'set'}, "
+                            f"expected {'None' if expected is None else 'a gradient'}"
+                        )
                     continue
                 err = (got.double() - expected).abs().max().item()
                 bound = tol * expected.abs().max().item() + 1e-12
                 if err > bound:
-                    problems.append(f"{where}: max |p.grad - {scale} x mean(local)| = {err:.3g} > {bound:.3g}")
+                    problems.append(
+                        f"{where}: max |p.grad - {scale} x mean(local)| = {err:.3g} > {bound:.3g}"
+                    )
     _assert_ok(problems, f"{name}: reduced gradient", world_size)

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from e2e_stack import commented_block, require_binary
 
 from distmon.prometheus_exporter import METRICS
-from e2e_stack import commented_block, require_binary
 
 yaml = pytest.importorskip("yaml")
 
@@ -62,8 +62,6 @@ def _base_name(name: str) -> str:
     return name
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # Kubernetes
 
@@ -90,13 +88,12 @@ def test_prometheusrule_groups_equal_rule_files():
 
 def test_prometheusrule_is_regenerated():
     script = K8S / "gen_prometheusrule.py"
-    r = subprocess.run([sys.executable, str(script), "--stdout"], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run([sys.executable, str(script), "--stdout"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == (K8S / "prometheusrule.yaml").read_text(), \
+    assert r.stdout == (K8S / "prometheusrule.yaml").read_text(), (
         "prometheusrule.yaml is stale: run deploy/kubernetes/gen_prometheusrule.py"
-    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
-                       text=True, timeout=60)
+    )
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 
@@ -113,8 +110,7 @@ def test_podmonitor_scrapes_the_named_port_of_the_pytorchjob():
     assert ep["port"] == "metrics"
     assert ep["honorLabels"] is True
     # The rules select up{job="distmon"}.
-    assert {"action": "replace", "targetLabel": "job", "replacement": "distmon"} \
-        in ep.get("relabelings", [])
+    assert {"action": "replace", "targetLabel": "job", "replacement": "distmon"} in ep.get("relabelings", [])
     selector = pm["spec"]["selector"]["matchLabels"]
 
     specs = _pytorchjob()["spec"]["pytorchReplicaSpecs"]
@@ -142,7 +138,13 @@ def test_podmonitor_secure_endpoint_example():
     assert not secure.keys() & ep.keys()
     tls, auth = secure["tlsConfig"], secure["basicAuth"]
     assert secure["scheme"] == "https" and tls["serverName"]
-    secrets = [tls["ca"]["secret"], tls["cert"]["secret"], tls["keySecret"], auth["username"], auth["password"]]
+    secrets = [
+        tls["ca"]["secret"],
+        tls["cert"]["secret"],
+        tls["keySecret"],
+        auth["username"],
+        auth["password"],
+    ]
     assert {s["name"] for s in secrets} == {"distmon-scrape"} and all(s["key"] for s in secrets)
 
 
@@ -168,8 +170,12 @@ def _dashboard_exprs(dash: dict) -> list[str]:
 
 
 def test_dashboard_is_regenerated():
-    r = subprocess.run([sys.executable, str(DEPLOY / "grafana" / "gen_dashboard.py"), "--check"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(DEPLOY / "grafana" / "gen_dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -191,8 +197,9 @@ def test_dashboard_variables(dashboard):
     layer = variables["layer"]
     assert layer["type"] == "query" and layer["multi"] is True and layer["includeAll"] is True
     assert layer["datasource"]["uid"] == DS_UID
-    assert 'label_values(distmon_layer_grad_norm{run_id="$run_id"}, layer)' \
-        in json.dumps(layer["query"]).replace('\\"', '"')
+    assert 'label_values(distmon_layer_grad_norm{run_id="$run_id"}, layer)' in json.dumps(
+        layer["query"]
+    ).replace('\\"', '"')
 
 
 def test_every_panel_uses_the_datasource_variable(dashboard):
@@ -217,18 +224,29 @@ def test_every_panel_uses_the_datasource_variable(dashboard):
 def test_dashboard_covers_the_metrics(dashboard):
     exprs = "\n".join(_dashboard_exprs(dashboard))
     for needle in (
-        "distmon_grad_norm{", "distmon_grad_norm_window_max", "distmon:grad_norm:median_30m",
-        "distmon_step_grad_norm_bucket", "distmon_rank_grad_norm", "distmon_rank_outlier_score",
-        "distmon_layer_grad_norm", "distmon_nonfinite_steps_total",
-        "distmon_optimizer_steps_total", "distmon_last_step_timestamp_seconds",
-        "distmon_anomalies_total", "distmon_monitor_errors_total",
+        "distmon_grad_norm{",
+        "distmon_grad_norm_window_max",
+        "distmon:grad_norm:median_30m",
+        "distmon_step_grad_norm_bucket",
+        "distmon_rank_grad_norm",
+        "distmon_rank_outlier_score",
+        "distmon_layer_grad_norm",
+        "distmon_nonfinite_steps_total",
+        "distmon_optimizer_steps_total",
+        "distmon_last_step_timestamp_seconds",
+        "distmon_anomalies_total",
+        "distmon_monitor_errors_total",
     ):
         assert needle in exprs, needle
     types = {p["type"] for p in _panels(dashboard["panels"])}
     assert {"timeseries", "heatmap"} <= types
     # Per-layer panels are filtered by the multi-value layer variable and name the depth.
-    layer_targets = [t for p in _panels(dashboard["panels"]) for t in p.get("targets", [])
-                     if "distmon_layer_grad_norm" in t["expr"]]
+    layer_targets = [
+        t
+        for p in _panels(dashboard["panels"])
+        for t in p.get("targets", [])
+        if "distmon_layer_grad_norm" in t["expr"]
+    ]
     assert layer_targets
     for t in layer_targets:
         assert 'layer=~"$layer"' in t["expr"]
@@ -253,8 +271,13 @@ def test_metric_names_are_exported_or_recorded(dashboard):
 def test_dashboard_queries_parse_as_promql(dashboard, tmp_path):
     """Every query, with Grafana's variables filled in, is valid PromQL for promtool."""
     promtool = require_binary("promtool", package="prometheus")
-    fill = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s",
-            "$run_id": "run", "$layer": ".*"}
+    fill = {
+        "$__rate_interval": "1m",
+        "$__range": "1h",
+        "$__interval": "15s",
+        "$run_id": "run",
+        "$layer": ".*",
+    }
     rules = []
     for i, expr in enumerate(_dashboard_exprs(dashboard)):
         for var, value in fill.items():
@@ -263,8 +286,7 @@ def test_dashboard_queries_parse_as_promql(dashboard, tmp_path):
         rules.append({"record": f"dashboard:query:q{i}", "expr": expr})
     path = tmp_path / "dashboard_queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -300,7 +322,7 @@ def test_compose_mounts_config_and_provisioning():
     services = compose["services"]
     assert {"prometheus", "alertmanager", "grafana"} <= services.keys()
     for name, svc in services.items():
-        for dst, src in _mounts(svc).items():
+        for src in _mounts(svc).values():
             assert (DEPLOY / src).exists(), f"{name}: mount source {src} missing"
 
     prom = _mounts(services["prometheus"])
@@ -308,8 +330,7 @@ def test_compose_mounts_config_and_provisioning():
     assert prom["/etc/prometheus/rules"] == "./prometheus/rules"
     # The config's relative "file_sd/*.json" resolves next to the config file.
     assert prom["/etc/prometheus/file_sd"] == "./file_sd"
-    assert any("--config.file=/etc/prometheus/prometheus.yml" in c
-               for c in services["prometheus"]["command"])
+    assert any("--config.file=/etc/prometheus/prometheus.yml" in c for c in services["prometheus"]["command"])
 
     am = _mounts(services["alertmanager"])
     assert am["/etc/alertmanager/alertmanager.yml"] == "./alertmanager/alertmanager.yml"
@@ -317,16 +338,18 @@ def test_compose_mounts_config_and_provisioning():
     graf = _mounts(services["grafana"])
     assert graf["/etc/grafana/provisioning/datasources"] == "./grafana/provisioning/datasources"
     assert graf["/etc/grafana/provisioning/dashboards"] == "./grafana/provisioning/dashboards"
-    (provider,) = yaml.safe_load(
-        (PROVISIONING / "dashboards" / "distmon.yml").read_text())["providers"]
+    (provider,) = yaml.safe_load((PROVISIONING / "dashboards" / "distmon.yml").read_text())["providers"]
     assert graf[provider["options"]["path"]] == "./grafana/dashboards"
 
 
 def test_compose_config_valid_if_docker_compose_available():
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"],
-                                        capture_output=True).returncode != 0:
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("docker compose not available")
-    r = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr

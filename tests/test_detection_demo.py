@@ -29,9 +29,27 @@ def _events(snaps):
 
 def test_spike_then_nan_are_reported_where_they_were_injected(tmp_path):
     """Seed 0: x100 on one layer at step 300; NaN on rank 2 in another layer at the last step."""
-    snaps = run_demo(BASE + ["--seed", "0", "--spike-step", "300", "--spike-factor", "100",
-                             "--spike-layer", LAYER, "--nan-step", str(STEPS), "--nan-rank", "2",
-                             "--nan-layer", "blocks.1.mlp.fc2"], 3, str(tmp_path / "a.jsonl"))
+    snaps = run_demo(
+        BASE
+        + [
+            "--seed",
+            "0",
+            "--spike-step",
+            "300",
+            "--spike-factor",
+            "100",
+            "--spike-layer",
+            LAYER,
+            "--nan-step",
+            str(STEPS),
+            "--nan-rank",
+            "2",
+            "--nan-layer",
+            "blocks.1.mlp.fc2",
+        ],
+        3,
+        str(tmp_path / "a.jsonl"),
+    )
     assert [s["step"] for s in snaps] == list(range(1, STEPS + 1))
     assert _events(snaps) == [(300, "spike", -1, LAYER), (STEPS, "nonfinite", 2, "blocks.1.mlp.fc2")]
     last = snaps[-1]
@@ -42,8 +60,11 @@ def test_spike_then_nan_are_reported_where_they_were_injected(tmp_path):
 
 def test_corrupted_rank_is_the_outlier_and_nothing_else_fires(tmp_path):
     """Seed 1: rank 1's batch scaled x4 from step 350 on."""
-    snaps = run_demo(BASE + ["--seed", "1", "--corrupt-rank", "1", "--corrupt-scale", "4",
-                             "--corrupt-from", "350"], 3, str(tmp_path / "b.jsonl"))
+    snaps = run_demo(
+        BASE + ["--seed", "1", "--corrupt-rank", "1", "--corrupt-scale", "4", "--corrupt-from", "350"],
+        3,
+        str(tmp_path / "b.jsonl"),
+    )
     events = _events(snaps)
     assert events, "the corrupted rank was not reported"
     assert events[0][:3] == (350, "rank_outlier", 1)

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from distmon.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
 from distmon.collective import RankFields
+from distmon.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
 from distmon.ring import RowLayout
 from distmon.snapshot import Snapshot
 
@@ -78,8 +78,9 @@ def series(seed: int, steps: int, start: float, end: float, tau: float, noise: f
     g = torch.Generator().manual_seed(seed)
     for t in range(steps):
         level = end + (start - end) * math.exp(-t / tau)
-        layers = [level * w * math.exp(noise * torch.randn(1, generator=g).item())
-                  for w in (0.3, 1.0, 0.8, 0.5)]
+        layers = [
+            level * w * math.exp(noise * torch.randn(1, generator=g).item()) for w in (0.3, 1.0, 0.8, 0.5)
+        ]
         ranks = [level * 1.2 * math.exp(noise * torch.randn(1, generator=g).item()) for _ in range(4)]
         yield layers, ranks
 
@@ -111,6 +112,7 @@ def test_spike_on_one_layer_is_reported_at_that_step_and_layer(block):
     def spike(t, layers, ranks):
         if t == 300:
             layers[2] *= 20.0  # block1 only
+
     events = run(Feeder(block=block), with_changes(series(0, 400, 20.0, 1.0, 200.0, 0.15), spike))
     assert [(e.kind, e.step, e.layer) for e in events] == [("spike", 300, "block1")]
     assert events[0].value > DEFAULTS.spike_zscore
@@ -121,7 +123,11 @@ def test_global_spike_fires_but_not_during_warmup(block):
     def spike(t, layers, ranks):
         if t in (10, 150):  # step 10 is inside the 50-step warm-up
             layers[:] = [v * 30 for v in layers]
-    seen = [(e.step, e.kind) for e in run(Feeder(block=block), with_changes(series(1, 200, 10.0, 1.0, 100.0, 0.1), spike))]
+
+    seen = [
+        (e.step, e.kind)
+        for e in run(Feeder(block=block), with_changes(series(1, 200, 10.0, 1.0, 100.0, 0.1), spike))
+    ]
     assert (150, "spike") in seen and all(step != 10 for step, _ in seen)
 
 
@@ -145,6 +151,7 @@ def test_rank_outlier_names_the_bad_rank(block):
     def bad_shard(t, layers, ranks):
         if t >= 200:
             ranks[2] *= 8.0  # rank 2's data shard went bad
+
     events = run(Feeder(block=block), with_changes(series(2, 300, 10.0, 1.0, 100.0, 0.1), bad_shard))
     found = [(e.step, e.rank) for e in events if e.kind == "rank_outlier"]
     assert found and found[0] == (200, 2) and {r for _, r in found} == {2}
@@ -156,9 +163,11 @@ def test_a_rank_that_stays_bad_stays_flagged(onset, block):
     """Corrupted from the start or from mid-run, a rank x4 is flagged from the first armed
     step and at >= 90% of the steps after (the scale must not learn the outlier as normal
     spread: with the old mean-based scale it was flagged for a few steps, then never)."""
+
     def bad_rank(t, layers, ranks):
         if t >= onset:
             ranks[3] *= 4.0
+
     events = run(Feeder(block=block), with_changes(series(4, 600, 10.0, 1.0, 100.0, 0.1), bad_rank))
     flagged = [e.step for e in events if e.kind == "rank_outlier" and e.rank == 3]
     assert [e for e in events if not (e.kind == "rank_outlier" and e.rank == 3)] == []
@@ -174,6 +183,7 @@ def test_nonfinite_is_an_event_and_does_not_poison_the_state(block):
     def nan(t, layers, ranks):
         if t == 100:
             layers[1] = math.nan
+
     events = run(Feeder(block=block), with_changes(series(3, 300, 10.0, 1.0, 100.0, 0.1), nan))
     assert [(e.step, e.kind) for e in events] == [(100, "nonfinite")]
 
@@ -186,6 +196,7 @@ def test_runs_of_steps_give_the_step_by_step_scores(block):
     both), a level shift and a bad rank. Only the winsorizing bound (from the run's start)
     and the median reference may differ: no z-score moves by more than 0.25, against
     thresholds of 6; rank scores agree to float rounding."""
+
     def faults(t, layers, ranks):
         if t == 150:
             layers[2] *= 20.0
@@ -193,6 +204,7 @@ def test_runs_of_steps_give_the_step_by_step_scores(block):
             layers[1] *= 4.0  # lasting change of level
         if t >= 200:
             ranks[1] *= 20.0
+
     steps = list(with_changes(series(6, 400, 10.0, 1.0, 100.0, 0.2), faults))
     one, many = Feeder(block=1), Feeder(block=block)
     e1, ek = run(one, iter(steps)), run(many, iter(steps))

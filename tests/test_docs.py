@@ -37,7 +37,13 @@ def test_detector_defaults_stated_in_the_readme_are_the_code_s():
 
 
 def test_public_api_is_small_and_documented():
-    assert set(distmon.__all__) == {"GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig",
-                                    "GradientAnomalyError", "__version__"}
+    assert set(distmon.__all__) == {
+        "GradMonitor",
+        "Snapshot",
+        "AnomalyEvent",
+        "DetectorConfig",
+        "GradientAnomalyError",
+        "__version__",
+    }
     for name in distmon.__all__[:-1]:
         assert getattr(distmon, name).__doc__, name

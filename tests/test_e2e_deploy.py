@@ -42,15 +42,27 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pytest
-
 from e2e_stack import (
-    DEPLOY, Alertmanager, Prometheus, Recorder, TorchrunJob, Webhook, free_port, has_data,
-    parse_duration, parse_rfc3339, require_binary, secure_scrape_job, substitute, tail, wait_for,
+    DEPLOY,
+    Alertmanager,
+    Prometheus,
+    Recorder,
+    TorchrunJob,
+    Webhook,
+    free_port,
+    has_data,
+    parse_duration,
+    parse_rfc3339,
+    require_binary,
+    secure_scrape_job,
+    substitute,
+    tail,
+    wait_for,
 )
 from secure_endpoint import Pki, make_pki, write_htpasswd
 
@@ -58,13 +70,13 @@ yaml = pytest.importorskip("yaml")
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "distmon.json"
 DATASOURCE_PROVISIONING = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
-SCRAPE_S = 1.0          # the test Prometheus' scrape and evaluation interval
-STEP_S = 0.25           # --min-step-s of every job: 4 optimizer steps per second at most
-STARTUP_S = 120.0       # bound on torchrun + torch import + rendezvous on a loaded 2-core machine
+SCRAPE_S = 1.0  # the test Prometheus' scrape and evaluation interval
+STEP_S = 0.25  # --min-step-s of every job: 4 optimizer steps per second at most
+STARTUP_S = 120.0  # bound on torchrun + torch import + rendezvous on a loaded 2-core machine
 
 EXPLODE, KILLED, STALLED, NODES = "e2e-explode", "e2e-killed", "e2e-stalled", "e2e-nodes"
 SECURE, ANONYMOUS_JOB = "e2e-secure", "distmon-secure-anonymous"
-SECURE_STEPS = 40       # e2e-secure: ~10 s of steps, then 3 s of linger
+SECURE_STEPS = 40  # e2e-secure: ~10 s of steps, then 3 s of linger
 
 # e2e-explode timeline (steps of STEP_S). The explosion alert compares the latest norm with
 # the median of ALL recorded samples of the last 30 min (recorded every SCRAPE_S), so the
@@ -75,9 +87,9 @@ SECURE_STEPS = 40       # e2e-secure: ~10 s of steps, then 3 s of linger
 # x200 on the middle block's mlp.fc1 puts the global norm at ~25-35x its median
 # (measured; x50 gives only ~9-11x, too close to the 10x threshold).
 EXPLODE_STEPS, SPIKE_FROM, SPIKE_UNTIL, NAN_STEP, SPIKE_FACTOR = 540, 261, 500, 501, 200
-HANG_STEP = 41          # e2e-stalled: steps 1-40 run (step 40 is exported), then the loop hangs
-KILL_AFTER_STEPS = 40   # e2e-killed: Prometheus has scraped this many steps when it is killed
-NODES_STEPS = 120       # e2e-nodes: ~30 s
+HANG_STEP = 41  # e2e-stalled: steps 1-40 run (step 40 is exported), then the loop hangs
+KILL_AFTER_STEPS = 40  # e2e-killed: Prometheus has scraped this many steps when it is killed
+NODES_STEPS = 120  # e2e-nodes: ~30 s
 LINGER_EXPLODE, LINGER_NODES = 5, 8  # >= 2 scrape intervals
 
 
@@ -126,14 +138,22 @@ class Stack:
         try:
             alerts = self.prom.alerts()
             out.append("Prometheus /api/v1/alerts now:")
-            out += [f"  {a['labels'].get('alertname')} {a['state']} run_id={a['labels'].get('run_id')} "
-                    f"activeAt={a.get('activeAt')} value={a.get('value')}" for a in alerts] or ["  (none)"]
+            out += [
+                f"  {a['labels'].get('alertname')} {a['state']} run_id={a['labels'].get('run_id')} "
+                f"activeAt={a.get('activeAt')} value={a.get('value')}"
+                for a in alerts
+            ] or ["  (none)"]
             out.append("Prometheus /api/v1/targets now:")
-            out += [f"  {t['scrapeUrl']} {t['labels']} health={t['health']} lastError={t.get('lastError')!r}"
-                    for t in self.prom.targets()] or ["  (none)"]
+            out += [
+                f"  {t['scrapeUrl']} {t['labels']} health={t['health']} lastError={t.get('lastError')!r}"
+                for t in self.prom.targets()
+            ] or ["  (none)"]
             out.append("Alertmanager /api/v2/alerts now:")
-            out += [f"  {a['labels'].get('alertname')} run_id={a['labels'].get('run_id')} "
-                    f"{a.get('status', {}).get('state')}" for a in self.am.alerts()] or ["  (none)"]
+            out += [
+                f"  {a['labels'].get('alertname')} run_id={a['labels'].get('run_id')} "
+                f"{a.get('status', {}).get('state')}"
+                for a in self.am.alerts()
+            ] or ["  (none)"]
         except Exception as e:  # noqa: BLE001 - diagnostics must not raise
             out.append(f"(API error: {e!r})")
         out.append("Webhook received:\n" + self.webhook.summary())
@@ -151,8 +171,12 @@ def add_secure_jobs(conf_dir: Path, text: str) -> tuple[str, SecureScrape]:
     it without ``basic_auth`` (job ``distmon-secure-anonymous``); the files they read."""
     (job,) = yaml.safe_load(secure_scrape_job(text))
     (targets,) = job["file_sd_configs"][0]["files"]
-    secure = SecureScrape(make_pki(conf_dir / "tls"), job["basic_auth"]["username"], uuid.uuid4().hex,
-                          (conf_dir / targets).parent)
+    secure = SecureScrape(
+        make_pki(conf_dir / "tls"),
+        job["basic_auth"]["username"],
+        uuid.uuid4().hex,
+        (conf_dir / targets).parent,
+    )
     (conf_dir / job["basic_auth"]["password_file"]).write_text(secure.password)
     secure.sd_dir.mkdir()
     tls = job["tls_config"]
@@ -170,14 +194,17 @@ def prometheus_config(workdir: Path, am_port: int, sd_dir: Path) -> tuple[Path, 
     conf_dir = workdir / "prometheus"
     shutil.copytree(DEPLOY / "prometheus", conf_dir)
     cfg = conf_dir / "prometheus.yml"
-    text = substitute(cfg.read_text(), {
-        # Deliberate, documented deviation from "only paths and ports": production's 15 s
-        # would make this test take many minutes (module docstring).
-        "scrape_interval: 15s": f"scrape_interval: {SCRAPE_S:g}s",
-        "evaluation_interval: 15s": f"evaluation_interval: {SCRAPE_S:g}s",
-        "localhost:9093": f"127.0.0.1:{am_port}",
-        "file_sd/*.json": f"{sd_dir}/*.json",
-    })
+    text = substitute(
+        cfg.read_text(),
+        {
+            # Deliberate, documented deviation from "only paths and ports": production's 15 s
+            # would make this test take many minutes (module docstring).
+            "scrape_interval: 15s": f"scrape_interval: {SCRAPE_S:g}s",
+            "evaluation_interval: 15s": f"evaluation_interval: {SCRAPE_S:g}s",
+            "localhost:9093": f"127.0.0.1:{am_port}",
+            "file_sd/*.json": f"{sd_dir}/*.json",
+        },
+    )
     secure = None
     if shutil.which("openssl"):
         text, secure = add_secure_jobs(conf_dir, text)
@@ -229,26 +256,60 @@ def jobs(stack):
     nodes_rdzv = f"127.0.0.1:{free_port()}"
     js = {
         # Started first: its 120 s threshold is the longest wait of the module.
-        "stalled": TorchrunJob("stalled", w, [*common, "--port", "0", "--steps", "100000",
-                                              "--hang-step", str(HANG_STEP)],
-                               {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": STALLED}),
-        "explode": TorchrunJob("explode", w, [
-            *common, "--port", "0", "--steps", str(EXPLODE_STEPS), "--spike-step", str(SPIKE_FROM),
-            "--spike-until", str(SPIKE_UNTIL), "--spike-factor", str(SPIKE_FACTOR), "--nan-step", str(NAN_STEP),
-            "--log-path", str(w / "explode.jsonl")],
-            {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": EXPLODE, "DISTMON_LINGER_S": str(LINGER_EXPLODE)}),
-        "killed": TorchrunJob("killed", w, [*common, "--port", "0", "--steps", "100000"],
-                              {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": KILLED}),
+        "stalled": TorchrunJob(
+            "stalled",
+            w,
+            [*common, "--port", "0", "--steps", "100000", "--hang-step", str(HANG_STEP)],
+            {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": STALLED},
+        ),
+        "explode": TorchrunJob(
+            "explode",
+            w,
+            [
+                *common,
+                "--port",
+                "0",
+                "--steps",
+                str(EXPLODE_STEPS),
+                "--spike-step",
+                str(SPIKE_FROM),
+                "--spike-until",
+                str(SPIKE_UNTIL),
+                "--spike-factor",
+                str(SPIKE_FACTOR),
+                "--nan-step",
+                str(NAN_STEP),
+                "--log-path",
+                str(w / "explode.jsonl"),
+            ],
+            {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": EXPLODE, "DISTMON_LINGER_S": str(LINGER_EXPLODE)},
+        ),
+        "killed": TorchrunJob(
+            "killed",
+            w,
+            [*common, "--port", "0", "--steps", "100000"],
+            {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": KILLED},
+        ),
     }
     for i in (0, 1):
         js[f"node{i}"] = TorchrunJob(
-            f"node{i}", w, [*common, "--steps", str(NODES_STEPS), "--log-path", str(w / "nodes.jsonl")],
-            {"DISTMON_SERVE": "node", "DISTMON_PORT": "0", "DISTMON_FILE_SD_DIR": sd,
-             "DISTMON_RUN_ID": NODES, "DISTMON_LINGER_S": str(LINGER_NODES)},
+            f"node{i}",
+            w,
+            [*common, "--steps", str(NODES_STEPS), "--log-path", str(w / "nodes.jsonl")],
+            {
+                "DISTMON_SERVE": "node",
+                "DISTMON_PORT": "0",
+                "DISTMON_FILE_SD_DIR": sd,
+                "DISTMON_RUN_ID": NODES,
+                "DISTMON_LINGER_S": str(LINGER_NODES),
+            },
             # As launch/torchrun_multi_node.sh: node 0 hosts the c10d store (--node-rank is
             # ignored by c10d; global ranks follow the rendezvous' GROUP_RANK).
-            nnodes=2, rdzv_endpoint=nodes_rdzv, rdzv_id=NODES,
-            rdzv_conf="is_host=true" if i == 0 else "is_host=false")
+            nnodes=2,
+            rdzv_endpoint=nodes_rdzv,
+            rdzv_id=NODES,
+            rdzv_conf="is_host=true" if i == 0 else "is_host=false",
+        )
     try:
         for job in js.values():
             job.start()
@@ -284,11 +345,13 @@ def targets_of(stack: Stack, run_id: str) -> list[dict]:
 
 def wait_scraped(stack: Stack, job: TorchrunJob, run_id: str, steps: int, diag: Callable[[], str]) -> None:
     """Wait until Prometheus has scraped ``steps`` optimizer steps of the run from a healthy target."""
+
     def ok() -> bool:
         if job.poll() is not None:
             pytest.fail(f"job {job.name} exited early\n{diag()}", pytrace=False)
         v = scalar(stack.prom, f'distmon_optimizer_steps_total{{run_id="{run_id}"}}')
         return v is not None and v >= steps and any(t["health"] == "up" for t in targets_of(stack, run_id))
+
     wait_for(ok, STARTUP_S + steps * STEP_S * 3, f"Prometheus to scrape {steps} steps of {run_id}", diag)
 
 
@@ -297,10 +360,12 @@ GRAFANA_VAR = re.compile(r"\$\{(\w+)(?::[\w]+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 
 def grafana_substitute(expr: str, values: dict[str, str]) -> str:
     """Replace ``$var``, ``${var}``, ``${var:fmt}`` and ``[[var]]`` as Grafana does; unknown ones fail."""
+
     def repl(m: re.Match) -> str:
         name = m.group(1) or m.group(2) or m.group(3)
         assert name in values, f"dashboard query uses variable ${name} the test does not know: {expr!r}"
         return values[name]
+
     return GRAFANA_VAR.sub(repl, expr)
 
 
@@ -353,7 +418,9 @@ def test_two_nodes_serve_one_target_each_and_sums_match_the_snapshot(stack, jobs
     node_labels = sorted(t["labels"]["node"] for t in targets)
     assert len(set(node_labels)) == 2, targets
     assert [n.rsplit("/", 1)[1] for n in node_labels] == ["0", "1"], node_labels  # hostname/GROUP_RANK
-    assert all(t["discoveredLabels"]["__meta_filepath"] == str(stack.sd_dir / f"{NODES}.json") for t in targets)
+    assert all(
+        t["discoveredLabels"]["__meta_filepath"] == str(stack.sd_dir / f"{NODES}.json") for t in targets
+    )
     instance_of = {t["labels"]["node"].rsplit("/", 1)[1]: t["labels"]["instance"] for t in targets}
 
     # Per-rank series: all 4 ranks, once each, each served by its own node's target.
@@ -374,14 +441,19 @@ def test_two_nodes_serve_one_target_each_and_sums_match_the_snapshot(stack, jobs
     assert scalar(prom, f'count(distmon_run_info{{run_id="{NODES}", world_size="4", serve="node"}})') == 1
 
     # The clean finish: every serving process keeps serving its final state for the linger.
-    wait_for(lambda: scalar(prom, f'distmon_run_finished{{run_id="{NODES}"}}') == 1,
-             NODES_STEPS * STEP_S * 3 + 60, "distmon_run_finished == 1 for e2e-nodes", diag)
+    wait_for(
+        lambda: scalar(prom, f'distmon_run_finished{{run_id="{NODES}"}}') == 1,
+        NODES_STEPS * STEP_S * 3 + 60,
+        "distmon_run_finished == 1 for e2e-nodes",
+        diag,
+    )
     t_seen = time.time()
     time.sleep(3 * SCRAPE_S)  # > 2 scrapes of both targets after the final export, < linger (8 s)
     t_query = time.time()
     stamps = prom.values(f'timestamp(distmon_rank_grad_norm{{run_id="{NODES}"}})', at=t_query)
     assert len(stamps) == 4 and all(v >= t_seen + 1 for _, v in stamps), (
-        f"per-rank series not scraped after the finish (seen at {t_seen:.1f}): {stamps}\n{diag()}")
+        f"per-rank series not scraped after the finish (seen at {t_seen:.1f}): {stamps}\n{diag()}"
+    )
     for job in nodes:
         rc = job.wait(LINGER_NODES + 60, diag)
         assert rc == 0, f"{job.name} failed\n{diag()}"
@@ -419,29 +491,55 @@ def test_killed_job_fires_metrics_vanished_and_target_down(stack, jobs):
     # serving (observed with torch 2.13). What kills a job in production kills all of its
     # processes (Slurm: the step's cgroup; Kubernetes: the container), so do that too:
     # SIGKILL each surviving worker (its process group). Nothing gets to clean up.
-    print(f"e2e-killed: launcher SIGKILLed; workers still alive 2 s later: {survivors} of {workers}; "
-          f"SIGKILLing them")
+    print(
+        f"e2e-killed: launcher SIGKILLed; workers still alive 2 s later: {survivors} of {workers}; "
+        f"SIGKILLing them"
+    )
     job.kill_all()
     assert not job.pids(), f"processes of e2e-killed survive SIGKILL\n{diag()}"
     assert (stack.sd_dir / f"{KILLED}.json").exists(), "a killed job cannot withdraw its target file"
 
-    wait_for(lambda: any(t["health"] == "down" for t in targets_of(stack, KILLED)), 30,
-             "the e2e-killed target to be down", diag)
+    wait_for(
+        lambda: any(t["health"] == "down" for t in targets_of(stack, KILLED)),
+        30,
+        "the e2e-killed target to be down",
+        diag,
+    )
     vanished_for, down_for = rule_for("DistmonMetricsVanished"), rule_for("DistmonTargetDown")
-    fired = wait_for(lambda: rec.prom_alert("DistmonMetricsVanished", KILLED, "firing"), vanished_for + 60,
-                     "DistmonMetricsVanished to fire for e2e-killed", diag)
+    fired = wait_for(
+        lambda: rec.prom_alert("DistmonMetricsVanished", KILLED, "firing"),
+        vanished_for + 60,
+        "DistmonMetricsVanished to fire for e2e-killed",
+        diag,
+    )
     first_firing = fired[0]["states"]["firing"][0]
     assert first_firing >= t_kill + vanished_for - 2, "fired before its `for` had passed"
     assert float(fired[0]["value"]) >= KILL_AFTER_STEPS, fired  # the value is the last step seen
-    wait_for(lambda: rec.am_alert("DistmonMetricsVanished", KILLED), 30,
-             "Alertmanager to list DistmonMetricsVanished for e2e-killed", diag)
-    wait_for(lambda: stack.webhook.received("DistmonMetricsVanished", KILLED), 40,
-             "the webhook to receive DistmonMetricsVanished for e2e-killed", diag)
+    wait_for(
+        lambda: rec.am_alert("DistmonMetricsVanished", KILLED),
+        30,
+        "Alertmanager to list DistmonMetricsVanished for e2e-killed",
+        diag,
+    )
+    wait_for(
+        lambda: stack.webhook.received("DistmonMetricsVanished", KILLED),
+        40,
+        "the webhook to receive DistmonMetricsVanished for e2e-killed",
+        diag,
+    )
 
-    wait_for(lambda: rec.prom_alert("DistmonTargetDown", KILLED, "firing"), down_for + 60,
-             "DistmonTargetDown to fire for e2e-killed", diag)
-    am_down = wait_for(lambda: rec.am_alert("DistmonTargetDown", KILLED), 30,
-                       "Alertmanager to list DistmonTargetDown for e2e-killed", diag)
+    wait_for(
+        lambda: rec.prom_alert("DistmonTargetDown", KILLED, "firing"),
+        down_for + 60,
+        "DistmonTargetDown to fire for e2e-killed",
+        diag,
+    )
+    am_down = wait_for(
+        lambda: rec.am_alert("DistmonTargetDown", KILLED),
+        30,
+        "Alertmanager to list DistmonTargetDown for e2e-killed",
+        diag,
+    )
     # alertmanager.yml inhibits "target down" while "metrics vanished" fires for the run.
     assert any("suppressed" in a["states"] and a["last_inhibitedBy"] for a in am_down), am_down
 
@@ -457,12 +555,32 @@ def test_tls_and_basic_auth_endpoint_scraped_by_the_documented_job(stack):
     secure, prom, rec = stack.secure, stack.prom, stack.recorder
     users = write_htpasswd(stack.workdir / "users", {secure.username: secure.password}, rounds=10)
     pki = secure.pki
-    job = TorchrunJob("secure", stack.workdir, [
-        "--preset", "tiny", "--min-step-s", f"{STEP_S:g}", "--print-every", "20", "--port", "0",
-        "--steps", str(SECURE_STEPS)], {
-        "DISTMON_FILE_SD_DIR": str(secure.sd_dir), "DISTMON_RUN_ID": SECURE, "DISTMON_LINGER_S": "3",
-        "DISTMON_TLS_CERT": str(pki.server_cert), "DISTMON_TLS_KEY": str(pki.server_key),
-        "DISTMON_TLS_CLIENT_CA": str(pki.ca), "DISTMON_BASIC_AUTH_FILE": str(users)}, nproc=1)
+    job = TorchrunJob(
+        "secure",
+        stack.workdir,
+        [
+            "--preset",
+            "tiny",
+            "--min-step-s",
+            f"{STEP_S:g}",
+            "--print-every",
+            "20",
+            "--port",
+            "0",
+            "--steps",
+            str(SECURE_STEPS),
+        ],
+        {
+            "DISTMON_FILE_SD_DIR": str(secure.sd_dir),
+            "DISTMON_RUN_ID": SECURE,
+            "DISTMON_LINGER_S": "3",
+            "DISTMON_TLS_CERT": str(pki.server_cert),
+            "DISTMON_TLS_KEY": str(pki.server_key),
+            "DISTMON_TLS_CLIENT_CA": str(pki.ca),
+            "DISTMON_BASIC_AUTH_FILE": str(users),
+        },
+        nproc=1,
+    )
 
     def diag() -> str:
         return stack.diagnose([job], [SECURE])
@@ -475,13 +593,20 @@ def test_tls_and_basic_auth_endpoint_scraped_by_the_documented_job(stack):
             pytest.fail(f"e2e-secure failed\n{diag()}", pytrace=False)
         targets = by_job()
         steps = scalar(prom, f'max_over_time(distmon_optimizer_steps_total{{run_id="{SECURE}"}}[10m])')
-        return ("up" in targets.get("distmon", {}).get("states", {}) and bool(steps)
-                and "401" in (targets.get(ANONYMOUS_JOB, {}).get("last_lastError") or ""))
+        return (
+            "up" in targets.get("distmon", {}).get("states", {})
+            and bool(steps)
+            and "401" in (targets.get(ANONYMOUS_JOB, {}).get("last_lastError") or "")
+        )
 
     job.start()
     try:
-        wait_for(scraped_and_refused, STARTUP_S + SECURE_STEPS * STEP_S * 3,
-                 "distmon-secure to scrape e2e-secure and distmon-secure-anonymous to get 401", diag)
+        wait_for(
+            scraped_and_refused,
+            STARTUP_S + SECURE_STEPS * STEP_S * 3,
+            "distmon-secure to scrape e2e-secure and distmon-secure-anonymous to get 401",
+            diag,
+        )
         targets = by_job()
         assert targets["distmon"]["scrapeUrl"].startswith("https://127.0.0.1:"), targets
         assert "up" not in targets[ANONYMOUS_JOB]["states"], targets
@@ -509,20 +634,32 @@ def test_explosion_and_nonfinite_alerts_reach_alertmanager(stack, jobs):
     assert "distmon:grad_norm:median_30m > 10" in explosion["expr"], explosion["expr"]
     assert "distmon:grad_norm:samples_30m >= 20" in explosion["expr"], explosion["expr"]
 
-    expected = {"DistmonGradientExplosion": {}, "DistmonGradientSpikeBetweenScrapes": {},
-                "DistmonNonFiniteGradients": {}, "DistmonNonFiniteGradientsRank": {"rank": "0"}}
+    expected = {
+        "DistmonGradientExplosion": {},
+        "DistmonGradientSpikeBetweenScrapes": {},
+        "DistmonNonFiniteGradients": {},
+        "DistmonNonFiniteGradientsRank": {"rank": "0"},
+    }
 
     def all_in_alertmanager() -> bool:
         if job.poll() not in (None, 0):
             pytest.fail(f"e2e-explode failed\n{diag()}", pytrace=False)
         return all(rec.am_alert(name, EXPLODE, **labels) for name, labels in expected.items())
 
-    wait_for(all_in_alertmanager, STARTUP_S + EXPLODE_STEPS * STEP_S * 1.5 + 60,
-             f"Alertmanager to list {sorted(expected)} for e2e-explode", diag)
+    wait_for(
+        all_in_alertmanager,
+        STARTUP_S + EXPLODE_STEPS * STEP_S * 1.5 + 60,
+        f"Alertmanager to list {sorted(expected)} for e2e-explode",
+        diag,
+    )
     for name, labels in expected.items():
         assert rec.prom_alert(name, EXPLODE, "firing", **labels), f"{name} never fired\n{diag()}"
-    wait_for(lambda: all(stack.webhook.received(name, EXPLODE) for name in expected), 40,
-             "the webhook to receive every expected alert of e2e-explode", diag)
+    wait_for(
+        lambda: all(stack.webhook.received(name, EXPLODE) for name in expected),
+        40,
+        "the webhook to receive every expected alert of e2e-explode",
+        diag,
+    )
 
     # No false alarm in the normal phase: both went pending only once the spike was exported.
     rows = read_jsonl(stack.workdir / "explode.jsonl")
@@ -536,15 +673,21 @@ def test_explosion_and_nonfinite_alerts_reach_alertmanager(stack, jobs):
     print(f"\ne2e-explode timeline (s after the spike's first step; NaN at {t_nan - t_spike:+.1f}):")
     for name in expected:
         for r in rec.prom_alert(name, EXPLODE):
-            states = ", ".join(f"{s} {a - t_spike:+.1f}..{b - t_spike:+.1f}" for s, (a, b) in r["states"].items())
+            states = ", ".join(
+                f"{s} {a - t_spike:+.1f}..{b - t_spike:+.1f}" for s, (a, b) in r["states"].items()
+            )
             hooks = [a["received"] - t_spike for a in stack.webhook.received(name, EXPLODE)]
             print(f"  {name}: {states}; webhook at {min(hooks, default=float('nan')):+.1f}")
 
     # Discovery: the target came from the job's file, with its labels, and was healthy.
     seen = rec.target_records(EXPLODE)
-    assert any(r["discoveredLabels"].get("__meta_filepath") == str(stack.sd_dir / f"{EXPLODE}.json")
-               and r["labels"].get("node") and r["labels"].get("job") == "distmon" and "up" in r["states"]
-               for r in seen), f"no healthy file_sd target of e2e-explode was seen: {seen}\n{diag()}"
+    assert any(
+        r["discoveredLabels"].get("__meta_filepath") == str(stack.sd_dir / f"{EXPLODE}.json")
+        and r["labels"].get("node")
+        and r["labels"].get("job") == "distmon"
+        and "up" in r["states"]
+        for r in seen
+    ), f"no healthy file_sd target of e2e-explode was seen: {seen}\n{diag()}"
 
 
 def test_every_dashboard_query_returns_data_for_the_run(stack, jobs):
@@ -567,16 +710,21 @@ def test_every_dashboard_query_returns_data_for_the_run(stack, jobs):
     # Template variables, queried as Grafana does.
     run_ids = prom.api("label/run_id/values", **{"match[]": "distmon_run_info", "start": start, "end": end})
     assert EXPLODE in run_ids, run_ids
-    layers = prom.api("label/layer/values", **{"match[]": f'distmon_layer_grad_norm{{run_id="{EXPLODE}"}}',
-                                                "start": start, "end": end})
+    layers = prom.api(
+        "label/layer/values",
+        **{"match[]": f'distmon_layer_grad_norm{{run_id="{EXPLODE}"}}', "start": start, "end": end},
+    )
     logged_layers = read_jsonl(stack.workdir / "explode.jsonl")[0]["layer_grad_norms"]
     assert sorted(layers) == sorted(logged_layers), (layers, list(logged_layers))
     all_layers = "(" + "|".join(map(grafana_regex_escape, layers)) + ")"  # every layer selected
 
     queries = dashboard_queries(dash)
     assert len(queries) >= 20, queries
-    annotations = [(a["name"], a["expr"], parse_duration(a.get("step", "30s")))
-                   for a in dash["annotations"]["list"] if a.get("expr")]
+    annotations = [
+        (a["name"], a["expr"], parse_duration(a.get("step", "30s")))
+        for a in dash["annotations"]["list"]
+        if a.get("expr")
+    ]
     assert annotations, "the dashboard should annotate firing alerts"
 
     # Grafana: $__interval = max(range / points, data source timeInterval); $__rate_interval =
@@ -588,11 +736,17 @@ def test_every_dashboard_query_returns_data_for_the_run(stack, jobs):
     for ti in intervals:
         step = max(ti, (end - start) / 1000)
         for layer in (".*", all_layers):  # Grafana's All (allValue) and every layer selected
-            values = {"datasource": "prometheus", "run_id": EXPLODE, "layer": layer,
-                      "__interval": f"{step:g}s", "__interval_ms": str(int(step * 1000)),
-                      "__rate_interval": f"{max(step + ti, 4 * ti):g}s",
-                      "__range": f"{int(end - start)}s", "__range_s": str(int(end - start)),
-                      "__range_ms": str(int((end - start) * 1000))}
+            values = {
+                "datasource": "prometheus",
+                "run_id": EXPLODE,
+                "layer": layer,
+                "__interval": f"{step:g}s",
+                "__interval_ms": str(int(step * 1000)),
+                "__rate_interval": f"{max(step + ti, 4 * ti):g}s",
+                "__range": f"{int(end - start)}s",
+                "__range_s": str(int(end - start)),
+                "__range_ms": str(int((end - start) * 1000)),
+            }
             for title, ref, expr, instant in queries:
                 q = grafana_substitute(expr, values)
                 result = prom.query(q, at=end) if instant else prom.query_range(q, start, end, step)
@@ -612,23 +766,35 @@ def test_every_dashboard_query_returns_data_for_the_run(stack, jobs):
             out[s["metric"].get(label, "")] = max(vals, default=0.0)
         return out
 
-    subst = {"datasource": "prometheus", "run_id": EXPLODE, "layer": ".*", "__rate_interval": "1m",
-             "__interval": "1s", "__range": f"{int(end - start)}s"}
+    subst = {
+        "datasource": "prometheus",
+        "run_id": EXPLODE,
+        "layer": ".*",
+        "__rate_interval": "1m",
+        "__interval": "1s",
+        "__range": f"{int(end - start)}s",
+    }
     by_title = {(t, r): e for t, r, e, _ in queries}
-    anomalies = series_max(grafana_substitute(by_title[("Anomalies by kind (in-process detectors)", "A")],
-                                              subst), "kind")
+    anomalies = series_max(
+        grafana_substitute(by_title[("Anomalies by kind (in-process detectors)", "A")], subst), "kind"
+    )
     assert anomalies.get("spike", 0) > 0 and anomalies.get("nonfinite", 0) > 0, anomalies
     per_rank = series_max(grafana_substitute(by_title[("Non-finite steps per rank", "A")], subst), "rank")
     assert per_rank.get("0", 0) > 0, per_rank
-    firing = {s["metric"]["alertname"] for s in prom.query(
-        grafana_substitute(by_title[("Firing alerts", "A")], subst), at=end)}
+    firing = {
+        s["metric"]["alertname"]
+        for s in prom.query(grafana_substitute(by_title[("Firing alerts", "A")], subst), at=end)
+    }
     assert "DistmonNonFiniteGradients" in firing, firing
     annotated = series_max(grafana_substitute(annotations[0][1], subst), "alertname")
-    assert {"DistmonGradientExplosion", "DistmonGradientSpikeBetweenScrapes",
-            "DistmonNonFiniteGradients"} <= set(annotated), annotated
+    assert {
+        "DistmonGradientExplosion",
+        "DistmonGradientSpikeBetweenScrapes",
+        "DistmonNonFiniteGradients",
+    } <= set(annotated), annotated
 
     # Self-check: the same check on a misspelled metric name / recording rule finds nothing.
-    for title, ref, expr, instant in queries:
+    for _title, _ref, expr, _instant in queries:
         if expr.startswith("distmon_grad_norm{"):
             typo = grafana_substitute(expr.replace("distmon_grad_norm{", "distmon_grad_nrom{"), subst)
             assert has_data(prom.query_range(grafana_substitute(expr, subst), start, end, SCRAPE_S))
@@ -656,8 +822,12 @@ def test_clean_finish_removes_target_file_and_vanished_stays_silent(stack, jobs)
     for run_id in runs:
         assert not (stack.sd_dir / f"{run_id}.json").exists(), f"{run_id}: target file left behind"
         assert rec.target_records(run_id), f"{run_id} was never discovered\n{diag()}"
-    wait_for(lambda: not any(t["labels"].get("run_id") in runs for t in prom.targets()), 30,
-             "Prometheus to drop the finished runs' targets", diag)
+    wait_for(
+        lambda: not any(t["labels"].get("run_id") in runs for t in prom.targets()),
+        30,
+        "Prometheus to drop the finished runs' targets",
+        diag,
+    )
     for run_id in runs:  # what keeps the alert silent: the finish was scraped
         assert scalar(prom, f'max_over_time(distmon_run_finished{{run_id="{run_id}"}}[30m])') == 1, run_id
 
@@ -665,7 +835,9 @@ def test_clean_finish_removes_target_file_and_vanished_stays_silent(stack, jobs)
     quiet_until = max(j.ended for j in all_jobs) + rule_for("DistmonMetricsVanished") + 15
     while True:
         for run_id in runs:
-            assert not rec.prom_alert("DistmonMetricsVanished", run_id), f"vanished alert for {run_id}\n{diag()}"
+            assert not rec.prom_alert("DistmonMetricsVanished", run_id), (
+                f"vanished alert for {run_id}\n{diag()}"
+            )
         if time.time() > quiet_until:
             break
         time.sleep(1)
@@ -680,8 +852,11 @@ def test_clean_finish_removes_target_file_and_vanished_stays_silent(stack, jobs)
     # be gone, never having fired.
     for run_id in runs:
         assert not rec.prom_alert("DistmonTargetDown", run_id, "firing"), diag()
-    assert not [a for a in prom.alerts() if a["labels"].get("alertname") == "DistmonTargetDown"
-                and a["labels"].get("run_id") in runs], diag()
+    assert not [
+        a
+        for a in prom.alerts()
+        if a["labels"].get("alertname") == "DistmonTargetDown" and a["labels"].get("run_id") in runs
+    ], diag()
 
 
 def test_stalled_job_fires_training_stalled(stack, jobs):
@@ -695,20 +870,36 @@ def test_stalled_job_fires_training_stalled(stack, jobs):
 
     expr = alert_rules()["DistmonTrainingStalled"]["expr"]
     threshold = float(re.search(r"distmon_last_step_timestamp_seconds > 0\)\s*>\s*(\d+)", expr)[1])
-    wait_for(lambda: f"--hang-step {HANG_STEP}:" in tail(job.out, 20000), STARTUP_S + HANG_STEP * STEP_S * 3,
-             "e2e-stalled to hang", diag)
+    wait_for(
+        lambda: f"--hang-step {HANG_STEP}:" in tail(job.out, 20000),
+        STARTUP_S + HANG_STEP * STEP_S * 3,
+        "e2e-stalled to hang",
+        diag,
+    )
     wait_scraped(stack, job, STALLED, HANG_STEP - 1, diag)
     last_step_at = scalar(prom, f'distmon_last_step_timestamp_seconds{{run_id="{STALLED}"}}')
     assert last_step_at and last_step_at < time.time(), diag()
 
-    fired = wait_for(lambda: rec.prom_alert("DistmonTrainingStalled", STALLED, "firing"),
-                     last_step_at + threshold + 60 - time.time(), "DistmonTrainingStalled for e2e-stalled", diag)
+    fired = wait_for(
+        lambda: rec.prom_alert("DistmonTrainingStalled", STALLED, "firing"),
+        last_step_at + threshold + 60 - time.time(),
+        "DistmonTrainingStalled for e2e-stalled",
+        diag,
+    )
     assert parse_rfc3339(fired[0]["activeAt"]) >= last_step_at + threshold - 2, (fired, last_step_at)
     # Still alive and answering scrapes: only the step timestamp tells.
     assert job.poll() is None, diag()
     assert scalar(prom, f'up{{run_id="{STALLED}"}}') == 1, diag()
     assert scalar(prom, f'distmon_run_finished{{run_id="{STALLED}"}}') == 0, diag()
-    wait_for(lambda: rec.am_alert("DistmonTrainingStalled", STALLED), 30,
-             "Alertmanager to list DistmonTrainingStalled for e2e-stalled", diag)
-    wait_for(lambda: stack.webhook.received("DistmonTrainingStalled", STALLED), 40,
-             "the webhook to receive DistmonTrainingStalled for e2e-stalled", diag)
+    wait_for(
+        lambda: rec.am_alert("DistmonTrainingStalled", STALLED),
+        30,
+        "Alertmanager to list DistmonTrainingStalled for e2e-stalled",
+        diag,
+    )
+    wait_for(
+        lambda: stack.webhook.received("DistmonTrainingStalled", STALLED),
+        40,
+        "the webhook to receive DistmonTrainingStalled for e2e-stalled",
+        diag,
+    )

@@ -12,9 +12,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from ddp_harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distmon
 
@@ -37,14 +36,23 @@ def _train(rank: int, fault: str, guarded: bool, skip_bad_batch: bool, n_opts: i
     model = DDP(net, bucket_cap_mb=0.0005)
     # one optimizer, or two splitting the model (Adam on the first layer, SGD with momentum on
     # the rest): the guard must hold every one of them back
-    parts = [list(net.parameters())] if n_opts == 1 else [list(net[0].parameters()), list(net[2:].parameters())]
-    opts = [torch.optim.Adam(parts[0], lr=1e-2)] + [torch.optim.SGD(p, lr=1e-2, momentum=0.9) for p in parts[1:]]
+    parts = (
+        [list(net.parameters())] if n_opts == 1 else [list(net[0].parameters()), list(net[2:].parameters())]
+    )
+    opts = [torch.optim.Adam(parts[0], lr=1e-2)] + [
+        torch.optim.SGD(p, lr=1e-2, momentum=0.9) for p in parts[1:]
+    ]
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.9) for o in opts]
     mon = None
     if guarded:
-        mon = distmon.GradMonitor(model, opts if n_opts > 1 else opts[0], serve="none", guard="skip",
-                                  lr_scheduler=scheds if n_opts > 1 else scheds[0],
-                                  detect=distmon.DetectorConfig(warmup_steps=WARMUP))
+        mon = distmon.GradMonitor(
+            model,
+            opts if n_opts > 1 else opts[0],
+            serve="none",
+            guard="skip",
+            lr_scheduler=scheds if n_opts > 1 else scheds[0],
+            detect=distmon.DetectorConfig(warmup_steps=WARMUP),
+        )
     target = net[2].weight
     for step in range(1, STEPS + 1):
         if skip_bad_batch and step == BAD:
@@ -62,9 +70,12 @@ def _train(rank: int, fault: str, guarded: bool, skip_bad_batch: bool, n_opts: i
         for opt, sched in zip(opts, scheds):
             opt.step()
             sched.step()
-    out = {"params": [p.detach().clone() for p in net.parameters()],
-           "state": [copy.deepcopy(opt.state_dict()["state"]) for opt in opts],
-           "lr": [s.get_last_lr() for s in scheds], "sched_epoch": [s.last_epoch for s in scheds]}
+    out = {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "state": [copy.deepcopy(opt.state_dict()["state"]) for opt in opts],
+        "lr": [s.get_last_lr() for s in scheds],
+        "sched_epoch": [s.last_epoch for s in scheds],
+    }
     if mon is not None:
         snap = mon.flush()
         out["last_step"] = snap.step
@@ -73,8 +84,9 @@ def _train(rank: int, fault: str, guarded: bool, skip_bad_batch: bool, n_opts: i
 
 
 def _guard_job(rank: int, world: int, fault: str, n_opts: int) -> tuple[dict, dict]:
-    return _train(rank, fault, guarded=True, skip_bad_batch=False, n_opts=n_opts), \
-        _train(rank, fault, guarded=False, skip_bad_batch=True, n_opts=n_opts)
+    return _train(rank, fault, guarded=True, skip_bad_batch=False, n_opts=n_opts), _train(
+        rank, fault, guarded=False, skip_bad_batch=True, n_opts=n_opts
+    )
 
 
 def _bit_identical(a: dict, b: dict) -> None:
@@ -100,8 +112,9 @@ def test_guard_skip_leaves_everything_as_if_the_step_was_never_taken(fault, n_op
 def _raise_job(rank: int, world: int) -> list[int]:
     model = DDP(_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = distmon.GradMonitor(model, opt, serve="none", guard="raise",
-                              detect=distmon.DetectorConfig(warmup_steps=WARMUP))
+    mon = distmon.GradMonitor(
+        model, opt, serve="none", guard="raise", detect=distmon.DetectorConfig(warmup_steps=WARMUP)
+    )
     raised = []
     for step in range(1, 12):
         x, y = _batch(step, rank)
@@ -122,8 +135,13 @@ def test_guard_raise_raises_on_every_rank_at_the_same_step():
     assert run_ranks(_raise_job, 2) == [[9], [9]]
 
 
-CLIP_CASES = [dict(max_norm=0.05), dict(max_norm=0.5, foreach=True), dict(max_norm=1e6, foreach=False),
-              dict(max_norm="tensor"), dict(max_norm=0.2, error_if_nonfinite=True)]
+CLIP_CASES = [
+    dict(max_norm=0.05),
+    dict(max_norm=0.5, foreach=True),
+    dict(max_norm=1e6, foreach=False),
+    dict(max_norm="tensor"),
+    dict(max_norm=0.2, error_if_nonfinite=True),
+]
 
 
 def _clip_job(rank: int, world: int) -> dict:
@@ -148,16 +166,20 @@ def _clip_job(rank: int, world: int) -> dict:
         copies = backward(step)
         ref_total = torch.nn.utils.clip_grad_norm_(copies, **kwargs)
         total = mon.clip_grad_norm_(**kwargs)
-        worst = max(((p.grad - c.grad).abs().max() / c.grad.abs().max()).item()
-                    for p, c in zip(model.parameters(), copies))
+        worst = max(
+            ((p.grad - c.grad).abs().max() / c.grad.abs().max()).item()
+            for p, c in zip(model.parameters(), copies)
+        )
         out["cases"].append((abs(total.item() - ref_total.item()) / ref_total.item(), worst, case))
         opt.step()
     # a non-finite norm with error_if_nonfinite: both raise; bad options raise before touching gradients
     saved = [p.detach().clone() for p in model.parameters()]
     copies = backward(len(CLIP_CASES) + 1, poison=True)
     raised = []
-    for clip in (lambda: torch.nn.utils.clip_grad_norm_(copies, 1.0, error_if_nonfinite=True),
-                 lambda: mon.clip_grad_norm_(1.0, error_if_nonfinite=True)):
+    for clip in (
+        lambda: torch.nn.utils.clip_grad_norm_(copies, 1.0, error_if_nonfinite=True),
+        lambda: mon.clip_grad_norm_(1.0, error_if_nonfinite=True),
+    ):
         try:
             clip()
             raised.append(None)

@@ -18,13 +18,12 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pytest
-from prometheus_client.core import GaugeMetricFamily
-
 from ddp_harness import free_port
+from prometheus_client.core import GaugeMetricFamily
 from secure_endpoint import Pki, make_pki, run_openssl, write_htpasswd
 
 from distmon.http_server import MAX_CONNECTIONS, EndpointSecurity, MetricServer
@@ -53,7 +52,7 @@ def users(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def serving(security: Optional[EndpointSecurity] = None, **kwargs) -> Iterator[MetricServer]:
+def serving(security: EndpointSecurity | None = None, **kwargs) -> Iterator[MetricServer]:
     server = MetricServer.bind("127.0.0.1", 0, False, security, **kwargs)
     try:
         server.attach(Demo())
@@ -66,9 +65,15 @@ def basic(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
-def get(server: MetricServer, path: str = "/metrics", *, ca: Optional[Path] = None,
-        client: Optional[Pki] = None, auth: Optional[str] = None,
-        method: str = "GET") -> tuple[int, http.client.HTTPMessage, str]:
+def get(
+    server: MetricServer,
+    path: str = "/metrics",
+    *,
+    ca: Path | None = None,
+    client: Pki | None = None,
+    auth: str | None = None,
+    method: str = "GET",
+) -> tuple[int, http.client.HTTPMessage, str]:
     """One request: (status, headers, body); over TLS when ``ca`` is given."""
     if ca is not None:
         context = ssl.create_default_context(cafile=str(ca))
@@ -188,8 +193,17 @@ def test_options_that_do_not_go_together():
 
 def _encrypted_key(pki: Pki, directory: Path) -> Path:
     """The server's key, encrypted with a passphrase (OpenSSL would prompt for it)."""
-    run_openssl("pkey", "-in", str(pki.server_key), "-aes256", "-passout", "pass:secret", "-out", "encrypted.key",
-                cwd=directory)
+    run_openssl(
+        "pkey",
+        "-in",
+        str(pki.server_key),
+        "-aes256",
+        "-passout",
+        "pass:secret",
+        "-out",
+        "encrypted.key",
+        cwd=directory,
+    )
     return directory / "encrypted.key"
 
 
@@ -201,10 +215,16 @@ def test_tls_files_that_cannot_be_loaded_are_named(pki, tmp_path, case):
     security, option, path = {
         "missing cert": (EndpointSecurity(missing, pki.server_key), "tls_cert", missing),
         "key of another cert": (EndpointSecurity(pki.server_cert, pki.client_key), "tls_key", pki.client_key),
-        "encrypted key": (EndpointSecurity(pki.server_cert, _encrypted_key(pki, tmp_path)), "tls_key",
-                          tmp_path / "encrypted.key"),
-        "bad client CA": (EndpointSecurity(pki.server_cert, pki.server_key, tls_client_ca=garbage),
-                          "tls_client_ca", garbage),
+        "encrypted key": (
+            EndpointSecurity(pki.server_cert, _encrypted_key(pki, tmp_path)),
+            "tls_key",
+            tmp_path / "encrypted.key",
+        ),
+        "bad client CA": (
+            EndpointSecurity(pki.server_cert, pki.server_key, tls_client_ca=garbage),
+            "tls_client_ca",
+            garbage,
+        ),
     }[case]
     port = free_port()
     with pytest.raises(ValueError) as e:
@@ -217,14 +237,17 @@ def test_tls_files_that_cannot_be_loaded_are_named(pki, tmp_path, case):
         pass
 
 
-@pytest.mark.parametrize("content,line,needle", [
-    (None, None, "cannot be read"),
-    ("", None, "is empty"),
-    ("\n\n", None, "is empty"),
-    ("{ok}\nbob:plaintext-password\n", 2, "is not 'user:bcrypt-hash'"),
-    ("{ok}\n\nalice-without-colon\n", 3, "is not 'user:bcrypt-hash'"),
-    ("{ok}\n{ok}\n", 2, "listed twice"),
-])
+@pytest.mark.parametrize(
+    "content,line,needle",
+    [
+        (None, None, "cannot be read"),
+        ("", None, "is empty"),
+        ("\n\n", None, "is empty"),
+        ("{ok}\nbob:plaintext-password\n", 2, "is not 'user:bcrypt-hash'"),
+        ("{ok}\n\nalice-without-colon\n", 3, "is not 'user:bcrypt-hash'"),
+        ("{ok}\n{ok}\n", 2, "listed twice"),
+    ],
+)
 def test_bad_basic_auth_files_are_named_with_the_line(tmp_path, content, line, needle):
     path = tmp_path / "users"
     if content is not None:
@@ -274,10 +297,14 @@ def test_idle_and_stalled_connections_hold_no_threads_and_time_out(pki, users):
                 if s not in closed_at and closed_by_server(s):
                     closed_at[s] = time.monotonic() - t0
             time.sleep(0.05)
-        assert len(closed_at) == len(idle + stalled), \
-            f"{len(idle + stalled) - len(closed_at)} connections still open {timeout_s + 3:.0f} s after they were made"
+        assert len(closed_at) == len(idle + stalled), (
+            f"{len(idle + stalled) - len(closed_at)} connections still open {timeout_s + 3:.0f} s after "
+            "they were made"
+        )
         first_stalled = min(closed_at[s] for s in stalled)
-        assert first_stalled >= timeout_s * 0.9, f"a stalled handshake was dropped after {first_stalled:.2f} s"
+        assert first_stalled >= timeout_s * 0.9, (
+            f"a stalled handshake was dropped after {first_stalled:.2f} s"
+        )
         status, _, body = get(server, ca=pki.ca, auth=auth)  # after they timed out
         assert status == 200 and "demo_a 1.0" in body
         assert settled_threads(1) == ["distmon-http"]

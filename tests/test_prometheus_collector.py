@@ -23,17 +23,42 @@ RUN = {"run_id": "r1"}
 RANKS = (RankInfo(0, 0, "h0", "", "h0"), RankInfo(1, 1, "h0", "", "h0"))
 
 
-def snap(step: int, norm: float, *, valid: bool = True, nonfinite: bool = False, ts: float = 1000.0,
-         events: tuple = (), errors: tuple = (0, 0), ranks: tuple = (1.0, 2.0), bad_ranks: tuple = ()) -> Snapshot:
-    return Snapshot(step=step, timestamp=ts + step, grad_norm=norm, layer_grad_norms={"a": norm / 2, "b.c": norm},
-                    rank_grad_norms=list(ranks), rank_layer_grad_norms=None, nonfinite=nonfinite,
-                    nonfinite_ranks=list(bad_ranks), first_nonfinite=None, events=events,
-                    monitor_errors=sum(errors), rank_monitor_errors=list(errors), valid=valid, run_id="r1",
-                    world_size=2, scores={"zscore": 0.5, "median_ratio": 1.1}, rank_outlier_scores=[0.2, 0.3])
+def snap(
+    step: int,
+    norm: float,
+    *,
+    valid: bool = True,
+    nonfinite: bool = False,
+    ts: float = 1000.0,
+    events: tuple = (),
+    errors: tuple = (0, 0),
+    ranks: tuple = (1.0, 2.0),
+    bad_ranks: tuple = (),
+) -> Snapshot:
+    return Snapshot(
+        step=step,
+        timestamp=ts + step,
+        grad_norm=norm,
+        layer_grad_norms={"a": norm / 2, "b.c": norm},
+        rank_grad_norms=list(ranks),
+        rank_layer_grad_norms=None,
+        nonfinite=nonfinite,
+        nonfinite_ranks=list(bad_ranks),
+        first_nonfinite=None,
+        events=events,
+        monitor_errors=sum(errors),
+        rank_monitor_errors=list(errors),
+        valid=valid,
+        run_id="r1",
+        world_size=2,
+        scores={"zscore": 0.5, "median_ratio": 1.1},
+        rank_outlier_scores=[0.2, 0.3],
+    )
 
 
-def registry(cluster: bool = True, ranks: tuple = RANKS, own_errors: int = 0,
-             window_s: float = 60.0) -> tuple[MetricsAggregate, CollectorRegistry]:
+def registry(
+    cluster: bool = True, ranks: tuple = RANKS, own_errors: int = 0, window_s: float = 60.0
+) -> tuple[MetricsAggregate, CollectorRegistry]:
     agg = MetricsAggregate("r1", 2, "9.9", "rank0", cluster, ranks, window_s, 0, lambda: own_errors)
     reg = CollectorRegistry()
     reg.register(GradCollector(agg))
@@ -123,7 +148,10 @@ def test_gpu_uuid_label_only_on_gpus():
     gpu_ranks = (RankInfo(0, 0, "h0", "GPU-abc", "h0"), RankInfo(1, 1, "h0", "GPU-def", "h0"))
     agg, reg = registry(ranks=gpu_ranks)
     agg.add([snap(1, 0.5)])
-    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", gpu_uuid="GPU-def") == 2.0
+    assert (
+        value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", gpu_uuid="GPU-def")
+        == 2.0
+    )
 
 
 def test_finished_mark():
@@ -136,7 +164,8 @@ def test_describe_names_every_family_and_the_name_filter_works_over_http():
     agg, _ = registry()
     agg.add([snap(1, 0.5)])
     assert {m.name for m in GradCollector(agg).describe()} == {
-        name.removesuffix("_total") if spec.kind == "counter" else name for name, spec in METRICS.items()}
+        name.removesuffix("_total") if spec.kind == "counter" else name for name, spec in METRICS.items()
+    }
     server = MetricServer.bind("127.0.0.1", 0, fallback=False)
     try:
         server.attach(GradCollector(agg))

@@ -27,10 +27,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from ddp_harness import free_port, run_ranks
 from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from ddp_harness import free_port, run_ranks
 
 import distmon
 
@@ -74,8 +73,12 @@ def _scrape(port: int) -> dict[str, float]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if not s.labels.keys() - {"run_id"}}
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if not s.labels.keys() - {"run_id"}
+    }
 
 
 def _job(rank: int, world: int, workdir: str) -> dict:
@@ -101,21 +104,30 @@ def _job(rank: int, world: int, workdir: str) -> dict:
         except Exception as e:  # noqa: BLE001 - the type and message are what is checked
             error = (type(e).__name__, str(e))
         os.environ.pop("DISTMON_EXPORT_EVERY", None)
-        out["failures"][case] = {"error": error, "leftovers": _leftovers(model, opt),
-                                 "port_free": _port_free(port) if rank == 0 else True,
-                                 "trained": len(_train(model, opt, rank, 3))}
+        out["failures"][case] = {
+            "error": error,
+            "leftovers": _leftovers(model, opt),
+            "port_free": _port_free(port) if rank == 0 else True,
+            "trained": len(_train(model, opt, rank, 3)),
+        }
 
     # a working monitor on the same model, then another one after it closed
     mons = []
-    for i in range(2):
+    for _ in range(2):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mon = distmon.GradMonitor(model, opt, serve="none", export_every=2)
         ref = _train(model, opt, rank, 4)
         snap = mon.flush()
         mon.close()
-        mons.append({"step": snap.step, "norm": snap.grad_norm, "ref": ref[-1],
-                     "warnings": [str(w.message) for w in caught if "distmon" in str(w.message)]})
+        mons.append(
+            {
+                "step": snap.step,
+                "norm": snap.grad_norm,
+                "ref": ref[-1],
+                "warnings": [str(w.message) for w in caught if "distmon" in str(w.message)],
+            }
+        )
         try:
             mon.clip_grad_norm_(1.0)
             mons[-1]["clip_after_close"] = None
@@ -125,14 +137,21 @@ def _job(rank: int, world: int, workdir: str) -> dict:
     out["after_close"] = _leftovers(model, opt)
 
     # an optimizer step without a backward; then a full disk under the JSONL log
-    mon = distmon.GradMonitor(model, opt, serve="rank0", port=0, export_every=5, linger_s=0,
-                              log_path="/dev/full")
+    mon = distmon.GradMonitor(
+        model, opt, serve="rank0", port=0, export_every=5, linger_s=0, log_path="/dev/full"
+    )
     ref = _train(model, opt, rank, 4)
     opt.step()  # step 5: no backward
     snap5 = mon.flush()
-    out["no_backward"] = {"step": snap5.step, "valid": snap5.valid, "norm": snap5.grad_norm,
-                          "nonfinite": snap5.nonfinite, "rank_norms": snap5.rank_grad_norms,
-                          "ref_step4": ref[-1], "served": _scrape(mon.port) if rank == 0 else None}
+    out["no_backward"] = {
+        "step": snap5.step,
+        "valid": snap5.valid,
+        "norm": snap5.grad_norm,
+        "nonfinite": snap5.nonfinite,
+        "rank_norms": snap5.rank_grad_norms,
+        "ref_step4": ref[-1],
+        "served": _scrape(mon.port) if rank == 0 else None,
+    }
     _train(model, opt, rank, 5)  # steps 6-10: published at step 10, the sink fails again
     mon.flush()
     out["served"] = _scrape(mon.port) if rank == 0 else None
@@ -150,15 +169,26 @@ CLEAN = {"comm_hook_source": [], "optimizer_hooks": 0, "step_shadowed": False, "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,option,kind,bad_rank", [("log_path", "log_path", "OSError", 0),
-                                                       ("file_sd_dir", "file_sd_dir", "OSError", 0),
-                                                       ("env_on_one_rank", "DISTMON_EXPORT_EVERY", "ValueError", 1)])
-def test_a_start_up_failure_on_one_rank_fails_every_rank_and_leaves_nothing(lifecycle, case, option, kind, bad_rank):
+@pytest.mark.parametrize(
+    "case,option,kind,bad_rank",
+    [
+        ("log_path", "log_path", "OSError", 0),
+        ("file_sd_dir", "file_sd_dir", "OSError", 0),
+        ("env_on_one_rank", "DISTMON_EXPORT_EVERY", "ValueError", 1),
+    ],
+)
+def test_a_start_up_failure_on_one_rank_fails_every_rank_and_leaves_nothing(
+    lifecycle, case, option, kind, bad_rank
+):
     errors = [res["failures"][case]["error"] for res in lifecycle]
     assert errors[0] is not None and errors[0] == errors[1], errors  # the same error on every rank
     name, message = errors[0]
     assert kind in name or (kind == "OSError" and name in ("FileExistsError", "NotADirectoryError")), name
-    assert "distmon: GradMonitor did not start" in message and option in message and f"rank {bad_rank} " in message, message
+    assert (
+        "distmon: GradMonitor did not start" in message
+        and option in message
+        and f"rank {bad_rank} " in message
+    ), message
     for res in lifecycle:
         assert res["failures"][case]["leftovers"] == CLEAN
         assert res["failures"][case]["port_free"], "the failed monitor kept its port"
@@ -184,7 +214,9 @@ def test_a_step_without_backward_is_invalid_and_not_served(lifecycle):
         assert math.isnan(nb["norm"]) and all(math.isnan(n) for n in nb["rank_norms"])
     nb = lifecycle[0]["no_backward"]
     assert nb["served"]["distmon_optimizer_steps_total"] == 5  # the step happened...
-    assert math.isclose(nb["served"]["distmon_grad_norm"], nb["ref_step4"], rel_tol=1e-5)  # ...was not measured
+    assert math.isclose(
+        nb["served"]["distmon_grad_norm"], nb["ref_step4"], rel_tol=1e-5
+    )  # ...was not measured
 
 
 @pytest.mark.slow

@@ -33,9 +33,12 @@ STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s+loss (\S+)\s+grad_norm (\S+)", re
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("DISTMON_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                         "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DISTMON_")
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -43,7 +46,9 @@ def _env() -> dict[str, str]:
 def _torchrun(*flags: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = train.torchrun_command(nproc, flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -71,8 +76,21 @@ def test_ddp_run_without_monitor_learns():
 
 def test_nan_on_one_rank_reaches_every_rank_through_allreduce():
     """--nan-rank 1: rank 0 never computed a NaN, yet its reduced gradient holds one."""
-    proc = _torchrun("--no-monitor", "--preset", "tiny", "--steps", "4", "--print-every", "1",
-                     "--nan-step", "3", "--nan-rank", "1", "--nan-layer", "blocks.0.attn.qkv")
+    proc = _torchrun(
+        "--no-monitor",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--print-every",
+        "1",
+        "--nan-step",
+        "3",
+        "--nan-rank",
+        "1",
+        "--nan-layer",
+        "blocks.0.attn.qkv",
+    )
     out = proc.stdout
     assert "NaN into blocks.0.attn.qkv on rank 1 at step 3" in out
     steps = _progress(out)
@@ -82,9 +100,23 @@ def test_nan_on_one_rank_reaches_every_rank_through_allreduce():
 
 
 def test_spike_on_one_rank_scales_its_local_gradient_before_allreduce():
-    proc = _torchrun("--no-monitor", "--preset", "tiny", "--steps", "4", "--print-every", "1",
-                     "--spike-step", "3", "--spike-rank", "1", "--spike-factor", "1000",
-                     "--spike-layer", "blocks.1.mlp.fc2")
+    proc = _torchrun(
+        "--no-monitor",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--print-every",
+        "1",
+        "--spike-step",
+        "3",
+        "--spike-rank",
+        "1",
+        "--spike-factor",
+        "1000",
+        "--spike-layer",
+        "blocks.1.mlp.fc2",
+    )
     steps = _progress(proc.stdout)
     # Rank 1's fc2 gradient x1000, averaged with rank 0's: the reduced norm jumps ~100x+.
     assert steps[3][1] > 50 * steps[2][1], proc.stdout
@@ -92,9 +124,23 @@ def test_spike_on_one_rank_scales_its_local_gradient_before_allreduce():
 
 
 def test_spike_until_sustains_the_spike_through_that_step():
-    proc = _torchrun("--no-monitor", "--preset", "tiny", "--steps", "6", "--print-every", "1",
-                     "--spike-step", "3", "--spike-until", "5", "--spike-factor", "1000",
-                     "--spike-layer", "blocks.1.mlp.fc2")
+    proc = _torchrun(
+        "--no-monitor",
+        "--preset",
+        "tiny",
+        "--steps",
+        "6",
+        "--print-every",
+        "1",
+        "--spike-step",
+        "3",
+        "--spike-until",
+        "5",
+        "--spike-factor",
+        "1000",
+        "--spike-layer",
+        "blocks.1.mlp.fc2",
+    )
     out = proc.stdout
     assert "gradient x1000 in blocks.1.mlp.fc2 on all ranks at steps 3-5" in out
     steps = _progress(out)
@@ -104,9 +150,26 @@ def test_spike_until_sustains_the_spike_through_that_step():
 
 
 def test_min_step_s_throttles_every_step():
-    proc = subprocess.run([sys.executable, str(TRAIN), "--no-monitor", "--preset", "tiny", "--steps", "4",
-                           "--min-step-s", "0.5", "--print-every", "1"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--no-monitor",
+            "--preset",
+            "tiny",
+            "--steps",
+            "4",
+            "--min-step-s",
+            "0.5",
+            "--print-every",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(_progress(proc.stdout)) == [1, 2, 3, 4]
     done = re.search(r"^done: 4 steps in ([\d.]+)s", proc.stdout, re.M)
@@ -114,12 +177,16 @@ def test_min_step_s_throttles_every_step():
     assert float(done[1]) >= 4 * 0.5 - 0.01, proc.stdout  # unthrottled, 4 tiny steps take ~0.1 s
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--spike-until", "5"], "--spike-until needs --spike-step"),
-    (["--spike-step", "5", "--spike-until", "4"], "--spike-until (4) must be >= --spike-step (5)"),
-    (["--min-step-s", "-1"], "--min-step-s must be a number >= 0"),
-    (["--min-step-s", "inf"], "--min-step-s must be a number >= 0"),
-], ids=["until-without-step", "until-before-step", "negative-min-step", "infinite-min-step"])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--spike-until", "5"], "--spike-until needs --spike-step"),
+        (["--spike-step", "5", "--spike-until", "4"], "--spike-until (4) must be >= --spike-step (5)"),
+        (["--min-step-s", "-1"], "--min-step-s must be a number >= 0"),
+        (["--min-step-s", "inf"], "--min-step-s must be a number >= 0"),
+    ],
+    ids=["until-without-step", "until-before-step", "negative-min-step", "infinite-min-step"],
+)
 def test_bad_spike_until_and_min_step_s_are_rejected(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--no-monitor", *flags])
@@ -131,9 +198,26 @@ def test_bad_spike_until_and_min_step_s_are_rejected(flags, message, capsys):
 
 
 def test_plain_python_runs_a_world_of_one():
-    proc = subprocess.run([sys.executable, str(TRAIN), "--no-monitor", "--preset", "tiny", "--steps", "5",
-                           "--grad-accum", "2", "--print-every", "5"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--no-monitor",
+            "--preset",
+            "tiny",
+            "--steps",
+            "5",
+            "--grad-accum",
+            "2",
+            "--print-every",
+            "5",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "world_size 1" in proc.stdout and "2 micro-batch(es)" in proc.stdout
     assert sorted(_progress(proc.stdout)) == [1, 5]
@@ -141,9 +225,24 @@ def test_plain_python_runs_a_world_of_one():
 
 def test_unknown_layer_fails_fast_with_the_valid_names():
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(TRAIN), "--no-monitor", "--preset", "tiny",
-                           "--nan-step", "2", "--nan-layer", "blocks.9.mlp.fc1"],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--no-monitor",
+            "--preset",
+            "tiny",
+            "--nan-step",
+            "2",
+            "--nan-layer",
+            "blocks.9.mlp.fc1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "unknown layer 'blocks.9.mlp.fc1' for --nan-layer" in proc.stderr
     assert "  blocks.0.mlp.fc1\n" in proc.stderr and "  tok_emb\n" in proc.stderr
@@ -168,9 +267,26 @@ def test_bad_fault_flags_are_rejected_before_training(monkeypatch, capsys):
 
 
 def test_hang_step_stops_the_loop_but_not_the_process():
-    proc = subprocess.Popen([sys.executable, str(TRAIN), "--no-monitor", "--preset", "tiny", "--steps", "50",
-                             "--hang-step", "3", "--print-every", "1"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--no-monitor",
+            "--preset",
+            "tiny",
+            "--steps",
+            "50",
+            "--hang-step",
+            "3",
+            "--print-every",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         deadline = time.monotonic() + 60
@@ -269,6 +385,7 @@ def test_launch_scripts_parse(script):
 
 def test_multi_node_script_requires_its_settings():
     env = {k: v for k, v in _env().items() if k not in ("NNODES", "RDZV_ENDPOINT", "RUN_ID", "SLURM_JOB_ID")}
-    proc = subprocess.run(["bash", str(LAUNCH / "torchrun_multi_node.sh")], env=env,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "torchrun_multi_node.sh")], env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode != 0 and "NNODES" in proc.stderr

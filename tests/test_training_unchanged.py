@@ -25,10 +25,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_harness import TinyLM, as_float64, lm_loss, make_batch, run_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from ddp_harness import TinyLM, as_float64, lm_loss, make_batch, run_ranks
 
 STEPS = 120
 REPEATS = 3
@@ -62,8 +61,12 @@ def _ddp(scenario, group, seed):
 
 def _hook_for(scenario, ddp):
     if scenario == "powersgd":
-        state = powersgd.PowerSGDState(process_group=ddp.process_group, matrix_approximation_rank=1,
-                                       start_powerSGD_iter=2, min_compression_rate=0.5)
+        state = powersgd.PowerSGDState(
+            process_group=ddp.process_group,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.5,
+        )
         return powersgd.powerSGD_hook, state
     if scenario == "callback_collective":
         return callback_collective_hook, ddp.process_group
@@ -79,8 +82,9 @@ def _train(rank, scenario, group, monitored, steps, seed, log_path=None):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     mon = None
     if monitored:
-        mon = distmon.GradMonitor(ddp, opt, serve="none", comm_hook=hook, comm_state=state,
-                                  log_path=log_path if rank == 0 else None)
+        mon = distmon.GradMonitor(
+            ddp, opt, serve="none", comm_hook=hook, comm_state=state, log_path=log_path if rank == 0 else None
+        )
     elif hook is not None:
         ddp.register_comm_hook(state, hook)
     grads, norms = [], []
@@ -109,15 +113,23 @@ def _compare(rank, scenario, group, steps, seed, log):
 
     plain, ref_norms, _ = _train(rank, scenario, group, False, steps, seed)
     watched, _, snap = _train(rank, scenario, group, True, steps, seed, log)
-    differ = [step + 1 for step, (a, b) in enumerate(zip(plain, watched))
-              if not all(torch.equal(_dense(x), _dense(y)) for x, y in zip(a, b))]
+    differ = [
+        step + 1
+        for step, (a, b) in enumerate(zip(plain, watched))
+        if not all(torch.equal(_dense(x), _dense(y)) for x, y in zip(a, b))
+    ]
     reported = None
     if rank == 0 and log is not None:
         with open(log) as f:
             reported = [json.loads(line)["grad_norm"] for line in f]
-    return {"differ": differ, "ref_norms": ref_norms, "reported": reported,
-            "last": (snap.step, snap.grad_norm), "world_size": snap.world_size,
-            "group_size": dist.get_world_size(group)}
+    return {
+        "differ": differ,
+        "ref_norms": ref_norms,
+        "reported": reported,
+        "last": (snap.step, snap.grad_norm),
+        "world_size": snap.world_size,
+        "group_size": dist.get_world_size(group),
+    }
 
 
 def _job(rank, world, scenarios, workdir):
@@ -130,7 +142,9 @@ def _job(rank, world, scenarios, workdir):
         group = mine if scenario == "subgroup" else None
         for repeat in range(REPEATS if scenario != "subgroup" else 1):
             log = os.path.join(workdir, f"{scenario}-{repeat}.jsonl")
-            out[(scenario, repeat)] = _compare(rank, scenario, group, STEPS, 100 * repeat + len(scenario), log)
+            out[(scenario, repeat)] = _compare(
+                rank, scenario, group, STEPS, 100 * repeat + len(scenario), log
+            )
     return out
 
 
@@ -141,33 +155,51 @@ def _check(results):
             where = f"{scenario} #{repeat}, rank {r}"
             steps = len(rec["ref_norms"])
             if rec["differ"]:
-                problems.append(f"{where}: gradients differ from the unmonitored run at steps {rec['differ'][:5]}")
+                problems.append(
+                    f"{where}: gradients differ from the unmonitored run at steps {rec['differ'][:5]}"
+                )
             step, norm = rec["last"]
             if step != steps or not math.isclose(norm, rec["ref_norms"][-1], rel_tol=1e-5):
-                problems.append(f"{where}: last snapshot (step {step}, norm {norm}) vs reference "
-                                f"(step {steps}, norm {rec['ref_norms'][-1]})")
+                problems.append(
+                    f"{where}: last snapshot (step {step}, norm {norm}) vs reference "
+                    f"(step {steps}, norm {rec['ref_norms'][-1]})"
+                )
             if rec["world_size"] != rec["group_size"]:
-                problems.append(f"{where}: world_size {rec['world_size']}, DDP's group has {rec['group_size']} ranks")
+                problems.append(
+                    f"{where}: world_size {rec['world_size']}, DDP's group has {rec['group_size']} ranks"
+                )
             if rec["reported"] is not None:
-                bad = [i + 1 for i, (a, b) in enumerate(zip(rec["reported"], rec["ref_norms"]))
-                       if not math.isclose(a, b, rel_tol=1e-5)]
+                bad = [
+                    i + 1
+                    for i, (a, b) in enumerate(zip(rec["reported"], rec["ref_norms"]))
+                    if not math.isclose(a, b, rel_tol=1e-5)
+                ]
                 if len(rec["reported"]) != steps or bad:
-                    problems.append(f"{where}: JSONL has {len(rec['reported'])} steps; norms off at steps {bad[:5]}")
+                    problems.append(
+                        f"{where}: JSONL has {len(rec['reported'])} steps; norms off at steps {bad[:5]}"
+                    )
     return problems
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_hooks_groups_and_collectives_unchanged_and_never_hang(world, tmp_path):
-    results = run_ranks(_job, world, ["subgroup", "powersgd", "callback_collective"], str(tmp_path),
-                        timeout=420 if world == 4 else 240)
+    results = run_ranks(
+        _job,
+        world,
+        ["subgroup", "powersgd", "callback_collective"],
+        str(tmp_path),
+        timeout=420 if world == 4 else 240,
+    )
     problems = _check(results)
     assert not problems, "\n".join(problems[:20])
 
 
 def _world_job(rank, world, workdir):
-    return {(scenario, 0): _compare(rank, scenario, None, 8, 7, os.path.join(workdir, f"{scenario}.jsonl"))
-            for scenario in ("dense", "sparse_complex")}
+    return {
+        (scenario, 0): _compare(rank, scenario, None, 8, 7, os.path.join(workdir, f"{scenario}.jsonl"))
+        for scenario in ("dense", "sparse_complex")
+    }
 
 
 @pytest.mark.slow

@@ -72,8 +72,14 @@ def render() -> str:
         },
         "spec": {"groups": load_groups()},
     }
-    body = yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     width=1_000_000, allow_unicode=True)
+    body = yaml.dump(
+        manifest,
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        width=1_000_000,
+        allow_unicode=True,
+    )
     return HEADER + body
 
 

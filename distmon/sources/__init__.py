@@ -8,7 +8,8 @@ reduce over, which is where the monitor's own collective runs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -18,7 +19,7 @@ from .ddp import DDPSource
 __all__ = ["DDPSource", "source_for"]
 
 
-def source_for(model: torch.nn.Module, comm_hook: Optional[Callable], comm_state: Any) -> DDPSource:
+def source_for(model: torch.nn.Module, comm_hook: Callable | None, comm_state: Any) -> DDPSource:
     """The source that measures ``model``, or a ``TypeError`` saying what is supported.
 
     Example:
@@ -29,5 +30,7 @@ def source_for(model: torch.nn.Module, comm_hook: Optional[Callable], comm_state
     """
     if isinstance(model, DistributedDataParallel):
         return DDPSource(model, comm_hook, comm_state)
-    raise TypeError(f"distmon: GradMonitor needs a DistributedDataParallel model, got {type(model).__name__} "
-                    "(FSDP and single-process training are not supported yet)")
+    raise TypeError(
+        f"distmon: GradMonitor needs a DistributedDataParallel model, got {type(model).__name__} "
+        "(FSDP and single-process training are not supported yet)"
+    )

@@ -12,8 +12,9 @@ No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` anno
 Python comm hook when it is registered, and a string annotation fails that check.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,15 @@ from torch.nn.parallel import DistributedDataParallel
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
 
-__all__ = ["DDPSource", "BucketLayout", "BucketLayouts", "HookSlot", "monitor_hook", "ddp_allreduce_hook",
-           "RUN_SLACK"]
+__all__ = [
+    "DDPSource",
+    "BucketLayout",
+    "BucketLayouts",
+    "HookSlot",
+    "monitor_hook",
+    "ddp_allreduce_hook",
+    "RUN_SLACK",
+]
 
 # A run may grow to its largest parameter plus this many elements. Fused norms accumulate in
 # fp32 along a view (on CPU sequentially: 4e-5 relative error over 1.5M elements, against 5e-8
@@ -65,7 +73,7 @@ class BucketLayout(Runs):
     """
 
     split_sizes: list[int]  # chunks covering the whole flat buffer: runs, untracked parameters, gaps
-    pick: Optional[list[int]]  # chunk indices that are runs; None = all chunks
+    pick: list[int] | None  # chunk indices that are runs; None = all chunks
     sparse: bool = False
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -73,7 +81,7 @@ class BucketLayout(Runs):
         chunks = flat.split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
 
-    def measure(self, flat: torch.Tensor, views: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
+    def measure(self, flat: torch.Tensor, views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Sums of squares of the runs of ``flat`` (``views`` of it when already made)."""
         if self.sparse:
             return [sparse_sq_sum(flat)]
@@ -97,8 +105,9 @@ class BucketLayouts:
         >>> layout, views, buffer = layouts.layout(bucket)  # in a comm hook  # doctest: +SKIP
     """
 
-    def __init__(self, grouping: Grouping, device: torch.device,
-                 on_order: Callable[[list[float]], None]) -> None:
+    def __init__(
+        self, grouping: Grouping, device: torch.device, on_order: Callable[[list[float]], None]
+    ) -> None:
         self.device = device
         self.slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self.param_layer = grouping.param_layer
@@ -114,7 +123,7 @@ class BucketLayouts:
         """How many bucket buffers have cached views (those of the latest backward)."""
         return len(self._by_buffer)
 
-    def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, Optional[list[torch.Tensor]], torch.Tensor]:
+    def layout(self, bucket: dist.GradBucket) -> tuple[BucketLayout, list[torch.Tensor] | None, torch.Tensor]:
         """The bucket's layout, its runs' views of the bucket's buffer (None if sparse), and the buffer."""
         buffer = bucket.buffer()
         key = id(buffer)
@@ -145,12 +154,18 @@ class BucketLayouts:
             slots = [self.slot_of.get(id(p)) for p in params]
             self._note_positions(bucket, slots)
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
-            return BucketLayout(layer_ids=ids, layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                seq=len(self._layouts), split_sizes=[], pick=None, sparse=True)
+            return BucketLayout(
+                layer_ids=ids,
+                layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
+                seq=len(self._layouts),
+                split_sizes=[],
+                pick=None,
+                sparse=True,
+            )
         base, itemsize = flat.data_ptr(), flat.element_size()
         chunks: list[list[int]] = []  # [size, layer, largest parameter]; layer -1: untracked or gap
         cursor = 0
-        slots: list[Optional[int]] = []
+        slots: list[int | None] = []
         for p, g in zip(params, bucket.gradients()):
             offset = (g.data_ptr() - base) // itemsize
             if offset < cursor:
@@ -181,7 +196,7 @@ class BucketLayouts:
             pick=None if len(pick) == len(chunks) else pick,
         )
 
-    def _note_positions(self, bucket: dist.GradBucket, slots: list[Optional[int]]) -> None:
+    def _note_positions(self, bucket: dist.GradBucket, slots: list[int | None]) -> None:
         """Record where the bucket's parameters sit and publish each layer's backward position."""
         for pos, slot in enumerate(slots):
             if slot is not None:
@@ -229,7 +244,7 @@ def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Futur
     return fut if measure_reduced is None else fut.then(measure_reduced)
 
 
-def _registered_slot(model: DistributedDataParallel) -> Optional[HookSlot]:
+def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
     """distmon's slot on ``model``, None if it has no comm hook; raise if it has someone else's."""
     hooks = getattr(model, "_comm_hooks", [])
     if not hooks:
@@ -237,13 +252,16 @@ def _registered_slot(model: DistributedDataParallel) -> Optional[HookSlot]:
     hook, state = hooks[0]
     if hook is monitor_hook and isinstance(state, HookSlot):
         if state.source is not None:
-            raise RuntimeError("distmon: this DDP model is already measured by an open GradMonitor; "
-                               "close() it before building another")
+            raise RuntimeError(
+                "distmon: this DDP model is already measured by an open GradMonitor; "
+                "close() it before building another"
+            )
         return state
     raise RuntimeError(
         f"distmon: the DDP model already has a comm hook ({getattr(hook, '__qualname__', hook)}, registered "
         "by you, or by DDP(mixed_precision=...)); DDP accepts one. Pass your hook as "
-        "GradMonitor(..., comm_hook=hook, comm_state=state) and distmon wraps it.")
+        "GradMonitor(..., comm_hook=hook, comm_state=state) and distmon wraps it."
+    )
 
 
 class DDPSource:
@@ -258,18 +276,18 @@ class DDPSource:
         >>> source.check(); source.bind(tracker, grouping); source.install()  # doctest: +SKIP
     """
 
-    def __init__(self, model: DistributedDataParallel, comm_hook: Optional[Callable], comm_state: Any) -> None:
+    def __init__(self, model: DistributedDataParallel, comm_hook: Callable | None, comm_state: Any) -> None:
         self.model = model
         self.module = model.module
         self.group: dist.ProcessGroup = model.process_group
         self.device = next(p.device for p in model.module.parameters())
-        self._existing: Optional[HookSlot] = None
+        self._existing: HookSlot | None = None
         # No hook given: DDP's own arithmetic, over DDP's own group (not WORLD: a DDP replica on
         # a subgroup must stay one). A hook given is called exactly as the user wrote it.
         self.inner_hook = comm_hook or ddp_allreduce_hook
         self.inner_state = comm_state if comm_hook is not None else self.group
         self.tracker: Any = None
-        self.layouts: Optional[BucketLayouts] = None
+        self.layouts: BucketLayouts | None = None
 
     def check(self) -> None:
         """Raise if the model's comm hook cannot be wrapped (someone else's hook, an open monitor)."""
@@ -292,7 +310,7 @@ class DDPSource:
         if hooks and isinstance(hooks[0][1], HookSlot) and hooks[0][1].source is self:
             hooks[0][1].source = None
 
-    def measure_local(self, bucket: dist.GradBucket) -> Optional[Callable[[torch.futures.Future], object]]:
+    def measure_local(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future], object] | None:
         """Measure the bucket's local gradients; returns the callback that measures the reduced ones.
 
         None when inactive, on failure or for a bucket with nothing tracked (the hook then passes
@@ -316,8 +334,9 @@ class DDPSource:
                 self.layouts.end_backward()
                 tracker.end_backward()
 
-    def _reduced_side(self, layout: BucketLayout, views: Optional[list[torch.Tensor]],
-                      buffer: torch.Tensor) -> Callable[[torch.futures.Future], object]:
+    def _reduced_side(
+        self, layout: BucketLayout, views: list[torch.Tensor] | None, buffer: torch.Tensor
+    ) -> Callable[[torch.futures.Future], object]:
         tracker = self.tracker
 
         def measure_reduced(fut: torch.futures.Future) -> object:
@@ -325,9 +344,12 @@ class DDPSource:
             try:
                 flat = result[0] if isinstance(result, (list, tuple)) else result
                 # an in-place hook (the default reduction) reduced DDP's own views: reuse them
-                same = views is not None and flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
+                same = (
+                    views is not None and flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
+                )
                 tracker.add_reduced(layout, layout.measure(flat, views if same else None))
             except Exception:
                 tracker.fail("comm hook (reduced gradients)")
             return result
+
         return measure_reduced
