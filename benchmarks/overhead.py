@@ -347,6 +347,12 @@ class DistmonDetailed(Distmon):
     options = dict(export_every=1, rank_layers=True, groups=lambda n, p: n, max_layers=100000)
 
 
+class DistmonActivations(Distmon):
+    name, label = "distmon-activations", "distmon, + activations"
+    reports = "as distmon, with forward activation statistics of every block on every step"
+    options = dict(activations=True, activation_every=1)
+
+
 class _TensorHooks(Approach):
     """Peers that work through per-parameter ``register_hook`` handles."""
 
@@ -530,6 +536,7 @@ APPROACHES: list[type[Approach]] = [
     Baseline,
     Distmon,
     DistmonDetailed,
+    DistmonActivations,
     Tutorial,
     WandbHist,
     WandbHistEvery,

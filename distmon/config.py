@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
+from .activations import validate_activations
 from .detectors import DetectorConfig
 from .grouping import GroupSpec, validate_groups
 from .http_server import EndpointSecurity
@@ -41,6 +44,7 @@ def _env_bool(name: str, text: str) -> bool:
 # option name -> (environment variable, parser)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "export_every": ("DISTMON_EXPORT_EVERY", lambda n, v: int(v)),
+    "export_interval_s": ("DISTMON_EXPORT_INTERVAL_S", lambda n, v: float(v)),
     "serve": ("DISTMON_SERVE", lambda n, v: v),
     "port": ("DISTMON_PORT", lambda n, v: int(v)),
     "addr": ("DISTMON_ADDR", lambda n, v: v),
@@ -63,6 +67,7 @@ class MonitorConfig:
     comm_hook: Callable | None = None
     comm_state: Any = None
     export_every: int = 10
+    export_interval_s: float = 5.0
     groups: GroupSpec = None
     max_layers: int = 128
     rank_layers: bool = True
@@ -82,6 +87,13 @@ class MonitorConfig:
     guard: str | None = None
     lr_scheduler: Any = None
     detect: Any = True  # bool or DetectorConfig
+    scaler: Any = None  # torch.amp.GradScaler
+    loss_scale: float | None = None
+    batch_size: Any = None  # number or callable -> number: per rank per step, the noise scale's unit
+    gns_alpha: float = 0.05
+    activations: Any = None  # True, or module types / name patterns
+    activation_every: int | None = None  # default: export_every
+    update_ratio: bool = False
 
     @classmethod
     def from_options(cls, **options: Any) -> MonitorConfig:
@@ -139,6 +151,14 @@ class MonitorConfig:
             and self.export_every >= 1,
             f"export_every must be an int >= 1, got {self.export_every!r}",
         )
+        need(
+            isinstance(self.export_interval_s, (int, float))
+            and not isinstance(self.export_interval_s, bool)
+            and math.isfinite(self.export_interval_s)
+            and self.export_interval_s >= 0,
+            f"export_interval_s must be a number >= 0 (0: by step count only), "
+            f"got {self.export_interval_s!r}",
+        )
         validate_groups(self.groups)
         need(
             isinstance(self.max_layers, int) and self.max_layers >= 1,
@@ -190,3 +210,50 @@ class MonitorConfig:
         )
         if self.file_sd_dir is not None:
             need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")
+        need(
+            self.scaler is None or isinstance(self.scaler, torch.amp.GradScaler),
+            f"scaler must be a torch.amp.GradScaler (the one whose scale() the loss goes through), "
+            f"got {self.scaler!r}",
+            TypeError,
+        )
+        need(
+            self.loss_scale is None
+            or isinstance(self.loss_scale, (int, float))
+            and not isinstance(self.loss_scale, bool)
+            and math.isfinite(self.loss_scale)
+            and self.loss_scale > 0,
+            f"loss_scale must be a positive finite number (the factor your loss is multiplied by "
+            f"before backward), got {self.loss_scale!r}",
+        )
+        need(
+            self.scaler is None or self.loss_scale is None,
+            "pass scaler= (a GradScaler) or loss_scale= (a fixed scale), not both",
+        )
+        need(
+            self.batch_size is None
+            or callable(self.batch_size)
+            or isinstance(self.batch_size, (int, float))
+            and not isinstance(self.batch_size, bool)
+            and math.isfinite(self.batch_size)
+            and self.batch_size > 0,
+            f"batch_size must be a positive number (this rank's batch per optimizer step, in your "
+            f"units: sequences or tokens, accumulation included) or a callable returning it, "
+            f"got {self.batch_size!r}",
+        )
+        need(
+            isinstance(self.gns_alpha, (int, float)) and 0 < self.gns_alpha < 1,
+            f"gns_alpha must be in (0, 1), got {self.gns_alpha!r}",
+        )
+        validate_activations(self.activations)
+        need(
+            isinstance(self.update_ratio, bool),
+            f"update_ratio must be a bool, got {self.update_ratio!r}",
+            TypeError,
+        )
+        need(
+            self.activation_every is None
+            or isinstance(self.activation_every, int)
+            and not isinstance(self.activation_every, bool)
+            and self.activation_every >= 1,
+            f"activation_every must be an int >= 1, got {self.activation_every!r}",
+        )

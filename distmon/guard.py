@@ -7,7 +7,9 @@ optimizer has stepped, or when one steps a second time before the others did. Wi
 (``"skip"`` or ``"raise"``) every monitored optimizer's ``step()`` is wrapped: the step's
 verdict, from reduced figures identical on every rank, is read once per step (the one opt-in
 host sync) and every optimizer of that step obeys it, so no part of the model takes a step
-the guard refused.
+the guard refused. With a ``GradScaler``, a ``scaler.step(opt)`` that does not call
+``opt.step()`` (an Inf/NaN in the scaled gradient) still ends the training step, marked as
+skipped by the scaler: the loop made that step, and distmon's step numbers stay the loop's.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class StepHooks:
     Without a guard, step pre- and post-hooks (``Optimizer.register_step_pre_hook``); with
     one, each optimizer's ``step`` is shadowed by an instance attribute, the only way not to
     take a step (hooks cannot cancel one); whatever ``step`` was (a scheduler's wrapper, say)
-    stays inside. ``schedulers`` are held back once after every skipped step.
+    stays inside. ``schedulers`` are held back once after every skipped step. A ``scaler``'s
+    ``step`` is shadowed the same way, to see the steps it skips.
 
     Example:
         >>> hooks = StepHooks(tracker, [opt], guard=None, schedulers=[], verdict_column=0)  # doctest: +SKIP
@@ -78,12 +81,16 @@ class StepHooks:
         guard: str | None,
         schedulers: Sequence[Any],
         verdict_column: int,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.tracker = tracker
         self.optimizers = tuple(optimizers)
         self.guard = guard
         self.schedulers = tuple(schedulers)
+        self.scaler = scaler
         self._column = verdict_column
+        self._finished = 0  # optimizer steps finished, ever: did scaler.step(opt) call opt.step()?
+        self._scaler_skip = False  # the scaler skipped an optimizer of this training step
         self._stepped: set[int] = set()  # ids of the optimizers that stepped in this training step
         self._verdict: bool | None = None  # True: the guard refuses this training step
         self._hold: set[int] = set()  # ids of the schedulers to hold back once
@@ -98,6 +105,9 @@ class StepHooks:
             else:
                 opt.step = self._guarded(opt, opt.step)
                 self._undo.append(functools.partial(opt.__dict__.pop, "step", None))
+        if self.scaler is not None:
+            self.scaler.step = self._scaled(self.scaler.step)
+            self._undo.append(functools.partial(self.scaler.__dict__.pop, "step", None))
         if self.guard is not None:
             for sched in self.schedulers:
                 sched.step = self._held(sched, sched.step)
@@ -114,15 +124,17 @@ class StepHooks:
         self.tracker.before_step()
 
     def _finish(self, opt: torch.optim.Optimizer) -> None:
+        self._finished += 1
         self._stepped.add(id(opt))
         if len(self._stepped) == len(self.optimizers):
             self._end()
 
     def _end(self) -> None:
-        skipped = bool(self._verdict)
+        skip = "guard" if self._verdict else "scaler" if self._scaler_skip else ""
         self._stepped.clear()
         self._verdict = None
-        self.tracker.after_step(skipped)
+        self._scaler_skip = False
+        self.tracker.after_step(skip)
 
     def _refused(self) -> bool:
         if self._verdict is None:
@@ -149,6 +161,23 @@ class StepHooks:
             return None
 
         return guarded_step
+
+    def _scaled(self, inner_step: Callable[..., Any]) -> Callable[..., Any]:
+        monitored = {id(opt) for opt in self.optimizers}
+
+        @functools.wraps(inner_step)
+        def scaler_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            finished = self._finished
+            result = inner_step(optimizer, *args, **kwargs)
+            if id(optimizer) in monitored and self._finished == finished:
+                # the scaler found an Inf/NaN and did not call optimizer.step(): same on every
+                # rank (the gradients it checked are the reduced ones), so the step ends alike
+                self._begin(optimizer)
+                self._scaler_skip = True
+                self._finish(optimizer)
+            return result
+
+        return scaler_step
 
     def _held(self, sched: Any, inner_step: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(inner_step)

@@ -58,11 +58,11 @@ def _gpu_uuid(device: torch.device) -> str:
 
 
 def local_rank_info(group: dist.ProcessGroup | None, device: torch.device) -> RankInfo:
-    """This process's identity in ``group``."""
+    """This process's identity in ``group`` (rank 0 of a single process without ``torch.distributed``)."""
     host = socket.gethostname()
     node_rank = os.environ.get("GROUP_RANK")
     return RankInfo(
-        rank=dist.get_rank(group),
+        rank=dist.get_rank(group) if group is not None else 0,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         hostname=host,
         gpu_uuid=_gpu_uuid(device),
@@ -71,7 +71,9 @@ def local_rank_info(group: dist.ProcessGroup | None, device: torch.device) -> Ra
 
 
 def exchange(payload: object, group: dist.ProcessGroup | None) -> list:
-    """All ranks' ``payload`` in rank order: one collective, at construction only."""
+    """All ranks' ``payload`` in rank order: one collective, at construction only (none without a group)."""
+    if group is None:
+        return [payload]
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, payload, group=group)
     return out

@@ -4,27 +4,33 @@ optimizer hooks; starts on every rank or on none; shuts them down in order.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import hostinfo
 from ._version import __version__
+from .activations import ActivationWatch, select_modules
+from .collective import RankFields
 from .config import MonitorConfig
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector, block_column
 from .errors import ErrorCounter, logger
 from .file_sd import target_host
-from .grouping import GroupSpec, build_grouping
+from .grouping import Grouping, GroupSpec, build_grouping
 from .guard import GradientAnomalyError, StepHooks, warn_uncovered
 from .hostinfo import RankInfo
+from .loss_scale import LossScale
+from .noise_scale import NoiseScale
 from .prometheus_exporter import GradCollector, MetricsAggregate
 from .publisher import Publisher, RowDecoder
 from .snapshot import AnomalyEvent, Snapshot
 from .sources import source_for
 from .startup import Prepared, agree, prepare, served_ranks
 from .tracker import StepTracker
+from .update_ratio import UpdateRatio
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
@@ -47,13 +53,66 @@ def _check_optimizers(optimizers: Sequence[Any]) -> None:
             )
 
 
+class _Extras(NamedTuple):
+    """The opt-in measurements, built (and their option combinations checked) for one monitor."""
+
+    noise: Callable[[RankFields], NoiseScale] | None
+    batch_of_step: Callable[[], float] | None
+    watch: ActivationWatch | None
+    ratio: UpdateRatio | None
+
+
+def _extras(cfg: MonitorConfig, source: Any, grouping: Grouping, errors: ErrorCounter) -> _Extras:
+    """Loss-scale, noise-scale, activation and update-ratio parts, or the error naming the option."""
+    world = source.world_size
+    if cfg.loss_scale is not None and not source.reads_in_backward:
+        raise ValueError(
+            "distmon: loss_scale= needs a DDP model: a single process's (or an FSDP model's "
+            "sharded) gradients are read at the optimizer step, when distmon cannot tell "
+            "whether you divided the scale out; use torch.amp.GradScaler and pass scaler="
+        )
+    noise, batch_of_step = None, None
+    if cfg.batch_size is not None:
+        if world < 2:
+            raise ValueError(
+                "distmon: batch_size= turns on the gradient noise scale, which compares one rank's "
+                "batch with the global one: it needs 2 or more data-parallel ranks"
+            )
+        if source.divide_factor_set:
+            raise ValueError(
+                "distmon: the gradient noise scale needs the reduced gradient to be the mean of "
+                "the ranks' gradients; an FSDP gradient divide factor changes that"
+            )
+        n, size = len(grouping.layers), cfg.batch_size
+        noise = lambda fields: NoiseScale(n, world, fields, cfg.gns_alpha, source.device)  # noqa: E731
+        batch_of_step = size if callable(size) else lambda: size
+    watch = None
+    if cfg.activations:
+        watched = select_modules(source.module, cfg.activations)
+        if not watched:
+            raise ValueError(f"distmon: activations={cfg.activations!r} selects no module of the model")
+        watch = ActivationWatch(watched, source.device, errors.record)
+    ratio = None
+    if cfg.update_ratio:
+        if source.shard_ranks is not None:
+            raise ValueError(
+                "distmon: update_ratio=True is not supported for FSDP models yet (a layer's "
+                "weights are sharded over ranks)"
+            )
+        ratio = UpdateRatio(
+            list(grouping.params), list(grouping.param_layer), len(grouping.layers), source.device
+        )
+    return _Extras(noise, batch_of_step, watch, ratio)
+
+
 class GradMonitor:
-    """Always-on gradient monitor for a DDP model, served to Prometheus.
+    """Always-on gradient monitor for a DDP model (or a single process's module), served to Prometheus.
 
     Wraps DDP's communication hook (around ``comm_hook``, default DDP's own reduction) to
-    measure every bucket's local and reduced gradients on the device, hooks the optimizers'
-    ``step`` to begin and end each training step, and publishes host snapshots every
-    ``export_every`` steps from a background thread. Build it on every rank, after
+    measure every bucket's local and reduced gradients on the device (a plain module in a
+    single process: its gradients, once per step, when the optimizer steps), hooks the
+    optimizers' ``step`` to begin and end each training step, and publishes host snapshots
+    every ``export_every`` steps from a background thread. Build it on every rank, after
     ``DDP(...)`` and the optimizers, and close it on every rank (or use it as a context
     manager). Construction is all or nothing on every rank: if anything fails on any rank
     (an option, a port, the log file, the file_sd directory), every rank releases what it
@@ -62,6 +121,7 @@ class GradMonitor:
     Args:
         model: the ``DistributedDataParallel`` model. If it has a comm hook already, pass that
             as ``comm_hook`` (and ``comm_state``) instead: DDP accepts one, distmon wraps it.
+            In a single process (no ``torch.distributed``, or a world of one): the plain module.
         optimizer: the optimizer that steps the model, or a list of them: a training step is
             one backward and one ``step()`` of each.
         options: keyword-only; every one is validated here, and the serving ones also read a
@@ -70,12 +130,17 @@ class GradMonitor:
             in step with this signature).
 
     Example:
-        >>> model = DDP(net)                                           # doctest: +SKIP
-        >>> opt = torch.optim.AdamW(model.parameters())                 # doctest: +SKIP
-        >>> with distmon.GradMonitor(model, opt) as mon:                # doctest: +SKIP
-        ...     for x, y in loader:
-        ...         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
-        ...     print(mon.latest().grad_norm)
+        A single process trains a plain module (on DDP: ``GradMonitor(DDP(net), opt)``,
+        on every rank):
+
+        >>> net = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> with GradMonitor(net, opt, serve="none") as mon:
+        ...     for _ in range(3):
+        ...         net(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        >>> snap = mon.latest()
+        >>> snap.step, round(snap.grad_norm, 3)   # d(sum of 2 outputs)/d(w, b): [2, 2, 2, 2, 2]
+        (3, 4.472)
     """
 
     def __init__(
@@ -86,6 +151,7 @@ class GradMonitor:
         comm_hook: Callable | None = None,
         comm_state: Any = None,
         export_every: int | None = None,
+        export_interval_s: float | None = None,
         groups: GroupSpec = None,
         max_layers: int | None = None,
         rank_layers: bool | None = None,
@@ -105,7 +171,16 @@ class GradMonitor:
         detect: bool | DetectorConfig | None = None,
         guard: str | None = None,
         lr_scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+        loss_scale: float | None = None,
+        batch_size: float | Callable[[], float] | None = None,
+        gns_alpha: float | None = None,
+        activations: bool | Sequence[type | str] | None = None,
+        activation_every: int | None = None,
+        update_ratio: bool | None = None,
     ) -> None:
+        # every keyword option, as given (None: not given); read before any other local exists
+        options = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
         self._closed = True  # until every rank has started
         optimizers = _as_tuple(optimizer)
         source = source_for(model, comm_hook, comm_state)  # the model's type: the same on every rank
@@ -115,36 +190,15 @@ class GradMonitor:
         prepared = Prepared()
         failure: Exception | None = None
         try:
-            self.config = cfg = MonitorConfig.from_options(
-                comm_hook=comm_hook,
-                comm_state=comm_state,
-                export_every=export_every,
-                groups=groups,
-                max_layers=max_layers,
-                rank_layers=rank_layers,
-                serve=serve,
-                port=port,
-                addr=addr,
-                port_fallback=port_fallback,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                tls_client_ca=tls_client_ca,
-                basic_auth_file=basic_auth_file,
-                run_id=run_id,
-                log_path=log_path,
-                file_sd_dir=file_sd_dir,
-                linger_s=linger_s,
-                window_s=window_s,
-                detect=detect,
-                guard=guard,
-                lr_scheduler=lr_scheduler,
-            )
+            self.config = cfg = MonitorConfig.from_options(**options)
             _check_optimizers(optimizers)
             source.check()
             grouping = build_grouping(source.module, cfg.groups, cfg.max_layers)
             self._errors = ErrorCounter()
             det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
-            world = source.group.size()
+            world = source.world_size
+            self._loss_scale = LossScale(cfg.scaler, cfg.loss_scale, source.device, optimizers)
+            extras = _extras(cfg, source, grouping, self._errors)
             factory = (
                 (lambda fields: DeviceDetector(det_cfg, len(grouping.layers), world, fields, source.device))
                 if cfg.detect is not False
@@ -153,11 +207,20 @@ class GradMonitor:
             self._tracker = tracker = StepTracker(
                 len(grouping.layers),
                 source.group,
+                world,
                 source.device,
                 cfg.export_every,
                 cfg.rank_layers,
                 self._errors,
                 factory,
+                self._loss_scale,
+                source.shard_ranks,
+                cfg.export_interval_s,
+                extras.noise,
+                extras.batch_of_step,
+                extras.watch,
+                cfg.activation_every or cfg.export_every,
+                extras.ratio,
             )
             source.bind(tracker, grouping)
             proposal = hostinfo.resolve_run_id(cfg.run_id)
@@ -177,6 +240,9 @@ class GradMonitor:
         self.rank_infos: tuple[RankInfo, ...] = tuple(p.info for p in peers)
         self.layers: tuple[str, ...] = grouping.layers
         self._params = grouping.params
+        # clip_grad_norm_ checks its first finite norm against a direct one (see _check_clip)
+        self._clip_checked = False
+        self._fixed_scale_in_grads: bool | None = None  # loss_scale=: did the user unscale by clip time?
         self._server, self._log, self._target = prepared.server, prepared.log, prepared.target
         self._callbacks: list[Callable[[AnomalyEvent, Snapshot], None]] = []
         sinks: list[Callable[[Sequence[Snapshot]], None]] = []
@@ -206,15 +272,23 @@ class GradMonitor:
             self.run_id,
             lambda: tracker.layer_order_host,
             DetectorDecoder(det_cfg, grouping.layers) if factory else None,
+            tracker.activations.names if tracker.activations else (),
         )
         self._publisher = Publisher(decoder, sinks, self._errors)
         tracker.publish_batch = self._publisher.submit
         self._source = source
         source.install()
         self._hooks = StepHooks(
-            tracker, optimizers, cfg.guard, _as_tuple(cfg.lr_scheduler or ()), block_column(tracker.layout)
+            tracker,
+            optimizers,
+            cfg.guard,
+            _as_tuple(cfg.lr_scheduler or ()),
+            block_column(tracker.layout),
+            cfg.scaler,
         )
         self._hooks.install()
+        if tracker.activations is not None:
+            tracker.activations.install()
         self._closed = False
         warn_uncovered(list(zip(grouping.param_names, grouping.params)), optimizers)
         if self._target is not None:
@@ -274,16 +348,22 @@ class GradMonitor:
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the monitored parameters, with the norm already measured.
 
-        Same return value and same resulting gradients as torch's (its own
-        ``clip_grads_with_norm_`` scales them), without its pass over the gradients. Call
-        after ``backward()`` and before the optimizer step. No host sync (but with
-        ``error_if_nonfinite=True``, as in torch). A closed monitor measures nothing: it
-        raises rather than clip by a stale norm.
+        Same return value and same resulting gradients as torch's at the same point of the
+        loop (its own ``clip_grads_with_norm_`` scales them), without its pass over the
+        gradients. Call on every rank, after ``backward()`` and before the optimizer step;
+        with a ``GradScaler`` before or after ``scaler.unscale_(opt)``, like torch's: before
+        it, the gradients and the norm are still in loss-scaled units. No host sync (but with
+        ``error_if_nonfinite=True``, as in torch), except once: the first finite norm is
+        checked against a direct one, so that a loss scale distmon was not told about (pass
+        ``scaler=`` or ``loss_scale=``) raises instead of clipping wrongly. A step distmon
+        could not measure is clipped by ``torch.nn.utils.clip_grad_norm_`` itself. A closed
+        monitor raises rather than clip by a stale norm.
 
         Example:
-            >>> loss.backward()                  # doctest: +SKIP
-            >>> norm = mon.clip_grad_norm_(1.0)  # doctest: +SKIP
-            >>> opt.step()                       # doctest: +SKIP
+            >>> scaler.scale(loss).backward()      # doctest: +SKIP
+            >>> scaler.unscale_(opt)               # doctest: +SKIP
+            >>> norm = mon.clip_grad_norm_(1.0)    # doctest: +SKIP
+            >>> scaler.step(opt); scaler.update()  # doctest: +SKIP
         """
         if self._closed:
             raise RuntimeError(
@@ -305,7 +385,15 @@ class GradMonitor:
                 f"distmon: clip_grad_norm_ clips by the L2 norm distmon measures; norm_type "
                 f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_"
             )
-        total = self._tracker.total_sq().sqrt()
+        tracker = self._tracker
+        sq = tracker.total_sq()  # in gradient units: the loss scale divided out
+        if not tracker.row_valid():
+            return torch.nn.utils.clip_grad_norm_(self._params, max_norm, 2.0, error_if_nonfinite, foreach)
+        total = sq.sqrt()
+        if self._grads_scaled():
+            total = total * self._loss_scale.scale()  # the gradients as they are now: still scaled
+        if not self._clip_checked:
+            self._check_clip(total)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is "
@@ -314,6 +402,53 @@ class GradMonitor:
             )
         torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total, foreach)
         return total
+
+    def _grads_scaled(self) -> bool:
+        """Whether the gradients are still multiplied by the loss scale now."""
+        unscaled = self._loss_scale.scaler_unscaled()
+        if unscaled is not None:
+            return not unscaled
+        return bool(self._fixed_scale_in_grads)
+
+    def _check_clip(self, total: torch.Tensor) -> None:
+        """Compare the norm distmon would clip by with a direct one, once (one pass, one host sync).
+
+        The loss scale is the one thing distmon cannot see in the gradients: a scale applied by
+        hand and not passed in would make every clip wrong by that factor. With ``loss_scale=``
+        this also learns whether the user divides it out before clipping. Sparse gradients have
+        no direct norm to compare with: they skip the check.
+        """
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            self._clip_checked = True
+            return
+        direct = float(torch.nn.utils.get_total_norm(grads, 2.0))
+        measured = float(total)
+        if not (math.isfinite(direct) and math.isfinite(measured)):
+            return  # an overflowed step says nothing: check the next one
+        close = lambda a, b: abs(a - b) <= 1e-3 * max(abs(a), abs(b), 1e-30)  # noqa: E731
+        if self._loss_scale.fixed is not None and self._fixed_scale_in_grads is None:
+            scale = self._loss_scale.fixed
+            if close(direct, measured):
+                self._fixed_scale_in_grads = False
+            elif close(direct, measured * scale):
+                self._fixed_scale_in_grads = True
+                measured *= scale
+        if not close(direct, measured):
+            told = (
+                f"scaler= (scale {float(self._loss_scale.scale()):g})"
+                if self._loss_scale.scaler is not None
+                else f"loss_scale={self._loss_scale.fixed:g}"
+                if self._loss_scale.fixed is not None
+                else "no loss scale"
+            )
+            raise RuntimeError(
+                f"distmon: clip_grad_norm_ refuses to clip: the gradients' norm is {direct:.6g} but "
+                f"distmon's figure, with {told}, is {measured:.6g} (ratio {direct / measured:.6g}). "
+                "The loss was scaled by a factor distmon was not told: pass GradMonitor(..., "
+                "scaler=your_GradScaler) or loss_scale=S, or clip with torch.nn.utils.clip_grad_norm_."
+            )
+        self._clip_checked = True
 
     @property
     def port(self) -> int | None:
@@ -337,8 +472,11 @@ class GradMonitor:
         """The newest published snapshot (None before the first export). Never blocks.
 
         Example:
-            >>> snap = mon.latest()                       # doctest: +SKIP
-            >>> snap and print(snap.step, snap.grad_norm)  # doctest: +SKIP
+            >>> net = torch.nn.Linear(2, 1)
+            >>> mon = GradMonitor(net, torch.optim.SGD(net.parameters(), lr=0.1), serve="none")
+            >>> mon.latest() is None   # nothing exported yet
+            True
+            >>> mon.close()
         """
         return self._publisher.latest
 
@@ -372,6 +510,8 @@ class GradMonitor:
             self._tracker.active = False
             self._source.remove()
             self._hooks.remove()
+            if self._tracker.activations is not None:
+                self._tracker.activations.remove()
             self._shutdown_io(finished)
 
     def _shutdown_io(self, finished: bool) -> None:

@@ -26,7 +26,7 @@ from .snapshot import Snapshot
 
 __all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS", "METRICS", "MetricSpec"]
 
-ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier")
+ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier", "scaler_stuck", "activation_nonfinite")
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
 NORM_BUCKETS = tuple(m * 10.0**k for k in range(-4, 5) for m in (1.0, 2.5, 5.0))
 RANK_LABELS = ("rank", "local_rank", "hostname", "gpu_uuid")
@@ -62,7 +62,10 @@ METRICS: dict[str, MetricSpec] = {
     "distmon_optimizer_steps_total": MetricSpec("counter", (), "Optimizer steps taken."),
     "distmon_last_step_timestamp_seconds": MetricSpec("gauge", (), "Unix time of the latest optimizer step."),
     "distmon_nonfinite_steps_total": MetricSpec(
-        "counter", (), "Steps whose gradient held a NaN or Inf on some rank."
+        "counter", (), "Steps whose gradient held a NaN or Inf on some rank (GradScaler skips apart)."
+    ),
+    "distmon_scaler_skipped_steps_total": MetricSpec(
+        "counter", (), "Steps the GradScaler skipped (Inf/NaN in the scaled gradient: fp16 overflow)."
     ),
     "distmon_monitor_errors_total": MetricSpec(
         "counter", (), "Errors caught in distmon's own code, all ranks."
@@ -76,6 +79,31 @@ METRICS: dict[str, MetricSpec] = {
     ),
     "distmon_grad_norm_median_ratio": MetricSpec(
         "gauge", (), "Global norm over the running median of recent norms."
+    ),
+    "distmon_gradient_noise_scale": MetricSpec(
+        "gauge",
+        (),
+        "Gradient noise scale B_simple = EMA tr(Sigma) / EMA |G|^2, batch_size units (NaN until meaningful).",
+    ),
+    "distmon_layer_gradient_noise_scale": MetricSpec(
+        "gauge", ("layer", "depth"), "One layer's gradient noise scale B_simple (NaN until meaningful)."
+    ),
+    "distmon_gradient_noise_trace": MetricSpec(
+        "gauge", (), "Bias-corrected EMA of tr(Sigma), the per-example gradient variance (GNS numerator)."
+    ),
+    "distmon_gradient_noise_signal": MetricSpec(
+        "gauge", (), "Bias-corrected EMA of |G|^2, the squared true gradient (noise scale denominator)."
+    ),
+    "distmon_activation_rms": MetricSpec(
+        "gauge", ("layer",), "RMS of a watched module's forward output (serving rank, last activation step)."
+    ),
+    "distmon_activation_absmax": MetricSpec(
+        "gauge", ("layer",), "Largest |value| of a watched module's forward output (Inf: non-finite)."
+    ),
+    "distmon_layer_update_ratio": MetricSpec(
+        "gauge",
+        ("layer", "depth"),
+        "A layer's ||update|| / ||weights|| at the latest export step (update_ratio=True).",
     ),
     "distmon_rank_grad_norm": MetricSpec(
         "gauge", RANK_LABELS, "A rank's local gradient norm before all-reduce, latest measured step."
@@ -105,9 +133,12 @@ class _View:
     latest: Snapshot | None = None  # the newest step
     measured: Snapshot | None = None  # the newest step whose figures were all measured
     nonfinite_steps: int = 0
+    scaler_skipped_steps: int = 0
     rank_nonfinite: tuple[int, ...] = ()
     anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
     window_max: float = math.nan
+    activations: Snapshot | None = None  # the newest step with activation figures
+    updates: Snapshot | None = None  # the newest step with update ratios
     finished: bool = False
 
 
@@ -146,12 +177,23 @@ class MetricsAggregate:
         self._anomalies = dict(self.view.anomalies)
         self._rank_nonfinite = [0] * self.world_size
         self._nonfinite = 0
+        self._scaler_skipped = 0
 
     def add(self, snaps: Sequence[Snapshot]) -> None:
         """Fold snapshots (in step order) in and publish a new view."""
         with self._lock:
             measured = self.view.measured
+            activations, updates = self.view.activations, self.view.updates
             for s in snaps:
+                if s.activation_rms:
+                    activations = s
+                if s.layer_update_ratio:
+                    updates = s
+                for e in s.events:
+                    self._anomalies[e.kind] = self._anomalies.get(e.kind, 0) + 1
+                if s.skip_reason == "scaler":  # routine fp16 overflow: counted apart, not served as a norm
+                    self._scaler_skipped += 1
+                    continue
                 if s.valid:
                     measured = s
                     if math.isfinite(s.grad_norm):
@@ -160,8 +202,6 @@ class MetricsAggregate:
                 self._nonfinite += s.nonfinite
                 for r in s.nonfinite_ranks:
                     self._rank_nonfinite[r] += 1
-                for e in s.events:
-                    self._anomalies[e.kind] = self._anomalies.get(e.kind, 0) + 1
             last = snaps[-1]
             while self._window and self._window[0][0] < last.timestamp - self.window_s:
                 self._window.popleft()
@@ -170,6 +210,9 @@ class MetricsAggregate:
                 latest=last,
                 measured=measured,
                 nonfinite_steps=self._nonfinite,
+                scaler_skipped_steps=self._scaler_skipped,
+                activations=activations,
+                updates=updates,
                 rank_nonfinite=tuple(self._rank_nonfinite),
                 anomalies=tuple(self._anomalies.items()),
                 window_max=max((v for _, v in self._window), default=math.nan),
@@ -221,6 +264,7 @@ class GradCollector(Collector):
             yield self._one("distmon_run_finished", 1.0 if v.finished else 0.0)
             yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)
             yield self._one("distmon_nonfinite_steps_total", v.nonfinite_steps)
+            yield self._one("distmon_scaler_skipped_steps_total", v.scaler_skipped_steps)
             yield self._one("distmon_monitor_errors_total", agg.monitor_errors())
             anomalies = _family("distmon_anomalies_total")
             for kind, n in v.anomalies:
@@ -243,6 +287,28 @@ class GradCollector(Collector):
                 for depth, (layer, norm) in enumerate(m.layer_grad_norms.items()):
                     layers.add_metric(run + [layer, f"{depth:04d}"], norm)
                 yield layers
+                if m.layer_gradient_noise_scale:  # batch_size given: the noise scale is on
+                    yield self._one("distmon_gradient_noise_scale", m.gradient_noise_scale)
+                    yield self._one("distmon_gradient_noise_trace", m.noise_trace)
+                    yield self._one("distmon_gradient_noise_signal", m.noise_signal)
+                    noise = _family("distmon_layer_gradient_noise_scale")
+                    for depth, (layer, gns) in enumerate(m.layer_gradient_noise_scale.items()):
+                        noise.add_metric(run + [layer, f"{depth:04d}"], gns)
+                    yield noise
+            if v.activations is not None:
+                for name, values in (
+                    ("distmon_activation_rms", v.activations.activation_rms),
+                    ("distmon_activation_absmax", v.activations.activation_absmax),
+                ):
+                    family = _family(name)
+                    for layer, value in values.items():
+                        family.add_metric(run + [layer], value)
+                    yield family
+            if v.updates is not None:
+                family = _family("distmon_layer_update_ratio")
+                for depth, (layer, value) in enumerate(v.updates.layer_update_ratio.items()):
+                    family.add_metric(run + [layer, f"{depth:04d}"], value)
+                yield family
         if agg.ranks:
 
             def per_rank(name: str, value_of: Callable[[int], float]) -> Metric:

@@ -10,24 +10,34 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .collective import RankFields, earliest_nonfinite
 from .errors import ErrorCounter
 from .ring import HostCopy, RowLayout
-from .snapshot import Snapshot
+from .snapshot import AnomalyEvent, Snapshot
 
-__all__ = ["RowDecoder", "Publisher", "ExportBatch"]
+__all__ = ["RowDecoder", "Publisher", "ExportBatch", "StepInfo"]
 
 Sink = Callable[[Sequence[Snapshot]], None]
 
 
+class StepInfo(NamedTuple):
+    """What the host knows of a finished step besides its ring row."""
+
+    step: int
+    slot: int  # its row in the ring (and in the host copy)
+    timestamp: float
+    skip: str  # "" (taken), "guard" or "scaler": who kept the optimizer from taking it
+
+
 @dataclass(frozen=True)
 class ExportBatch:
-    """Rows to publish: the host copy and, per step, ``(step, ring row, timestamp, skipped)``."""
+    """Rows to publish: the host copy and the steps whose rows it holds."""
 
     copy: HostCopy
-    steps: tuple[tuple[int, int, float, bool], ...]
+    steps: tuple[StepInfo, ...]
 
 
 def _sqrt(x: float) -> float:
@@ -49,6 +59,7 @@ class RowDecoder:
         run_id: str,
         layer_order: Callable[[], Sequence[float]],
         decode_detector: Callable[[int, list[float], Snapshot], Snapshot] | None,
+        watched: Sequence[str] = (),
     ) -> None:
         self.layout = layout
         self.layers = tuple(layers)
@@ -56,8 +67,9 @@ class RowDecoder:
         self.run_id = run_id
         self.layer_order = layer_order
         self.decode_detector = decode_detector
+        self.watched = tuple(watched)  # modules whose forward outputs are watched
 
-    def decode(self, step: int, timestamp: float, skipped: bool, row: list[float]) -> Snapshot:
+    def decode(self, info: StepInfo, row: list[float]) -> Snapshot:
         lay = self.layout
         layer_sq = row[lay.layers]
         gathered = row[lay.gathered]
@@ -69,6 +81,8 @@ class RowDecoder:
         bad: list[tuple[int, int]] = []  # (rank, layer)
         rank_errors: list[int] = []
         measured = row[0] == 1.0  # this rank measured the reduced gradient (what it reports globally)
+        if f.n_partial:  # a sharded model's reduced figures need every rank's shard
+            measured &= all(vals[f.valid] == 1.0 for vals in ranks)
         all_valid = measured
         for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):
             rank_errors.append(int(vals[f.errors]))
@@ -92,8 +106,8 @@ class RowDecoder:
             if layer >= 0:
                 first = (-1, self.layers[layer])
         snap = Snapshot(
-            step=step,
-            timestamp=timestamp,
+            step=info.step,
+            timestamp=info.timestamp,
             grad_norm=grad_norm,
             layer_grad_norms={
                 name: _sqrt(v) if measured else math.nan for name, v in zip(self.layers, layer_sq)
@@ -108,11 +122,48 @@ class RowDecoder:
             valid=all_valid,
             run_id=self.run_id,
             world_size=lay.world,
-            skipped=skipped,
+            skipped=bool(info.skip),
+            skip_reason=info.skip,
         )
+        if lay.n_noise:
+            noise = row[lay.noise]
+            snap = replace(
+                snap,
+                gradient_noise_scale=noise[0],
+                noise_trace=noise[1],
+                noise_signal=noise[2],
+                layer_gradient_noise_scale=dict(zip(self.layers, noise[3 : 3 + len(self.layers)])),
+                layer_noise_signal=dict(zip(self.layers, noise[3 + len(self.layers) :])),
+            )
         if self.decode_detector is not None:
-            snap = self.decode_detector(step, row[lay.detector], snap)
+            snap = self.decode_detector(info.step, row[lay.detector], snap)
+        if lay.n_act:
+            snap = self._activations(info.step, row[lay.act], ranks, snap)
+        if lay.n_upd:
+            ratios = row[lay.upd]
+            if not all(math.isnan(v) for v in ratios):  # an export step
+                snap = replace(snap, layer_update_ratio=dict(zip(self.layers, ratios)))
         return snap
+
+    def _activations(self, step: int, act: list[float], ranks: list[list[float]], snap: Snapshot) -> Snapshot:
+        n = len(self.watched)
+        bad = [(int(vals[self.fields.act_first]), r) for r, vals in enumerate(ranks)]
+        bad = [(module, r) for module, r in bad if module >= 0]
+        first = None
+        events = snap.events
+        if bad:
+            module, r = min(bad)  # earliest in forward order, lowest rank on a tie
+            first = (r, self.watched[module])
+            events += (AnomalyEvent("activation_nonfinite", step, r, first[1], math.nan, math.inf),)
+        if all(math.isnan(v) for v in act[:n]):  # not an activation step
+            return replace(snap, first_nonfinite_activation=first, events=events)
+        return replace(
+            snap,
+            activation_rms=dict(zip(self.watched, act[:n])),
+            activation_absmax=dict(zip(self.watched, act[n : 2 * n])),
+            first_nonfinite_activation=first,
+            events=events,
+        )
 
 
 class Publisher:
@@ -161,9 +212,7 @@ class Publisher:
             rows = batch.copy.rows.tolist()  # host memory: no device sync
         finally:
             batch.copy.release()
-        snaps = [
-            self.decoder.decode(step, ts, skipped, rows[slot]) for step, slot, ts, skipped in batch.steps
-        ]
+        snaps = [self.decoder.decode(info, rows[info.slot]) for info in batch.steps]
         if not snaps:
             return
         self.latest = snaps[-1]

@@ -19,33 +19,56 @@ __all__ = ["RowLayout", "DeviceRing", "HostCopy"]
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Column ranges of one step's row.
+    """Column ranges of one step's row, in this order:
 
-    ``[valid, total_sq, layer_sq (n_layers), gathered (world x rank_width), detector (n_detector)]``
+    ``[valid, total_sq, layers (n_layers), gathered (world x rank_width), detector (n_detector),
+    noise (n_noise), act (n_act), upd (n_upd)]``
+
+    Example:
+        >>> lay = RowLayout(n_layers=3, world=2, rank_width=5, n_detector=4)
+        >>> lay.layers, lay.gathered, lay.detector, lay.width
+        (slice(2, 5, None), slice(5, 15, None), slice(15, 19, None), 19)
     """
 
     n_layers: int
     world: int
     rank_width: int
     n_detector: int
+    n_noise: int = 0
+    n_act: int = 0
+    n_upd: int = 0
 
-    @property
-    def layers(self) -> slice:
-        return slice(2, 2 + self.n_layers)
+    def _region(self, name: str) -> slice:
+        sizes = (
+            ("head", 2),
+            ("layers", self.n_layers),
+            ("gathered", self.world * self.rank_width),
+            ("detector", self.n_detector),
+            ("noise", self.n_noise),
+            ("act", self.n_act),
+            ("upd", self.n_upd),
+        )
+        start = 0
+        for region, n in sizes:
+            if region == name:
+                return slice(start, start + n)
+            start += n
+        return slice(start, start)  # "end": the width
 
-    @property
-    def gathered(self) -> slice:
-        start = self.layers.stop
-        return slice(start, start + self.world * self.rank_width)
-
-    @property
-    def detector(self) -> slice:
-        start = self.gathered.stop
-        return slice(start, start + self.n_detector)
+    layers = property(lambda self: self._region("layers"))
+    gathered = property(lambda self: self._region("gathered"))
+    detector = property(lambda self: self._region("detector"))
+    noise = property(lambda self: self._region("noise"))
+    act = property(lambda self: self._region("act"))
+    upd = property(lambda self: self._region("upd"))
 
     @property
     def width(self) -> int:
-        return self.detector.stop
+        return self._region("end").stop
+
+    def ranks(self, rows: torch.Tensor) -> torch.Tensor:
+        """The gathered region of ``rows`` (k, width) as ``(k, world, rank_width)``: each rank's floats."""
+        return rows[:, self.gathered].view(len(rows), self.world, self.rank_width)
 
 
 @dataclass

@@ -17,7 +17,8 @@ class AnomalyEvent:
     when the event is about the whole model.
     """
 
-    kind: str  # "nonfinite" | "spike" | "vanishing" | "rank_outlier"
+    # "nonfinite" | "spike" | "vanishing" | "rank_outlier" | "scaler_stuck" | "activation_nonfinite"
+    kind: str
     step: int
     rank: int
     layer: str
@@ -54,7 +55,22 @@ class Snapshot:
         scores: detector scores: "zscore" and "median_ratio" of the global norm, "layer_zmax"
             the largest layer z-score.
         rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'.
-        skipped: the guard (``guard="skip"``) kept the optimizer from taking this step.
+        gradient_noise_scale: B_simple (McCandlish et al. 2018) from the EMAs below, in the units
+            of ``batch_size``; NaN without ``batch_size`` or while not yet meaningful.
+        layer_gradient_noise_scale: layer -> its B_simple (with ``rank_layers=True``).
+        layer_noise_signal: layer -> its EMA |G_l|^2 (these add up to ``noise_signal``).
+        activation_rms, activation_absmax: watched module -> its output's RMS and largest absolute
+            value on this rank (the serving one), on activation steps (``activations=``); empty
+            on other steps.
+        first_nonfinite_activation: ``(rank, module)`` of the first watched module, in forward
+            order, whose output was non-finite (lowest rank on a tie), or None.
+        layer_update_ratio: layer -> ||delta theta|| / ||theta|| of this step's update, on export
+            steps with ``update_ratio=True``; empty on other steps.
+        noise_trace, noise_signal: the bias-corrected EMAs of tr(Sigma) (per-example gradient
+            variance) and |G|^2 (squared true gradient) whose ratio is the noise scale.
+        skipped: the optimizer did not take this step; ``skip_reason`` says who kept it:
+            ``"guard"`` (``guard="skip"``) or ``"scaler"`` (the ``GradScaler`` found an Inf/NaN
+            gradient: counted in ``distmon_scaler_skipped_steps_total``, not as non-finite).
     """
 
     step: int
@@ -75,6 +91,16 @@ class Snapshot:
     rank_outlier_scores: list[float] = field(default_factory=list)
     skipped: bool = False
     rank_monitor_errors: list[int] = field(default_factory=list)
+    skip_reason: str = ""
+    gradient_noise_scale: float = math.nan
+    layer_gradient_noise_scale: dict[str, float] = field(default_factory=dict)
+    layer_noise_signal: dict[str, float] = field(default_factory=dict)
+    noise_trace: float = math.nan
+    noise_signal: float = math.nan
+    activation_rms: dict[str, float] = field(default_factory=dict)
+    activation_absmax: dict[str, float] = field(default_factory=dict)
+    first_nonfinite_activation: tuple[int, str] | None = None
+    layer_update_ratio: dict[str, float] = field(default_factory=dict)
 
 
 def _clean(value: Any) -> Any:

@@ -6,12 +6,24 @@ returns or writes tensors on the same device, without a host sync.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["sq_sums", "sparse_sq_sum", "fold_layers", "first_nonfinite", "Runs", "LayerFold"]
+__all__ = [
+    "sq_sums",
+    "sparse_sq_sum",
+    "fold_layers",
+    "first_nonfinite",
+    "stable_run",
+    "prefix_ema",
+    "ema_after",
+    "run_lengths",
+    "Runs",
+    "LayerFold",
+]
 
 
 def sq_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -84,6 +96,78 @@ def first_nonfinite(layer_sq: torch.Tensor, layer_order: torch.Tensor, out: torc
     bad = ~torch.isfinite(layer_sq)
     pos, idx = torch.where(bad, layer_order, torch.inf).min(0)
     out.copy_(torch.where(torch.isfinite(pos), idx.to(out.dtype), -1.0))
+
+
+def stable_run(alpha: float) -> int:
+    """The most rows :func:`prefix_ema` should take at once: ``(1 - alpha)^-n`` stays below ~1e6.
+
+    Example:
+        >>> stable_run(0.05)
+        269
+    """
+    return max(1, int(13.8 / -math.log(1 - alpha)))
+
+
+def prefix_ema(
+    state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EMA ``s <- (1 - alpha) s + alpha y_t`` over the rows of ``y`` where ``mask``, in closed form.
+
+    Returns ``(before, after)``: the state before each row (``(k, ...)``) and after the last.
+    Rows masked out leave the state as it was, and their (possibly non-finite) values never
+    enter a product. Exact, with prefix sums instead of a loop over rows: the state before
+    row t is ``(1 - alpha)^N_t (state + sum_{s<t} alpha y_s (1 - alpha)^-N_{s+1})`` with ``N_t``
+    the kept rows before t (give it runs of at most :func:`stable_run` rows, so that
+    ``(1 - alpha)^-N`` stays moderate).
+
+    Example:
+        >>> before, after = prefix_ema(torch.tensor([0.0]), torch.tensor([[1.0], [1.0]]),
+        ...                            torch.tensor([[True], [True]]), 0.5)
+        >>> before.flatten().tolist(), after.tolist()  # 0 -> 0.5 -> 0.75
+        ([0.0, 0.5], [0.75])
+    """
+    m = mask.to(y.dtype)
+    kept_through = m.cumsum(0)
+    contrib = torch.where(mask, alpha * y, 0.0) * (1 - alpha) ** -kept_through
+    through = contrib.cumsum(0)
+    before = (1 - alpha) ** (kept_through - m) * (state + through - contrib)
+    return before, (1 - alpha) ** kept_through[-1] * (state + through[-1])
+
+
+def run_lengths(flag: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+    """Length of the run of consecutive True ``flag`` rows ending at each row (0 where False).
+
+    ``carried`` is the run length at the end of the previous rows (continued by a leading run).
+
+    Example:
+        >>> run_lengths(torch.tensor([True, True, False, True]), torch.tensor(2.0)).tolist()
+        [3.0, 4.0, 0.0, 1.0]
+    """
+    count = flag.float().cumsum(0)
+    reset = ~flag
+    return (
+        count
+        - torch.where(reset, count, 0.0).cummax(0).values
+        + torch.where(reset.cumsum(0) == 0, carried, 0.0)
+    )
+
+
+def ema_after(state: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The EMA's state after each row of ``y`` (rows where ``mask`` is False leave it), from ``state``.
+
+    :func:`prefix_ema` in runs of :func:`stable_run` rows: the state after a row is the state
+    before the next.
+
+    Example:
+        >>> ema_after(torch.tensor([0.0]), torch.tensor([[1.0], [1.0]]), torch.tensor([[True], [False]]), 0.5)
+        tensor([[0.5000],
+                [0.5000]])
+    """
+    chunk, out = stable_run(alpha), []
+    for i in range(0, len(y), chunk):
+        before, state = prefix_ema(state, y[i : i + chunk], mask[i : i + chunk], alpha)
+        out += [before[1:], state.unsqueeze(0)]
+    return torch.cat(out)
 
 
 @dataclass

@@ -478,19 +478,19 @@ def torchrun_command(
 
 
 def init_distributed() -> DistContext:
-    """Join the process group torchrun describes, or make a one-process group.
+    """Join the process group torchrun describes; a plain ``python launch/train.py`` joins none.
 
-    NCCL with one GPU per process (``LOCAL_RANK``) when CUDA is available, else gloo.
+    NCCL with one GPU per process (``LOCAL_RANK``) when CUDA is available, else gloo. Without
+    torchrun the model trains in this one process, without DDP, and distmon measures the
+    plain module (its single-process mode).
     """
-    if "RANK" not in os.environ:  # plain `python launch/train.py`: world of one
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
-        )
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return DistContext(0, 0, 1, "none", torch.device("cuda", 0) if cuda else torch.device("cpu"))
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.set_device(local_rank)
         backend, device = "nccl", torch.device("cuda", local_rank)
     else:
@@ -526,9 +526,16 @@ def shutdown_distributed() -> None:
 
 
 def make_monitor(
-    args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, sched: Any = None
+    args: argparse.Namespace,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any = None,
+    world_size: int = 1,
 ) -> distmon.GradMonitor:
-    """``distmon.GradMonitor`` with only the options the user set (None: library default/env)."""
+    """``distmon.GradMonitor`` with only the options the user set (None: library default/env).
+
+    On 2+ ranks the gradient noise scale is on, in tokens: this rank's tokens per step.
+    """
     if distmon is None:
         raise SystemExit(
             f"train.py: error: distmon is not usable ({_DISTMON_IMPORT_ERROR}); run with --no-monitor"
@@ -542,6 +549,9 @@ def make_monitor(
         "linger_s": args.linger,
         "guard": args.guard,
         "lr_scheduler": sched if args.guard else None,
+        "batch_size": args.batch_size * args.seq_len * args.grad_accum if world_size > 1 else None,
+        "activations": True,  # each transformer block's output, every export_every steps
+        "update_ratio": True,  # |update| / |weights| per layer, every export_every steps
     }
     return distmon.GradMonitor(model, opt, **{k: v for k, v in options.items() if v is not None})
 
@@ -632,13 +642,18 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
 
     model = build_model(args).to(ctx.device)
     injector = FaultInjector(model, args, ctx.rank)
-    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    distributed = dist.is_initialized()
+    ddp = (
+        DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+        if distributed
+        else model  # one process: the plain module, measured by distmon as it is
+    )
     opt, sched = make_optimizer(model, args)
     data = MarkovTokenStream(
         args.vocab, grammar_seed=args.seed, stream_seed=args.seed * 100_003 + ctx.rank + 1
     )
 
-    mon = None if args.no_monitor else make_monitor(args, ddp, opt, sched)
+    mon = None if args.no_monitor else make_monitor(args, ddp, opt, sched, ctx.world_size)
     anomalies = AnomalyLog()
     if mon is not None:
         mon.on_anomaly(anomalies.add)
@@ -697,7 +712,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                         t.to(ctx.device, non_blocking=True) for t in data.batch(args.batch_size, args.seq_len)
                     )
                     sync = micro == args.grad_accum - 1
-                    with contextlib.nullcontext() if sync else ddp.no_sync():
+                    with contextlib.nullcontext() if sync or not distributed else ddp.no_sync():
                         _, loss = ddp(x, y)
                         (loss * (scale / args.grad_accum)).backward()
                     loss_acc[0] += loss.detach()  # unscaled loss, kept on device
@@ -707,7 +722,8 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
 
                 if step == 1 or step % args.print_every == 0 or step == args.steps:
                     # Same schedule on every rank: the loss all_reduce is a collective.
-                    dist.all_reduce(loss_acc)
+                    if distributed:
+                        dist.all_reduce(loss_acc)
                     last_loss = float(loss_acc[0] / loss_acc[1])
                     loss_acc.zero_()
                     if first_loss is None:
@@ -734,6 +750,8 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                         f"step {step:>{len(str(args.steps))}}/{args.steps}  loss {last_loss:.4f}  "
                         f"grad_norm {norm_txt}  lr {sched.get_last_lr()[0]:.2e}  {rate:.1f} steps/s"
                     )
+                    if snap is not None and math.isfinite(snap.gradient_noise_scale):
+                        line += f"  noise_scale {snap.gradient_noise_scale:,.0f} tok"
                     if snap is not None and snap.nonfinite:
                         first = snap.first_nonfinite
                         line += "  NONFINITE" + (f" (first: rank {first[0]} {first[1]})" if first else "")

@@ -17,6 +17,7 @@ instead of blocking it.
 Also here, because several test files use them:
 
 * `free_port()`
+* `scrape_metrics()` / `sample_value()`: a real HTTP scrape of a local /metrics, parsed
 * `SyncRecorder`: a context manager that records host syncs (`Tensor.item`,
   `.tolist`, `.cpu`, `.numpy`, implicit conversions, CUDA/accelerator
   synchronizes) and collectives (`torch.distributed.*`, the functional
@@ -62,6 +63,27 @@ def free_port(host="127.0.0.1"):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def scrape_metrics(port, timeout=10.0):
+    """[(sample name, labels, value)] of a real HTTP scrape of 127.0.0.1:port/metrics (no proxy)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    return [
+        (s.name, dict(s.labels), s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+    ]
+
+
+def sample_value(samples, name, **labels):
+    """The value of the one sample ``name`` whose labels include ``labels``."""
+    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
 
 
 def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env):
@@ -198,12 +220,14 @@ def distmon_dir():
 
 
 def _reduction_on_ddp_behalf():
-    """Code objects that perform DDP's own gradient reduction: distmon's default inner hook
-    reproduces DDP's built-in reduction (which would run without distmon), so its collective
-    is DDP's, not the monitor's."""
+    """Code objects that perform the training's own gradient reduction: distmon's default inner
+    hook reproduces DDP's built-in reduction (which would run without distmon), and its FSDP
+    reduce-scatter wrapper calls FSDP's own comm, so their collectives are the training's, not
+    the monitor's."""
     from distmon.sources.ddp import ddp_allreduce_hook
+    from distmon.sources.fsdp import _MeasuringReduceScatter
 
-    return {ddp_allreduce_hook.__code__}
+    return {ddp_allreduce_hook.__code__, _MeasuringReduceScatter.__call__.__code__}
 
 
 def in_distmon_code(frame, dm_dir):

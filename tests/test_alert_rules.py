@@ -46,6 +46,7 @@ EXPECTED_ALERTS = {
     "DistmonTargetDown",
     "DistmonMonitorErrors",
     "DistmonAnomalyDetected",
+    "DistmonScalerStuck",
 }
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -199,10 +200,10 @@ MUTATIONS = {
         1,
     ),
     "no_history_requirement": (
-        ALERTS_FILE.name,
-        "and on (run_id) distmon:grad_norm:samples_30m >= 20",
-        "and on (run_id) distmon:grad_norm:samples_30m >= 0",
-        2,
+        RECORDING_FILE.name,
+        "count_over_time(distmon:grad_norm:healthy[30m]) >= 20",
+        "count_over_time(distmon:grad_norm:healthy[30m]) >= 0",
+        1,
     ),
     "spike_histogram_factor": (
         ALERTS_FILE.name,
@@ -226,6 +227,24 @@ MUTATIONS = {
         ALERTS_FILE.name,
         "max by (run_id) (max_over_time(distmon_run_finished[1h])) == 0",
         "max by (run_id) (max_over_time(distmon_run_finished[1h])) >= 0",
+        1,
+    ),
+    "scaler_stuck_not_sustained": (
+        ALERTS_FILE.name,
+        "increase(distmon_scaler_skipped_steps_total[5m]))\n              >= on (run_id)",
+        "increase(distmon_scaler_skipped_steps_total[5m]))\n              > on (run_id)",
+        1,
+    ),
+    "baseline_learns_the_explosion": (
+        RECORDING_FILE.name,
+        "(distmon:grad_norm:finite > on (run_id) 10 * distmon:grad_norm:median_30m)",
+        "(distmon:grad_norm:finite > on (run_id) 1e9 * distmon:grad_norm:median_30m)",
+        1,
+    ),
+    "baseline_not_carried_forward": (
+        RECORDING_FILE.name,
+        "or last_over_time(distmon:grad_norm:median_30m[10m])",
+        "or last_over_time(distmon:grad_norm:median_30m[10s])",
         1,
     ),
     "median_without_nan_filter": (

@@ -14,6 +14,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "overhead.py")
 # every peer the benchmark must measure (the list), baseline first, then the hook-read
@@ -22,6 +26,7 @@ APPROACHES = [
     "baseline",
     "distmon",
     "distmon-detailed",
+    "distmon-activations",
     "tutorial",
     "wandb-hist",
     "wandb-hist-1",
@@ -31,13 +36,13 @@ APPROACHES = [
 ]
 
 
-def _run_smoke(out_dir):
+def _run(*args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTMON_", "TORCHELASTIC_"))}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
-        [sys.executable, SCRIPT, "--smoke", "--out", str(out_dir), "--ranks", "2"],
+        [sys.executable, *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -47,7 +52,7 @@ def _run_smoke(out_dir):
 
 
 def test_smoke_benchmark_produces_every_row(tmp_path):
-    proc = _run_smoke(tmp_path)
+    proc = _run(SCRIPT, "--smoke", "--out", str(tmp_path), "--ranks", "2")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert "Traceback" not in log, log[-6000:]
@@ -115,3 +120,12 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
     else:
         png = tmp_path / "overhead.png"
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fsdp_benchmark_runs_and_reports_its_row():
+    proc = _run(os.path.join(REPO, "benchmarks", "fsdp_overhead.py"), "--sizes", "1M", "--rounds", "2")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    row = [line for line in proc.stdout.splitlines() if line.startswith("| 1M |")]
+    assert len(row) == 1, proc.stdout
+    ratio = float(row[0].split("|")[5])
+    assert 0.5 < ratio < 2.0, row  # a measured ratio, not a placeholder

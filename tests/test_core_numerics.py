@@ -60,6 +60,8 @@ from ddp_harness import (
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
+
 STEPS = 4
 REL = 1e-5
 

@@ -9,6 +9,7 @@ DetectorConfig, stated below, unless a test says otherwise.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -132,6 +133,24 @@ def test_global_spike_fires_but_not_during_warmup(block):
 
 
 @pytest.mark.parametrize("block", BLOCKS)
+def test_a_lasting_explosion_is_reported_until_the_adapt_horizon_then_becomes_normal(block):
+    """x1e4 from step 200 on: a spike on every step (the guard's verdict too) through
+    ``spike_adapt_steps``; a baseline that learned the anomaly stopped after 3 steps."""
+    cfg = DetectorConfig(spike_adapt_steps=60)
+
+    def explode(t, layers, ranks):
+        if t >= 200:
+            layers[:] = [v * 1e4 for v in layers]
+            ranks[:] = [v * 1e4 for v in ranks]
+
+    events = run(Feeder(cfg=cfg, block=block), with_changes(series(2, 400, 10.0, 1.0, 100.0, 0.1), explode))
+    steps = sorted({e.step for e in events if e.kind == "spike"})
+    assert steps[: cfg.spike_adapt_steps] == list(range(200, 200 + cfg.spike_adapt_steps)), steps[:70]
+    assert max(steps) < 200 + cfg.spike_adapt_steps + 30, steps[-10:]  # then the new level is normal
+    assert not [e for e in events if e.step < 200]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
 def test_spike_below_ratio_threshold_is_ignored(block):
     """A very steady norm: a 2x bump has a huge z-score but is under the 3x ratio rule."""
     steps = (([2.0 * 0.5 if t == 250 else 0.5] * 4, [1.0] * 4) for t in range(1, 300))
@@ -226,3 +245,20 @@ def test_bad_config_is_rejected():
         DetectorConfig(ema_alpha=1.5)
     with pytest.raises(ValueError, match="warmup_steps"):
         DetectorConfig(warmup_steps=2.5)
+
+
+def test_the_rank_outlier_constant_is_monte_carlo_s_at_any_world_size():
+    """The table and the large-world formula against an independent seeded Monte Carlo."""
+    import sys
+
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    )
+    from consistency_table import consistency
+
+    from distmon.detectors import _trimmed_consistency
+
+    for world in (2, 3, 5, 17, 100, 128):  # the table (regenerated with another seed)
+        assert abs(_trimmed_consistency(world) / consistency(world, 1_000_000, seed=7) - 1) < 0.01, world
+    for world in (129, 300, 2048):  # the formula
+        assert abs(_trimmed_consistency(world) / consistency(world, 1_000_000, seed=7) - 1) < 0.01, world

@@ -17,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distmon
 
+pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
+
 STEPS, BAD = 30, 20
 WARMUP = 5
 

@@ -34,6 +34,7 @@ def snap(
     errors: tuple = (0, 0),
     ranks: tuple = (1.0, 2.0),
     bad_ranks: tuple = (),
+    skip: str = "",
 ) -> Snapshot:
     return Snapshot(
         step=step,
@@ -53,6 +54,8 @@ def snap(
         world_size=2,
         scores={"zscore": 0.5, "median_ratio": 1.1},
         rank_outlier_scores=[0.2, 0.3],
+        skipped=bool(skip),
+        skip_reason=skip,
     )
 
 
@@ -75,7 +78,7 @@ def test_before_any_step_only_counters_and_metadata_are_served():
     assert value(reg, "distmon_optimizer_steps_total") == 0
     assert value(reg, "distmon_run_finished") == 0
     assert value(reg, "distmon_step_grad_norm_count") == 0
-    assert [value(reg, "distmon_anomalies_total", kind=k) for k in ANOMALY_KINDS] == [0, 0, 0, 0]
+    assert [value(reg, "distmon_anomalies_total", kind=k) for k in ANOMALY_KINDS] == [0] * len(ANOMALY_KINDS)
     assert value(reg, "distmon_grad_norm") is None  # nothing measured: no made-up gauge
 
 
@@ -119,6 +122,30 @@ def test_an_unmeasured_step_advances_the_count_but_leaves_the_gauges():
     assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0") == 1.0
     assert value(reg, "distmon_step_grad_norm_count") == 1
     assert value(reg, "distmon_nonfinite_steps_total") == 0
+
+
+def test_a_scaler_skipped_step_is_counted_apart_and_leaves_the_gauges():
+    agg, reg = registry()
+    agg.add([snap(1, 0.5)])
+    stuck = AnomalyEvent("scaler_stuck", 3, -1, "", 2, 2)
+    agg.add(
+        [
+            snap(2, math.inf, nonfinite=True, bad_ranks=(1,), ranks=(1.0, math.inf), skip="scaler"),
+            snap(3, math.inf, nonfinite=True, skip="scaler", events=(stuck,)),
+        ]
+    )
+    assert value(reg, "distmon_optimizer_steps_total") == 3
+    assert value(reg, "distmon_scaler_skipped_steps_total") == 2
+    assert value(reg, "distmon_nonfinite_steps_total") == 0  # routine fp16 overflow pages nobody
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0") == 0
+    assert value(reg, "distmon_anomalies_total", kind="scaler_stuck") == 1
+    assert value(reg, "distmon_grad_norm") == 0.5  # the last measured step's, not inf
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0") == 2.0
+    assert value(reg, "distmon_step_grad_norm_count") == 1
+    # a guard's skip is no scaler skip: its figures are served
+    agg.add([snap(4, 7.0, skip="guard")])
+    assert value(reg, "distmon_scaler_skipped_steps_total") == 2
+    assert value(reg, "distmon_grad_norm") == 7.0
 
 
 def test_rank_nonfinite_counters_and_errors_with_the_servers_later_ones():
@@ -183,3 +210,47 @@ def test_describe_names_every_family_and_the_name_filter_works_over_http():
 def test_every_metric_has_run_id_and_a_help_text(name):
     spec = METRICS[name]
     assert spec.kind in ("gauge", "counter", "histogram") and spec.help and "run_id" not in spec.labels
+
+
+def test_noise_scale_gauges_only_when_it_is_on_and_nan_while_not_meaningful():
+    from dataclasses import replace
+
+    agg, reg = registry()
+    agg.add([snap(1, 0.5)])
+    assert value(reg, "distmon_gradient_noise_scale") is None  # off: no batch_size
+    on = replace(
+        snap(2, 0.5),
+        gradient_noise_scale=33.0,
+        noise_trace=66.0,
+        noise_signal=2.0,
+        layer_gradient_noise_scale={"a": 12.5, "b.c": math.nan},
+    )
+    agg.add([on])
+    assert value(reg, "distmon_gradient_noise_scale") == 33.0
+    assert value(reg, "distmon_gradient_noise_trace") == 66.0
+    assert value(reg, "distmon_gradient_noise_signal") == 2.0
+    assert value(reg, "distmon_layer_gradient_noise_scale", layer="a", depth="0000") == 12.5
+    assert math.isnan(value(reg, "distmon_layer_gradient_noise_scale", layer="b.c", depth="0001"))
+
+
+def test_activation_gauges_keep_the_last_activation_step_s_figures():
+    from dataclasses import replace
+
+    agg, reg = registry()
+    agg.add([snap(1, 0.5)])
+    assert value(reg, "distmon_activation_rms", layer="blocks.0") is None  # off
+    watched = replace(
+        snap(2, 0.5), activation_rms={"blocks.0": 1.5}, activation_absmax={"blocks.0": math.inf}
+    )
+    agg.add([watched, snap(3, 0.5)])  # step 3 was not an activation step
+    assert value(reg, "distmon_activation_rms", layer="blocks.0") == 1.5
+    assert value(reg, "distmon_activation_absmax", layer="blocks.0") == math.inf
+
+
+def test_update_ratio_gauges_keep_the_last_export_step_s_figures():
+    from dataclasses import replace
+
+    agg, reg = registry()
+    agg.add([replace(snap(3, 0.5), layer_update_ratio={"a": 1e-3, "b.c": 2e-3}), snap(4, 0.5)])
+    assert value(reg, "distmon_layer_update_ratio", layer="a", depth="0000") == 1e-3
+    assert value(reg, "distmon_layer_update_ratio", layer="b.c", depth="0001") == 2e-3

@@ -21,17 +21,17 @@ import math
 import os
 import socket
 import threading
-import urllib.request
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from ddp_harness import free_port, run_ranks
-from prometheus_client.parser import text_string_to_metric_families
+from ddp_harness import free_port, run_ranks, scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distmon
+
+pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
 
 
 def _net() -> nn.Module:
@@ -70,15 +70,8 @@ def _leftovers(model: DDP, opt: torch.optim.Optimizer) -> dict:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        s.name: s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if not s.labels.keys() - {"run_id"}
-    }
+    """The samples labelled by run_id alone (the cluster-wide ones), by name."""
+    return {n: v for n, labels, v in scrape_metrics(port) if not labels.keys() - {"run_id"}}
 
 
 def _job(rank: int, world: int, workdir: str) -> dict:

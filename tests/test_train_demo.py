@@ -43,6 +43,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _python(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python launch/train.py FLAGS`` (no torchrun: a single process)."""
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *flags],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _torchrun(*flags: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
     cmd = train.torchrun_command(nproc, flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
@@ -60,6 +72,7 @@ def _progress(stdout: str) -> dict[int, tuple[float, float]]:
 # ------------------------------------------------------------------------- distributed runs
 
 
+@pytest.mark.slow
 def test_ddp_run_without_monitor_learns():
     proc = _torchrun("--no-monitor", "--preset", "tiny", "--steps", "40", "--print-every", "10")
     out = proc.stdout
@@ -74,6 +87,7 @@ def test_ddp_run_without_monitor_learns():
     assert re.search(r"^done: 40 steps", out, re.M)
 
 
+@pytest.mark.slow
 def test_nan_on_one_rank_reaches_every_rank_through_allreduce():
     """--nan-rank 1: rank 0 never computed a NaN, yet its reduced gradient holds one."""
     proc = _torchrun(
@@ -99,6 +113,7 @@ def test_nan_on_one_rank_reaches_every_rank_through_allreduce():
     assert torch.isnan(torch.tensor(steps[4][0])), f"the NaN update should poison step 4's loss:\n{out}"
 
 
+@pytest.mark.slow
 def test_spike_on_one_rank_scales_its_local_gradient_before_allreduce():
     proc = _torchrun(
         "--no-monitor",
@@ -123,6 +138,7 @@ def test_spike_on_one_rank_scales_its_local_gradient_before_allreduce():
     assert steps[4][1] < 10 * steps[2][1], proc.stdout  # one step only
 
 
+@pytest.mark.slow
 def test_spike_until_sustains_the_spike_through_that_step():
     proc = _torchrun(
         "--no-monitor",
@@ -149,26 +165,10 @@ def test_spike_until_sustains_the_spike_through_that_step():
     assert steps[6][1] < 10 * base, out  # and no further
 
 
+@pytest.mark.slow
 def test_min_step_s_throttles_every_step():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            "--no-monitor",
-            "--preset",
-            "tiny",
-            "--steps",
-            "4",
-            "--min-step-s",
-            "0.5",
-            "--print-every",
-            "1",
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = _python(
+        "--no-monitor", "--preset", "tiny", "--steps", "4", "--min-step-s", "0.5", "--print-every", "1"
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(_progress(proc.stdout)) == [1, 2, 3, 4]
@@ -197,52 +197,36 @@ def test_bad_spike_until_and_min_step_s_are_rejected(flags, message, capsys):
 # ------------------------------------------------------------------------- single process
 
 
+@pytest.mark.slow
 def test_plain_python_runs_a_world_of_one():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            "--no-monitor",
-            "--preset",
-            "tiny",
-            "--steps",
-            "5",
-            "--grad-accum",
-            "2",
-            "--print-every",
-            "5",
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    """No torchrun: one process, no process group, no DDP; distmon measures the plain module."""
+    proc = _python(
+        "--preset",
+        "tiny",
+        "--steps",
+        "10",
+        "--grad-accum",
+        "2",
+        "--print-every",
+        "5",
+        "--port",
+        "0",
+        "--linger",
+        "0",
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "world_size 1" in proc.stdout and "2 micro-batch(es)" in proc.stdout
-    assert sorted(_progress(proc.stdout)) == [1, 5]
+    assert "world_size 1  backend none" in proc.stdout and "2 micro-batch(es)" in proc.stdout
+    lines = STEP_LINE.findall(proc.stdout)
+    assert [int(m[0]) for m in lines] == [1, 5, 10]
+    final = re.search(r"final grad_norm ([0-9.]+)", proc.stdout)  # measured by distmon
+    assert final and 0 < float(final.group(1)) < 100, proc.stdout
 
 
+@pytest.mark.slow
 def test_unknown_layer_fails_fast_with_the_valid_names():
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            "--no-monitor",
-            "--preset",
-            "tiny",
-            "--nan-step",
-            "2",
-            "--nan-layer",
-            "blocks.9.mlp.fc1",
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = _python("--no-monitor", "--preset", "tiny", "--nan-step", "2", "--nan-layer", "blocks.9.mlp.fc1")
     assert proc.returncode == 2
     assert "unknown layer 'blocks.9.mlp.fc1' for --nan-layer" in proc.stderr
     assert "  blocks.0.mlp.fc1\n" in proc.stderr and "  tok_emb\n" in proc.stderr
@@ -266,6 +250,7 @@ def test_bad_fault_flags_are_rejected_before_training(monkeypatch, capsys):
         train.main(["--no-monitor", "--guard", "skip"])
 
 
+@pytest.mark.slow
 def test_hang_step_stops_the_loop_but_not_the_process():
     proc = subprocess.Popen(
         [

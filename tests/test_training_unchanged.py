@@ -1,4 +1,5 @@
-"""distmon never changes what DDP computes or over which group, and never hangs a user's hook.
+"""distmon never changes what DDP computes or over which group, never hangs a user's hook and
+never crashes a profiled job.
 
 Each scenario trains the same seeded model twice on every rank, in one process: unmonitored
 (DDP as the user wrote it) and monitored (distmon's defaults, the user's hook passed as
@@ -19,8 +20,11 @@ distmon's reported global norm must equal the float64 norm of the reduced ``p.gr
 The comm hooks are defined here, so this file must not use ``from __future__ import annotations``.
 """
 
+import contextlib
 import math
 import os
+import time
+from statistics import median
 
 import pytest
 import torch
@@ -28,6 +32,9 @@ import torch.distributed as dist
 from ddp_harness import TinyLM, as_float64, lm_loss, make_batch, run_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
 
 STEPS = 120
 REPEATS = 3
@@ -73,8 +80,13 @@ def _hook_for(scenario, ddp):
     return None, None
 
 
-def _train(rank, scenario, group, monitored, steps, seed, log_path=None):
-    """Per step: the reduced gradients (clones) and their float64 global norm."""
+def _train(rank, scenario, group, monitored, steps, seed, log_path=None, gathers=None):
+    """Per step: the reduced gradients (clones) and their float64 global norm.
+
+    ``gathers`` (a list): every other step runs in its own ``torch.profiler`` window, as a user's
+    profiling schedule opens and closes them, with rank 1 late to the optimizer step; the
+    durations of the all-gathers each window recorded are appended to it.
+    """
     import distmon
 
     ddp = _ddp(scenario, group, seed)
@@ -90,12 +102,19 @@ def _train(rank, scenario, group, monitored, steps, seed, log_path=None):
     grads, norms = [], []
     for step in range(1, steps + 1):
         x, y = make_batch(rank, step, seed=seed)
-        opt.zero_grad(set_to_none=True)
-        lm_loss(ddp(x), y).backward()
-        g = [p.grad.detach().clone() for p in ddp.module.parameters()]
-        grads.append(g)
-        norms.append(math.sqrt(sum(float(as_float64(t).pow(2).sum()) for t in g)))
-        opt.step()
+        profiled = gathers is not None and step % 2
+        window = profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext()
+        with window:
+            opt.zero_grad(set_to_none=True)
+            lm_loss(ddp(x), y).backward()
+            g = [p.grad.detach().clone() for p in ddp.module.parameters()]
+            grads.append(g)
+            norms.append(math.sqrt(sum(float(as_float64(t).pow(2).sum()) for t in g)))
+            if profiled and rank == 1:
+                time.sleep(0.01)  # a late peer: rank 0's window may close before its gather completes
+            opt.step()
+        if profiled:
+            gathers.append([e.cpu_time_total for e in window.events() if e.name == "gloo:all_gather"])
     snap = None
     if mon is not None:
         snap = mon.flush()
@@ -107,12 +126,12 @@ def _dense(grad):
     return grad.to_dense() if grad.is_sparse else grad
 
 
-def _compare(rank, scenario, group, steps, seed, log):
+def _compare(rank, scenario, group, steps, seed, log, gathers=None):
     """Train unmonitored then monitored; what the test checks, as plain data."""
     import json
 
-    plain, ref_norms, _ = _train(rank, scenario, group, False, steps, seed)
-    watched, _, snap = _train(rank, scenario, group, True, steps, seed, log)
+    plain, ref_norms, _ = _train(rank, scenario, group, False, steps, seed, gathers=[] if gathers else None)
+    watched, _, snap = _train(rank, scenario, group, True, steps, seed, log, gathers=gathers)
     differ = [
         step + 1
         for step, (a, b) in enumerate(zip(plain, watched))
@@ -206,3 +225,25 @@ def _world_job(rank, world, workdir):
 def test_three_ranks_bit_identical_to_ddp_without_a_hook(tmp_path):
     problems = _check(run_ranks(_world_job, 3, str(tmp_path)))
     assert not problems, "\n".join(problems)
+
+
+def _profiled_job(rank, world, workdir):
+    gathers = []
+    log = os.path.join(workdir, "profiled.jsonl")
+    return {("profiled", 0): _compare(rank, "dense", None, 200, 3, log, gathers)}, gathers
+
+
+@pytest.mark.slow
+def test_profiler_windows_closing_at_step_ends_hold_distmons_gather_whole(tmp_path):
+    """A profiler window that closed while distmon's per-step gather was in flight recorded a
+    corrupt (negative) duration for it and could crash the process (SIGSEGV on gloo's thread:
+    once in 3 runs of the benchmark's profiled steps); the gather now completes inside the window."""
+    results = run_ranks(_profiled_job, 2, str(tmp_path), timeout=240)
+    problems = _check([checked for checked, _ in results])
+    assert not problems, "\n".join(problems)
+    for rank, (_, gathers) in enumerate(results):
+        assert len(gathers) == 100, len(gathers)
+        bad = [(i, g) for i, g in enumerate(gathers) if len(g) != 1 or g[0] < 0]
+        assert not bad, f"rank {rank}: windows without one whole gather: {bad[:5]}"
+    # rank 0 waited inside its window for late rank 1 (10 ms)
+    assert median(g[0] for g in results[0][1]) > 5e3, results[0][1][:5]

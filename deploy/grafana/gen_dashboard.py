@@ -465,6 +465,65 @@ def build() -> dict:
     )
     y += 9
 
+    panels.append(
+        timeseries(
+            "Per-layer update / weight ratio",
+            grid(0, y, 24, 8),
+            targets((f'distmon_layer_update_ratio{{{RUN}, layer=~"$layer"}}', "{{depth}} {{layer}}")),
+            log=True,
+            description="||update|| / ||weights|| per layer at export steps (update_ratio=True). "
+            "Updates that grow relative to the weights precede loss spikes; ~1e-3 is typical for Adam.",
+        )
+    )
+    y += 8
+
+    # --- Gradient noise scale -----------------------------------------------------------------
+    panels.append(row("Gradient noise scale (with batch_size=)", y))
+    y += 1
+    panels += [
+        timeseries(
+            "Gradient noise scale B_simple (batch_size units)",
+            grid(0, y, 12, 8),
+            targets(
+                (f"distmon_gradient_noise_scale{{{RUN}}}", "B_simple"),
+            ),
+            log=True,
+            description="EMA tr(Sigma) / EMA |G|^2 (McCandlish et al. 2018): the batch size beyond "
+            "which a bigger batch stops buying proportionally faster training, in the units of "
+            "the batch_size given to distmon. NaN until 1/gns_alpha steps went in.",
+        ),
+        timeseries(
+            "Per-layer gradient noise scale",
+            grid(12, y, 12, 8),
+            targets((f'distmon_layer_gradient_noise_scale{{{RUN}, layer=~"$layer"}}', "{{depth}} {{layer}}")),
+            log=True,
+            description="The same per layer (needs rank_layers=True).",
+        ),
+    ]
+    y += 8
+
+    # --- Activations ----------------------------------------------------------------------------
+    panels.append(row("Forward activations (with activations=)", y))
+    y += 1
+    panels += [
+        timeseries(
+            "Activation RMS per watched module",
+            grid(0, y, 12, 8),
+            targets((f"distmon_activation_rms{{{RUN}}}", "{{layer}}")),
+            log=True,
+            description="RMS of each watched module's forward output (serving rank, every "
+            "activation_every steps). Output norms that keep growing precede divergence.",
+        ),
+        timeseries(
+            "Activation max |x| per watched module",
+            grid(12, y, 12, 8),
+            targets((f"distmon_activation_absmax{{{RUN}}}", "{{layer}}")),
+            log=True,
+            description="Largest absolute value of each watched module's output (Inf: non-finite).",
+        ),
+    ]
+    y += 8
+
     # --- Health -----------------------------------------------------------------------------
     panels.append(row("Training and monitor health", y))
     y += 1

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
+from .base import Source, backward_positions
 
 __all__ = [
     "DDPSource",
@@ -206,10 +207,7 @@ class BucketLayouts:
             layer = self.param_layer[slot]
             if layer not in first or pos < first[layer]:
                 first[layer] = pos
-        values = [float(self.n_layers)] * self.n_layers  # layers not yet seen sort last
-        for rank, layer in enumerate(sorted(first, key=first.__getitem__)):
-            values[layer] = float(rank)
-        self._on_order(values)
+        self._on_order(backward_positions(first, self.n_layers))
 
 
 class HookSlot:
@@ -264,7 +262,7 @@ def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
     )
 
 
-class DDPSource:
+class DDPSource(Source):
     """Measurements of a ``DistributedDataParallel`` model, taken in its comm hook.
 
     Checked and bound to the tracker before anything is installed; :meth:`install` registers
@@ -280,6 +278,7 @@ class DDPSource:
         self.model = model
         self.module = model.module
         self.group: dist.ProcessGroup = model.process_group
+        self.world_size = self.group.size()
         self.device = next(p.device for p in model.module.parameters())
         self._existing: HookSlot | None = None
         # No hook given: DDP's own arithmetic, over DDP's own group (not WORLD: a DDP replica on

@@ -1,0 +1,281 @@
+"""FSDP2 (``fully_shard``, 1-D or HSDP 2-D mesh) as a source of measurements.
+
+Two points, read where FSDP2 itself holds the two gradients:
+
+- **local**: the flat reduce-scatter input of each FSDP unit, before the reduce-scatter.
+  distmon wraps the unit's reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``,
+  chaining whatever comm was there: the default or the user's own). The input is laid out
+  ``(shard world, per-rank chunk)``, each parameter a column range of zero-padded dim-0
+  chunks, so a parameter's sum of squares is that of its columns: padding adds nothing.
+  A pre-division FSDP applies for fp16 reductions is multiplied back in.
+- **reduced**: the sharded ``p.grad`` the optimizer steps with, read when the step begins:
+  every divide factor (``AVG``, ``PREMUL_SUM``, ``set_gradient_divide_factor``), the HSDP
+  all-reduce and any accumulation are in it. Each rank has a shard; the per-layer sums of
+  its shard ride the step's one collective, and the reduced figures are their sum over the
+  ranks of one shard group (HSDP replicas hold identical shards: counted once).
+
+Refused at construction, never measured wrongly: several parameter groups in one unit
+(per-parameter meshes via ``shard_placement_fn``), a mesh that does not span the job, a
+shard group of one rank (no reduce-scatter to read: use DDP), and a fixed ``loss_scale``.
+A unit that reduce-scatters twice in one step (gradient sync on every micro-batch) or
+without some of its parameters' gradients makes that step's local figures invalid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
+
+from ..grouping import Grouping
+from ..sums import Runs, sq_sums
+from .base import Source, backward_positions
+from .local import GradSums
+
+__all__ = ["FSDPSource", "is_fsdp"]
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or a submodule was passed to ``fully_shard``."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    # the DTensor's local shard; to_local() goes through an autograd Function (~10 us a tensor)
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+@dataclass
+class _UnitLayout(Runs):
+    """How one unit's reduce-scatter input splits into runs: each rank's chunk, run by run.
+
+    The input is ``shard world`` chunks end to end, each holding every parameter's dim-0 shard
+    (zero-padded) in the same order; a run is one layer's adjacent parameters inside a chunk.
+    A run's sum of squares over the whole input is the sum of its pieces in every chunk: the
+    pieces are contiguous (a strided column view of all chunks at once reads 7x slower on CPU),
+    cut by one ``split`` and summed by one fused call; ``layer_ids`` repeats per chunk.
+    """
+
+    split_sizes: list[int]  # pieces covering the whole input: runs and untracked parameters
+    pick: list[int]  # the pieces that are runs
+    per_rank: int  # elements of one rank's chunk
+
+
+class _MeasuringReduceScatter(ReduceScatter):
+    """A unit's reduce-scatter comm that measures its input, then calls the inner comm (which allocates)."""
+
+    def __init__(self, inner: Any, source: FSDPSource, unit: int) -> None:
+        self.inner = inner
+        self.source = source
+        self.unit = unit
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]
+        self.source.measure_local(self.unit, flat)
+        return self.inner(*args, **kwargs)
+
+
+class FSDPSource(Source):
+    """Measurements of a model sharded with FSDP2's ``fully_shard``.
+
+    Example:
+        >>> source = FSDPSource(model)                                       # doctest: +SKIP
+        >>> source.check(); source.bind(tracker, grouping); source.install()  # doctest: +SKIP
+    """
+
+    reads_in_backward = False  # the reduced shards are read at the step, possibly unscaled already
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.module = model
+        self.units: list[tuple[FSDPModule, Any]] = []
+        for name, m in model.named_modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            groups = m._get_fsdp_state()._fsdp_param_groups
+            if len(groups) > 1:
+                raise ValueError(
+                    f"distmon: FSDP module {name or '<root>'!r} has {len(groups)} parameter groups "
+                    "(shard_placement_fn with per-parameter meshes); distmon measures one group per "
+                    "fully_shard call: shard those parameters in a fully_shard call of their own"
+                )
+            if groups:
+                self.units.append((m, groups[0]))
+        if not self.units:
+            raise ValueError("distmon: no fully_shard module holds parameters in this model")
+        world = dist.get_world_size()
+        shard_pgs = {id(g._reduce_scatter_process_group): g for _, g in self.units}
+        if len(shard_pgs) > 1:
+            raise ValueError("distmon: every fully_shard unit must use the same device mesh")
+        pgroup = self.units[0][1]
+        mesh_size = pgroup.mesh_info.mesh.size()
+        if mesh_size != world:
+            raise ValueError(
+                f"distmon: the FSDP mesh spans {mesh_size} of the job's {world} ranks; distmon's "
+                "collective runs on every rank, so the mesh must span the job"
+            )
+        shard_pg = pgroup._reduce_scatter_process_group
+        if shard_pg.size() < 2:
+            raise ValueError(
+                "distmon: the FSDP shard group has one rank (nothing is reduce-scattered): use "
+                "DistributedDataParallel, which distmon measures in its comm hook"
+            )
+        # set_gradient_divide_factor: the reduced gradient is no longer the ranks' mean
+        self.divide_factor_set = any(g.gradient_divide_factor is not None for _, g in self.units)
+        self.group = dist.group.WORLD
+        self.world_size = world
+        self.shard_world = shard_pg.size()
+        self.shard_ranks: list[int] = dist.get_process_group_ranks(shard_pg)
+        self.device = pgroup.device
+        self.tracker: Any = None
+        self._layouts: list[_UnitLayout] = []
+        self._inner: list[Any] = []
+        self._seen: dict[int, None] = {}  # units reduce-scattered in this step, in that order
+        self._order: tuple[int, ...] = ()  # the backward order of the units, as last told to the tracker
+        self._grads: GradSums | None = None
+        self._pre: dict[tuple[int, torch.dtype], float | None] = {}
+
+    def check(self) -> None:
+        for _, g in self.units:
+            if isinstance(g._reduce_scatter_comm, _MeasuringReduceScatter):  # removed at close
+                raise RuntimeError(
+                    "distmon: this FSDP model is already measured by an open GradMonitor; close() it "
+                    "before building another"
+                )
+
+    def bind(self, tracker: Any, grouping: Grouping) -> None:
+        self.tracker = tracker
+        slot_of = {id(p): i for i, p in enumerate(grouping.params)}
+        self._layouts = [
+            self._layout(g, slot_of, grouping.param_layer, i) for i, (_, g) in enumerate(self.units)
+        ]
+        self._grads = GradSums(
+            list(grouping.params), list(grouping.param_layer), self.device, _local, seq_base=len(self.units)
+        )
+        self._n_layers = len(grouping.layers)
+        # until a backward shows the order of the units' reduce-scatters: model order
+        tracker.set_layer_order([float(i) for i in range(self._n_layers)])
+
+    def _layout(self, pgroup: Any, slot_of: dict[int, int], param_layer: list[int], seq: int) -> _UnitLayout:
+        columns: list[list[int]] = []  # [start, stop, layer]
+        cursor = 0
+        for fp in pgroup.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue  # never in the reduce-scatter input
+            n = fp.padded_sharded_param_size.numel()
+            slot = slot_of.get(id(fp.sharded_param))
+            layer = -1 if slot is None else param_layer[slot]
+            if columns and columns[-1][2] == layer and columns[-1][1] == cursor:
+                columns[-1][1] += n  # adjacent and of the same layer: one view
+            else:
+                columns.append([cursor, cursor + n, layer])
+            cursor += n
+        pick = [i for i, c in enumerate(columns) if c[2] >= 0]
+        world, n = self.shard_world, len(columns)
+        ids = tuple(columns[i][2] for _ in range(world) for i in pick)
+        return _UnitLayout(
+            layer_ids=ids,
+            layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            seq=seq,
+            split_sizes=[b - a for a, b, _ in columns] * world,
+            pick=[r * n + i for r in range(world) for i in pick],
+            per_rank=cursor,
+        )
+
+    def _pre_factor(self, unit: int, reduce_dtype: torch.dtype) -> float | None:
+        """FSDP's division of the input before the reduce-scatter (fp16 reductions), as torch computes it."""
+        key = (unit, reduce_dtype)
+        if key not in self._pre:
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+            g = self.units[unit][1]
+            hsdp = g.mesh_info.mesh.ndim > 1
+            self._pre[key] = _get_gradient_divide_factors(
+                g._reduce_scatter_process_group,
+                g._all_reduce_process_group if hsdp else None,
+                reduce_dtype,
+                self.device.type,
+                g.gradient_divide_factor,
+                g.force_sum_reduction_for_comms,
+            )[0]
+        return self._pre[key]
+
+    def install(self) -> None:
+        self._inner = []
+        for i, (m, g) in enumerate(self.units):
+            self._inner.append(g._reduce_scatter_comm)
+            m.set_custom_reduce_scatter(_MeasuringReduceScatter(g._reduce_scatter_comm, self, i))
+        self.tracker.pull = self.measure_reduced
+
+    def remove(self) -> None:
+        for (m, g), inner in zip(self.units, self._inner):
+            comm = g._reduce_scatter_comm
+            if isinstance(comm, _MeasuringReduceScatter) and comm.source is self:
+                m.set_custom_reduce_scatter(inner)
+        if self.tracker is not None and self.tracker.pull == self.measure_reduced:
+            self.tracker.pull = None
+
+    def measure_local(self, unit: int, flat: torch.Tensor) -> None:
+        """Sums of squares of one unit's local gradients, from its reduce-scatter input."""
+        tracker = self.tracker
+        if not tracker.active:
+            return
+        try:
+            tracker.begin_backward()
+            layout = self._layouts[unit]
+            if unit in self._seen:
+                raise RuntimeError(
+                    "distmon: an FSDP unit reduce-scattered twice in one step; with gradient "
+                    "accumulation call set_requires_gradient_sync(False) on all micro-batches but "
+                    "the last"
+                )
+            self._seen[unit] = None
+            if flat.numel() != layout.per_rank * self.shard_world:
+                raise RuntimeError(
+                    "distmon: an FSDP unit reduce-scattered without some of its parameters' "
+                    "gradients (unused this step): its local figures are not measured"
+                )
+            if not layout.layer_ids:
+                return
+            pieces = flat.split(layout.split_sizes)
+            sums = sq_sums([pieces[i] for i in layout.pick])
+            pre = self._pre_factor(unit, flat.dtype)
+            if pre not in (None, 1):
+                torch._foreach_mul_(sums, float(pre) ** 2)
+            tracker.add_local(layout, sums)
+        except Exception:
+            tracker.fail("FSDP reduce-scatter (local gradients)")
+
+    def _tell_order(self, units: tuple[int, ...]) -> None:
+        """Each layer's position in backward order: its unit's reduce-scatter, then reverse model order."""
+        first: dict[int, tuple[int, int]] = {}
+        for pos, unit in enumerate(units):
+            for layer in self._layouts[unit].layer_ids:
+                # inside one unit, later layers first: backward reaches them first
+                first.setdefault(layer, (pos, -layer))
+        self.tracker.set_layer_order(backward_positions(first, self._n_layers))
+
+    def measure_reduced(self) -> None:
+        """This rank's shard of the reduced gradient, per layer, when the step begins."""
+        tracker = self.tracker
+        try:
+            seen, self._seen = tuple(self._seen), {}
+            if not seen:
+                return  # no backward reduce-scattered this step: nothing measured
+            if seen != self._order:
+                self._order = seen
+                self._tell_order(seen)
+            read = self._grads.read()
+            if read is None:
+                return
+            tracker.add_reduced(*read)
+            tracker.end_backward(scaled=True, reduced_scaled=tracker.loss_scale.scaler_unscaled() is not True)
+        except Exception:
+            tracker.fail("FSDP sharded gradients (reduced)")

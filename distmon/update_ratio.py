@@ -1,0 +1,62 @@
+"""Per-layer update-to-weight ratio ||delta theta|| / ||theta||, on export steps only.
+
+Updates that grow relative to the weights precede loss spikes. On an export step the
+parameters are copied (one fused copy into a buffer kept for the purpose) when the optimizer
+step begins, and when it ends the copy becomes ``before - after`` in place: one fused pass
+gives each layer's ``||delta||^2`` and, taken before the subtraction, ``||theta||^2``. Device
+ops only. The buffer costs one copy of the parameters' memory, hence opt-in
+(``update_ratio=True``); a step the optimizer did not take reads 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .sums import LayerFold, Runs, sq_sums
+
+__all__ = ["UpdateRatio"]
+
+
+class UpdateRatio:
+    """Takes the parameters' copy at a step's start and writes ``n_layers`` ratios at its end.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(4))
+        >>> ur = UpdateRatio([w], [0], 1, torch.device("cpu"))
+        >>> ur.begin()
+        >>> with torch.no_grad():
+        ...     _ = w.sub_(0.5)   # the optimizer's update
+        >>> out = torch.empty(1); ur.end(out); round(float(out[0]), 3)   # |0.5 * 1| / |1|
+        0.5
+    """
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], layer_of: list[int], n_layers: int, device: torch.device
+    ):
+        self.params = params
+        self.columns = n_layers
+        self._copy = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+        self._runs = Runs(tuple(layer_of), torch.tensor(layer_of, dtype=torch.int64, device=device), seq=0)
+        self._fold = LayerFold(n_layers, device)
+        self._weight_sq = torch.zeros(n_layers, dtype=torch.float32, device=device)
+        self.taken = False  # the copy of the step in progress was taken
+
+    def begin(self) -> None:
+        """The step begins: copy the parameters, and their per-layer sums of squares."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._copy, [p.detach() for p in self.params])
+        self._fold([(self._runs, sq_sums(self._copy))], self._weight_sq)
+        self.taken = True
+
+    def end(self, out: torch.Tensor) -> None:
+        """The step ended: ``out[l] = ||before_l - after_l|| / ||before_l||`` (NaN if not begun)."""
+        if not self.taken:
+            out.fill_(math.nan)
+            return
+        self.taken = False
+        with torch.no_grad():
+            torch._foreach_sub_(self._copy, [p.detach() for p in self.params])
+        self._fold([(self._runs, sq_sums(self._copy))], out)
+        out.div_(self._weight_sq).sqrt_()

@@ -1,0 +1,275 @@
+"""FSDP2 (``fully_shard``) and HSDP on real gloo ranks: the same exact figures as for DDP.
+
+Each configuration trains a small transformer-shaped model (embedding, residual blocks, final
+norm, head) with a ``fully_shard`` unit per block and one for the root, and compares every
+step with references the test computes itself:
+the reduced gradient from ``p.grad.full_tensor()`` (what the optimizer steps with, float64),
+each rank's local gradient from an unsharded twin run on the same batch, and
+``torch.nn.utils.clip_grad_norm_`` on the sharded parameters. Sizes are not multiples of the
+ranks (width 10, vocabulary 25), so FSDP pads its flat buffers: padding must not change a
+figure.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_harness import SyncRecorder, close, layer_of, lm_loss, make_batch, run_ranks
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+VOCAB, DIM = 25, 10
+LAYERS = ("emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "norm", "head")
+CONFIGS = {
+    "fsdp_2": {"world": 2, "mesh": (2,)},
+    "fsdp_4": {"world": 4, "mesh": (4,)},
+    "hsdp_2x2": {"world": 4, "mesh": (2, 2)},
+    "bf16_params_fp32_reduce": {"world": 2, "mesh": (2,), "mp": torch.float32},
+    # fp16 reductions are divided before the reduce-scatter (by 2 of 4): multiplied back for local figures
+    "fp16_params_fp16_reduce": {"world": 4, "mesh": (4,), "mp": torch.float16},
+    "accumulation_without_sync": {"world": 2, "mesh": (2,), "accum": 3},
+    "sum_divide_factor": {"world": 2, "mesh": (2,), "divide": 1.0},
+    "keep_unsharded_after_forward": {"world": 2, "mesh": (2,), "reshard": False},
+    # on the last recorded step: the NaN update poisons the weights
+    "nan_on_rank_1": {"world": 2, "mesh": (2,), "nan": (STEPS, 1, "blocks.1.fc")},
+}
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(DIM)
+        self.fc = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, h):
+        return h + self.fc(torch.tanh(self.ln(h)))
+
+
+class LM(torch.nn.Module):
+    """Embedding, residual blocks (one fully_shard unit each), final norm, head (the root unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _net():
+    torch.manual_seed(0)
+    return LM()
+
+
+def _shard(net, cfg):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    names = ("replicate", "shard") if len(cfg["mesh"]) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", cfg["mesh"], mesh_dim_names=names)
+    kw = {"mesh": mesh, "reshard_after_forward": cfg.get("reshard", True)}
+    if cfg.get("mp"):
+        param = torch.float16 if cfg["mp"] == torch.float16 else torch.bfloat16
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=cfg["mp"])
+    for block in net.blocks:
+        fully_shard(block, **kw)
+    fully_shard(net, **kw)
+    if cfg.get("divide") is not None:  # torchtitan's sum instead of mean; SUM, as gloo has no PREMUL_SUM
+        for m in net.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(cfg["divide"])
+                m.set_force_sum_reduction_for_comms(True)
+    return net
+
+
+def _poison_output_gradient(module, inputs, out):
+    out.register_hook(lambda g: g * math.nan)  # returns None: the output itself is unchanged
+
+
+def _batch(rank, step, micro):
+    return make_batch(rank, step, micro, vocab=VOCAB)
+
+
+def _loss(model, batch):
+    x, y = batch
+    return lm_loss(model(x), y)
+
+
+def _layer_sq(named_grads):
+    sq = dict.fromkeys(LAYERS, 0.0)
+    for name, g in named_grads:
+        sq[layer_of(name)] += float(g.double().pow(2).sum())
+    return sq
+
+
+def _job(rank, world, name, log_path):
+    import distmon
+
+    cfg = CONFIGS[name]
+    net, twin = _shard(_net(), cfg), _net()
+    dtype = {None: torch.float32, torch.float32: torch.bfloat16, torch.float16: torch.float16}[cfg.get("mp")]
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    # exports only on flush: the window below must see ordinary steps only
+    mon = distmon.GradMonitor(
+        net, opt, serve="none", export_every=1000, export_interval_s=0, log_path=log_path
+    )
+    accum = cfg.get("accum", 1)
+    recs = []
+    for step in range(1, STEPS + 1):
+        twin.load_state_dict({k: v.full_tensor().to(dtype) for k, v in net.state_dict().items()})
+        twin.zero_grad()
+        for micro in range(accum):
+            net.set_requires_gradient_sync(micro == accum - 1)
+            batch = _batch(rank, step, micro)
+            # the NaN starts in the gradient of blocks.1.fc's output on one rank: backward carries
+            # it into every layer below, but blocks.1 is the first unit to reduce-scatter
+            poison = None
+            if cfg.get("nan") and cfg["nan"][:2] == (step, rank):
+                poison = net.blocks[1].fc.register_forward_hook(_poison_output_gradient)
+            (_loss(net, batch) / accum).backward()
+            if poison is not None:
+                poison.remove()
+            (_loss(twin.to(dtype), batch) / accum).backward()
+        reduced = _layer_sq((n, p.grad.full_tensor()) for n, p in net.named_parameters())
+        local = _layer_sq((n, p.grad) for n, p in twin.named_parameters())
+        direct = float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters()]).full_tensor())
+        clipped = float(mon.clip_grad_norm_(1e9)) if math.isfinite(direct) else direct
+        opt.step()
+        opt.zero_grad()
+        recs.append({"reduced": reduced, "local": local, "direct": direct, "clip": clipped})
+    mon.flush()
+    # no host sync and one collective of the monitor per ordinary step
+    with SyncRecorder() as rec:
+        per_step = []
+        for step in range(STEPS + 1, STEPS + 4):
+            _loss(net, _batch(rank, step, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(len(rec.collectives))
+    mon.flush()
+    mon.close()
+    snaps = []
+    if rank == 0:
+        with open(log_path) as f:
+            snaps = [json.loads(line) for line in f]
+    return {
+        "recs": recs,
+        "snaps": snaps,
+        "n_syncs": len(rec.syncs),
+        "syncs": rec.describe(rec.syncs),
+        "per_step": per_step,
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(c for c in CONFIGS if c != "nan_on_rank_1"))
+def fsdp_run(request, tmp_path_factory):
+    name = request.param
+    log = str(tmp_path_factory.mktemp(name) / "steps.jsonl")
+    return name, run_ranks(_job, CONFIGS[name]["world"], name, log, timeout=240)
+
+
+def test_global_layer_and_rank_figures_equal_float64_references(fsdp_run):
+    name, out = fsdp_run
+    snaps = out[0]["snaps"]
+    assert [s["step"] for s in snaps] == list(range(1, STEPS + 4))
+    nan = CONFIGS[name].get("nan")
+    for step, snap in enumerate(snaps[:STEPS], 1):
+        ref = out[0]["recs"][step - 1]
+        if nan and step == nan[0]:
+            continue  # the next test's
+        assert snap["valid"] and not snap["nonfinite"], (step, snap)
+        assert close(snap["grad_norm"], math.sqrt(sum(ref["reduced"].values())), 1e-5), (step, snap, ref)
+        assert close(snap["grad_norm"], ref["direct"], 1e-5)
+        for layer in LAYERS:
+            want = math.sqrt(ref["reduced"][layer])
+            assert close(snap["layer_grad_norms"][layer], want, 1e-5), (step, layer)
+        for rank, rank_out in enumerate(out):
+            local = rank_out["recs"][step - 1]["local"]
+            assert close(snap["rank_grad_norms"][rank], math.sqrt(sum(local.values())), 1e-4), (step, rank)
+            for i, layer in enumerate(LAYERS):
+                want = math.sqrt(local[layer])
+                assert close(snap["rank_layer_grad_norms"][rank][i], want, 1e-4), (step, rank, layer)
+
+
+def test_clip_grad_norm_returns_torch_s_norm_on_every_rank(fsdp_run):
+    _, out = fsdp_run
+    for rank_out in out:
+        for r in rank_out["recs"]:
+            if math.isfinite(r["direct"]):
+                assert close(r["clip"], r["direct"], 1e-6), r
+
+
+def test_no_host_sync_and_one_collective_per_step(fsdp_run):
+    _, out = fsdp_run
+    for rank_out in out:
+        assert rank_out["n_syncs"] == 0, rank_out["syncs"]
+        assert rank_out["per_step"] == [1, 2, 3], rank_out["per_step"]
+
+
+def test_a_nan_on_one_rank_is_attributed_to_that_rank_and_layer(tmp_path):
+    """Its own run (the other configurations' figures are in the tests above)."""
+    name = "nan_on_rank_1"
+    out = run_ranks(_job, CONFIGS[name]["world"], name, str(tmp_path / "steps.jsonl"), timeout=240)
+    step, rank, layer = CONFIGS[name]["nan"]
+    snap = out[0]["snaps"][step - 1]
+    assert snap["nonfinite"] and snap["nonfinite_ranks"] == [rank], snap
+    assert snap["first_nonfinite"] == [rank, layer], snap
+    assert [e["kind"] for e in snap["events"]] == ["nonfinite"]
+
+
+def _refusals(rank, world):
+    import distmon
+
+    net = _shard(_net(), {"mesh": (2,)})
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    messages = []
+    for kwargs in ({"loss_scale": 8.0}, {"comm_hook": lambda s, b: None}):
+        try:
+            distmon.GradMonitor(net, opt, serve="none", **kwargs)
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    # the monitor leaves nothing behind: an unmonitored step still trains
+    _loss(net, _batch(rank, 0, 0)).backward()
+    opt.step()
+    assert dist.get_world_size() == world
+    return messages
+
+
+def test_unsupported_combinations_are_refused_at_construction():
+    messages = run_ranks(_refusals, 2)[0]
+    assert "loss_scale= needs a DDP model" in messages[0]
+    assert "comm_hook is a DDP option" in messages[1]
+
+
+def _unchanged(rank, world):
+    import distmon
+
+    def train(monitored):
+        net = _shard(_net(), {"mesh": (2, 2)})
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        mon = distmon.GradMonitor(net, opt, serve="none") if monitored else None
+        for step in range(1, 5):
+            _loss(net, _batch(rank, step, 0)).backward()
+            if mon is not None:
+                mon.clip_grad_norm_(1e9)  # clip by a norm no gradient reaches: a no-op on the values
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            mon.close()
+        return [p.full_tensor() for p in net.parameters()]
+
+    bare, monitored = train(False), train(True)
+    return all(torch.equal(a, b) for a, b in zip(bare, monitored))
+
+
+def test_hsdp_training_is_bit_identical_with_and_without_distmon():
+    assert all(run_ranks(_unchanged, 4))
