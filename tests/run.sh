@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh --test
-exec python3 -m pytest -q "$@"
+exec python3 -m pytest -q --durations=20 "$@"

@@ -72,6 +72,8 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
         for key in ("median_ms", "cpu_ms", "ratio", "own_ms"):
             assert math.isfinite(row[key]), (name, key, row[key])
         assert row["median_ms"] > 0 and row["cpu_ms"] > 0
+        if name != "baseline":  # the paired ratio (same round) and its bootstrap interval
+            assert 0 < row["paired_lo"] <= row["paired"] <= row["paired_hi"], (name, row)
     assert size["floor_ms"] > 0 and size["floor_cpu_ms"] > 0
 
     assert not size["info"].get("uninstrumented"), (
@@ -108,6 +110,7 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
         "## Acceptance",
         "## Where distmon's time goes",
         "## How it is measured",
+        "paired ratio [95% CI]",
         "Command: `",
         "torch " + res["machine"]["torch"],
     ):
