@@ -71,8 +71,9 @@ def test_corrupted_rank_is_the_outlier_and_nothing_else_fires(tmp_path):
     assert {(kind, rank) for _, kind, rank, _ in events} == {("rank_outlier", 1)}
 
 
-@pytest.mark.parametrize("seed", [2, 3])
-def test_no_false_positives_on_clean_runs(tmp_path, seed):
-    snaps = run_demo(BASE + ["--seed", str(seed)], 3, str(tmp_path / "c.jsonl"))
+def test_no_false_positives_on_a_clean_run(tmp_path):
+    """One clean seed here (the suite's time budget); ``benchmarks/detector_calibration.py``
+    runs clean seeds 0-2 by default and reports each one's largest score against its threshold."""
+    snaps = run_demo(BASE + ["--seed", "2"], 3, str(tmp_path / "c.jsonl"))
     assert len(snaps) == STEPS
     assert _events(snaps) == []
