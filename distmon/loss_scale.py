@@ -60,9 +60,7 @@ class LossScale:
         """``1 / S**2`` as a 0-d device tensor, or None when gradients are not scaled."""
         if self._fixed_inv_sq is not None:
             return self._fixed_inv_sq
-        if self.scaler is not None and self.scaler.is_enabled():
-            return self.scaler.scale(self._one).square().reciprocal()
-        return None
+        return self.scale().square().reciprocal() if self.active else None
 
     def scaler_unscaled(self) -> bool | None:
         """With a scaler: whether ``scaler.unscale_`` already ran on every optimizer this step.
