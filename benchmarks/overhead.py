@@ -1497,7 +1497,7 @@ def render_md(res: dict, png: str | None) -> str:
         "jobs), median over timed steps, mean over ranks; `local_sums`/`reduced_sums` = sums of squares of "
         "the "
         "local / reduced bucket (comm hook, future callback), `before_step` = fold the local sums, pack and "
-        "start the per-step all-gather (optimizer step pre-hook), `after_step` = optimizer step post-hook "
+        "start the step's collective (optimizer step pre-hook), `after_step` = optimizer step post-hook "
         "without its export (fold the reduced sums into the step's row), `export` = "
         "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
         "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "

@@ -55,10 +55,11 @@ class Col(IntEnum):
     SPIKE_LAYER = 4  # index of the layer that spiked with the largest z, -1 if none
     SPIKE_LAYER_Z = 5  # its z-score
     VANISHING = 6  # 1: the vanishing run reached its length this step
-    OUTLIER = 7  # 1: a rank is an outlier
-    OUTLIER_RANK = 8  # the rank with the largest outlier score
-    OUTLIER_SCORE = 9  # its score
-    BLOCK = 10  # 1: a guard must not take this step (non-finite or spiking reduced gradient)
+    BLOCK = 7  # 1: a guard must not take this step (non-finite or spiking reduced gradient)
+    # from here on: the per-rank verdicts, judged once every rank's rows are in (update_ranks)
+    OUTLIER = 8  # 1: a rank is an outlier
+    OUTLIER_RANK = 9  # the rank with the largest outlier score
+    OUTLIER_SCORE = 10  # its score
 
 
 @dataclass(frozen=True)
@@ -267,10 +268,13 @@ def _seed(
 
 
 class DeviceDetector:
-    """Running detector state on the device; :meth:`update` reads runs of finished step rows.
+    """Running detector state on the device, advanced by runs of finished ring rows.
 
-    Without a guard the tracker hands over all valid rows since the last export at once; a
-    guard needs each verdict before its step, so there every run is one row. Both give the
+    :meth:`update` judges the reduced figures (spikes, vanishing, the guard's verdict),
+    :meth:`update_ranks` the per-rank ones (rank outliers), once the export gathered every
+    rank's rows. Without a guard the tracker hands over all valid rows since the last export
+    at once; a guard needs each reduced verdict before its step, so there every run of
+    :meth:`update` is one row. Both give the
     step-by-step recurrence: the running mean and variance before each row of a run come in
     closed form from prefix sums (:func:`distmon.sums.prefix_ema`). The one approximation of a longer run:
     values are winsorized against the baseline at the run's start (at most ``export_every``
@@ -297,6 +301,7 @@ class DeviceDetector:
         self.dev_var = torch.full((), math.nan, **f32)  # cross-rank log-norm variance, EMA
         self._consistency = _trimmed_consistency(world)
         self.updates = 0  # host count of rows seen: the warm-up and history slots need no device read
+        self.rank_updates = 0  # the same for update_ranks
         self._log_ratio = math.log(cfg.spike_ratio)
         self._log_floor = math.log(cfg.vanishing_norm)
         # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
@@ -309,7 +314,7 @@ class DeviceDetector:
         out[Col.SPIKE_LAYER] = -1.0
 
     def update(self, rows: torch.Tensor, layout: RowLayout) -> None:
-        """Judge a run of consecutive valid steps' rows, write their detector columns, advance the state.
+        """Judge a run of consecutive valid steps' reduced figures, write their columns, advance the state.
 
         ``rows`` is ``(k, layout.width)``, rows of the device ring; device ops only.
         """
@@ -354,11 +359,6 @@ class DeviceDetector:
         count = run_lengths(below, self.below)
         self.below.copy_(count[-1])
 
-        score, outlier_rank, outlier_score = self._rank_outliers(rows, layout)
-        outlier = outlier_score > cfg.outlier_score
-        outlier[:armed_from] = False
-        if self.world < 3:
-            outlier.zero_()
         verdicts = {
             Col.ZSCORE: z[:, 0],
             Col.MEDIAN_RATIO: torch.exp(x[:, 0] - median),
@@ -367,14 +367,10 @@ class DeviceDetector:
             Col.SPIKE_LAYER: torch.where(any_layer, best, -1),
             Col.SPIKE_LAYER_Z: torch.where(any_layer, best_z, 0.0),
             Col.VANISHING: count == cfg.vanishing_steps,
-            Col.OUTLIER: outlier,
-            Col.OUTLIER_RANK: outlier_rank,
-            Col.OUTLIER_SCORE: outlier_score,
             Col.BLOCK: ~finite[:, 0] | spike.any(1),
         }
         out = rows[:, layout.detector]
-        out[:, : len(Col)] = torch.stack([verdicts[c].float() for c in Col], 1)
-        out[:, len(Col) :] = score
+        out[:, : Col.OUTLIER] = torch.stack([verdicts[c].float() for c in Col if c < Col.OUTLIER], 1)
 
         self.mean.copy_(mean_after)
         self.var.copy_(var_after)
@@ -386,6 +382,25 @@ class DeviceDetector:
                 seg = self.history[slots]  # a non-finite step keeps the slot's old value
                 seg.copy_(torch.where(learn[run, 0], x[run, 0], seg))
         self.updates += k
+
+    def update_ranks(self, rows: torch.Tensor, layout: RowLayout) -> None:
+        """Judge a run of consecutive valid steps' per-rank figures (rank outliers), every rank's rows in.
+
+        Writes the outlier columns and every rank's score; device ops only.
+        """
+        if len(rows) > self._max_run:
+            for i in range(0, len(rows), self._max_run):
+                self.update_ranks(rows[i : i + self._max_run], layout)
+            return
+        score, rank, top = self._rank_outliers(rows, layout)
+        outlier = top > self.cfg.outlier_score
+        outlier[: max(0, self.cfg.warmup_steps - self.rank_updates)] = False
+        if self.world < 3:
+            outlier.zero_()
+        self.rank_updates += len(rows)
+        out = rows[:, layout.detector]
+        out[:, Col.OUTLIER : len(Col)] = torch.stack([outlier.float(), rank.float(), top], 1)
+        out[:, len(Col) :] = score
 
     def _rank_outliers(self, rows: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, ...]:
         """Per row: every rank's outlier score, the top rank and its score; advances the scale."""

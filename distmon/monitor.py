@@ -268,7 +268,7 @@ class GradMonitor:
         decoder = RowDecoder(
             tracker.layout,
             grouping.layers,
-            tracker.gather.fields,
+            tracker.exchange.fields,
             self.run_id,
             lambda: tracker.layer_order_host,
             DetectorDecoder(det_cfg, grouping.layers) if factory else None,
@@ -484,27 +484,33 @@ class GradMonitor:
         """Publish every finished step now and wait until the exporters have it.
 
         May synchronize with the device: call it in tests, at evaluation points or at the
-        end of training, not every step. Call it on every rank (it issues no collective).
+        end of training, not every step. Call it on every rank at the same point of the loop:
+        the other ranks' figures of the steps since the last export come in one all-gather.
         After ``close()`` it only returns :meth:`latest`.
         """
         if not self._closed:
-            self._tracker.publish()
-            self._publisher.drain()
+            self._publish(gather=True)
         return self.latest()
+
+    def _publish(self, gather: bool) -> None:
+        self._tracker.publish(gather)
+        self._publisher.drain()
 
     def close(self, finished: bool = True) -> None:
         """Flush, stop measuring, mark the run finished, linger, stop serving. Idempotent.
 
         Call on every rank at the same point of training (the monitor's per-step collective
-        stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark
-        and the linger, so the run reads as having died. Afterwards ``latest()``, ``step`` and
+        stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark,
+        the linger and the all-gather (the other ranks may not be closing: the steps since the
+        last export are published with this rank's figures only, the others' as not measured),
+        so the run reads as having died. Afterwards ``latest()``, ``step`` and
         ``flush()`` report the final state, ``clip_grad_norm_`` raises, and the model keeps
         training exactly as without distmon (a new monitor can be built on it).
         """
         if self._closed:
             return
         try:
-            self.flush()
+            self._publish(gather=finished)
         finally:
             self._closed = True
             self._tracker.active = False

@@ -99,7 +99,6 @@ class DeviceRing:
         # views made once: the hooks index rows every step
         self._rows = list(self.data.unbind(0))
         self._layers = [row[layout.layers] for row in self._rows]
-        self._gathered = [row[layout.gathered] for row in self._rows]
         pin = device.type == "cuda"
         self._host = [torch.empty_like(self.data, device="cpu", pin_memory=pin) for _ in range(2)]
         self._free = [threading.Event() for _ in self._host]
@@ -118,10 +117,6 @@ class DeviceRing:
     def layers(self, step: int) -> torch.Tensor:
         """The reduced per-layer sums of squares of step ``step``'s row."""
         return self._layers[self.slot(step)]
-
-    def gathered(self, step: int) -> torch.Tensor:
-        """The gathered columns of step ``step``'s row (the all-gather's output)."""
-        return self._gathered[self.slot(step)]
 
     def reset(self, first: int, last: int, blank: torch.Tensor) -> None:
         """Write the row ``blank`` into the rows of steps ``first..last`` (at most ``n_rows`` steps).

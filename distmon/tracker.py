@@ -5,16 +5,21 @@ A step goes through four points, each called on every rank in the same program o
 1. the source's hooks hand over each backward's local and reduced sums of squares
    (:meth:`StepTracker.add_local`, :meth:`StepTracker.add_reduced`);
 2. :meth:`StepTracker.before_step`, when the optimizer step begins (or ``clip_grad_norm_``
-   or the guard needs the step's figures): the local sums are folded into layers and the
-   step's one collective starts;
+   or the guard needs the step's figures): the local sums are folded into layers, this
+   rank's row is kept for the next export, and the step's one collective starts: the rows
+   of every step since the last export, all-gathered, on an export step; otherwise a
+   fixed-size all-reduce (or nothing) (``collective.py``);
 3. :meth:`StepTracker.after_step`, when the optimizer step ends: the reduced sums are folded
-   into the step's ring row, and every ``export_every`` steps (or once ``export_interval_s``
-   seconds have passed since the last publication, checked at step ends) the rows are published;
+   into the step's ring row; an export step's rows are published;
 4. :meth:`StepTracker.publish` (also on ``flush``): rows not yet judged are *judged* (totals
-   and detector verdicts, in one batch), copied to the host and handed to the publisher.
+   and detector verdicts, in one batch; the per-rank verdicts once every rank's rows are
+   there), copied to the host and handed to the publisher.
 
-Every method catches its own failures, counts them and degrades (the step's figures are
-marked invalid); the collective is issued whatever failed locally (``collective.py`` says why).
+A step exports every ``export_every`` steps and, with ``export_interval_s``, when rank 0's
+clock says so: its vote travels in a step's collective and is read on every rank a step
+later (two on a GPU), so every rank agrees which steps gather. Every method catches its own
+failures, counts them and degrades (the step's figures are marked invalid); the collective is
+issued whatever failed locally (``collective.py`` says why).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .activations import ActivationWatch
-from .collective import RankFields, RankGather
+from .collective import LaggedVote, RankExchange, RankFields
 from .detectors import DeviceDetector
 from .errors import ErrorCounter
 from .loss_scale import LossScale
@@ -48,13 +53,17 @@ class StepTracker:
 
     ``step`` counts finished optimizer steps; the step in progress writes ring row
     ``step + 1``. An ordinary step costs the source's two fused passes over the gradients
-    (local and reduced), one fold of each into per-layer sums and the one all-gather, whose
-    wait is left to the next step (or the next publication). Judging a row (its total and
-    detector verdicts) waits for the publication, batched over the steps since the last one,
-    unless a step's figures are needed before its ``optimizer.step()`` (guard,
-    ``clip_grad_norm_``). Rows are published when ``step % export_every == 0``, at the first
-    step end ``export_interval_s`` seconds after the last publication (this rank's clock:
-    publication is local, no collective) and on :meth:`publish` (flush/close).
+    (local and reduced), one fold of each into per-layer sums, the copy of this rank's row
+    into the ring of rows kept for the next export and a fixed-size all-reduce (rank 0's
+    export vote, a sharded model's shard sums; none when there is neither), whose wait is
+    left to the next step. Judging a row (its total and detector verdicts) waits for the
+    publication, batched over the steps since the last one, unless a step's figures are
+    needed before its ``optimizer.step()`` (guard, ``clip_grad_norm_``); the per-rank
+    verdicts (rank outliers, noise scale) always wait for the export's gather. Rows are
+    published when ``step % export_every == 0``, on the step after rank 0 voted (two on a
+    GPU) once ``export_interval_s`` seconds passed since its last publication, and on
+    :meth:`publish` (flush/close). In one process (no group) nothing is issued, and the time
+    rule reads the clock at step ends.
 
     Example:
         >>> tracker = StepTracker(2, None, 1, torch.device("cpu"), 10, True, ErrorCounter())
@@ -90,19 +99,32 @@ class StepTracker:
         # layers not yet seen sort last
         self.layer_order = torch.full((n_layers,), float(n_layers), device=device)
         self.layer_order_host: list[float] = [float(n_layers)] * n_layers
+        # several ranks agree on export steps through their collectives; one process decides alone
+        self.collective = group is not None
         # a sharded model: each rank measures its shard of the reduced gradient; the reduced
-        # figures are the sum of those partial sums over the ranks of one shard group (replicas
-        # hold identical shards and count once), taken from the gathered rows
+        # figures are the sum of those partial sums over one shard group. The shard groups
+        # partition the ranks: the one holding rank 0 adds up every shard once, the others
+        # send zeros (replicas hold identical shards)
         self.sharded = shard_ranks is not None
+        self._adds_shard = self.sharded and 0 in list(shard_ranks or ())
         fields = RankFields(
             n_layers,
             rank_layers,
             partial=self.sharded,
             batch=noise_factory is not None,
             act=activations is not None,
+            vote=self.collective and export_interval_s > 0,
         )
-        self._shard_ranks = torch.tensor(list(shard_ranks or ()), dtype=torch.int64, device=device)
-        self.gather = RankGather(fields, n_layers, group, device)
+        self.exchange = RankExchange(fields, n_layers, export_every, group, device)
+        self.votes = LaggedVote(device) if fields.vote is not None else None
+        self._voter = self.votes is not None and self.exchange.rank == 0
+        self._vote_sent = 0.0  # rank 0's vote in its send row
+        self._quiet_until = 0  # rank 0 voted: no new vote before the export it asked for
+        self._reduces = self.collective and fields.reduced.stop > fields.reduced.start
+        # the collective in flight: (kind, first step, last step, gathered view or None)
+        self._pending: tuple[str, int, int, torch.Tensor | None] | None = None
+        self._gathered_through = 0  # every rank's rows of the steps up to here are in the ring
+        self._export_at = 0  # the step whose collective was its export's gather
         self.detector = detector_factory(fields) if detector_factory else None
         self.noise = noise_factory(fields) if noise_factory else None
         self.batch_size = batch_size  # this rank's batch this step, for the gradient noise scale
@@ -135,7 +157,7 @@ class StepTracker:
         self.ring.reset(1, export_every, self._blank)
         self.export_every = export_every
         # slow steps must not hold a bad step back from Prometheus for export_every steps: a
-        # host clock read per step end, no device work
+        # host clock read per step, no device work
         self.export_interval_s = export_interval_s
         self._last_publish = time.monotonic()
         self.loss_scale = loss_scale or LossScale()
@@ -223,47 +245,114 @@ class StepTracker:
 
     # -- optimizer side ---------------------------------------------------------------------
     def before_step(self) -> None:
-        """The step begins: fold this rank's local sums and start the step's collective (once per step).
+        """The step begins: fold this rank's local sums, keep its row, start the step's collective.
 
-        Called when the optimizer step begins, on every rank: the source's reduction has
-        completed by then, so the collective cannot interleave with its collectives.
+        Once per step, called when the optimizer step begins, on every rank: the source's
+        reduction has completed by then, so the collective cannot interleave with its
+        collectives.
         """
         if not self.active or self._begun:
             return
         self._begun = True
         self._pull()
+        step = self.step + 1
         ur = self.update_ratio
-        if ur is not None and (self.step + 1) % self.export_every == 0:
+        if ur is not None and step % self.export_every == 0:
             try:
                 ur.begin()  # the parameters before this (export) step's update
             except Exception:
                 self.errors.record("update ratio")
+        self._complete()  # the previous step's collective, before its buffers are written again
+        ex = self.exchange
         try:
-            self.gather.wait()  # the previous step's gather reads the send buffer
-            self.fold(self._local, self.gather.layer_sq)
-            self._unscale(self.gather.layer_sq, self._scaled)
-            if self.sharded:  # this rank's shard of the reduced gradient travels in the gather
-                if self._measured:
-                    self.fold(self._reduced, self.gather.partial_sq)
-                    self._unscale(self.gather.partial_sq, self._reduced_scaled)
+            self.fold(self._local, ex.layer_sq)
+            self._unscale(ex.layer_sq, self._scaled)
+            if self._adds_shard and self._measured:  # this rank's shard of the reduced gradient
+                self.fold(self._reduced, ex.partial_sq)
+                self._unscale(ex.partial_sq, self._reduced_scaled)
+            if self.sharded:
                 self._reduced.clear()
             self._local.clear()
             batch = float(self.batch_size()) if self.batch_size is not None else 0.0
-            self.gather.pack(self.layer_order, self.errors.count, self._step_ok and self._measured, batch)
+            ex.pack(self.layer_order, self.errors.count, self._step_ok and self._measured, batch)
             watch = self.activations
-            # this rank's first non-finite module travels in the gather; the send buffer keeps
+            # this rank's first non-finite module travels in its row; the send row keeps
             # "none" between activation steps, so those write nothing
             if watch is not None and (watch.active or self._act_sent):
-                f = self.gather.fields
-                self.gather.send[f.act_first].copy_(watch.first_module if watch.active else watch.none)
+                ex.send[ex.fields.act_first].copy_(watch.first_module if watch.active else watch.none)
                 self._act_sent = watch.active
         except Exception:
-            self.fail("rank gather (pack)")
-            self.gather.invalidate(self.errors.count)
+            self.fail("rank exchange (pack)")
+            ex.invalidate(self.errors.count)  # its vote and first bad module: none
+            self._vote_sent, self._act_sent = 0.0, False
         try:
-            self.gather.issue(self.ring.gathered(self.step + 1))
+            self._vote(step)
+            ex.keep(self.ring.slot(step))
+            self._issue(step)
         except Exception:
-            self.fail("rank gather (collective)")
+            self.fail("rank exchange (collective)")
+
+    def _vote(self, step: int) -> None:
+        """Rank 0: ask for an export once ``export_interval_s`` passed since its last publication.
+
+        Not on a step that exports anyway, nor before the export it already asked for.
+        """
+        if not self._voter:
+            return
+        due = time.monotonic() - self._last_publish >= self.export_interval_s
+        vote = 1.0 if due and step > self._quiet_until and step % self.export_every else 0.0
+        if vote:
+            assert self.votes is not None
+            self._quiet_until = step + self.votes.lag  # the step whose export this asks for
+        if vote != self._vote_sent:
+            self.exchange.send[self.exchange.fields.vote].fill_(vote)
+            self._vote_sent = vote
+
+    def _issue(self, step: int) -> None:
+        """Start step ``step``'s collective: its export's gather, or the all-reduce, or none."""
+        if not self.collective:
+            return
+        voted = self.votes is not None and self.votes.read(step)  # the same on every rank
+        if step % self.export_every == 0 or voted:
+            first = self._gathered_through + 1
+            self._gathered_through = self._export_at = step
+            out = self.exchange.gather(self.ring.slot(first), self.ring.slot(step))
+            self._pending = ("export", first, step, out)
+        elif self._reduces:
+            self._pending = ("reduce", step, step, None)
+            self.exchange.reduce()
+
+    def _complete(self) -> None:
+        """Wait for the collective in flight and put what it brought where it belongs.
+
+        Every rank's rows into the ring rows of their steps; a sharded model's reduced sums
+        into the step's row (from the all-reduce, or added up from the export's gathered
+        shard sums); rank 0's vote on its way to the host.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        kind, first, last, out = pending
+        ex, f = self.exchange, self.exchange.fields
+        try:
+            ex.wait()
+            vote = None
+            if out is None:  # the all-reduce
+                if self.sharded:
+                    self.ring.layers(last).copy_(ex.summed[len(ex.summed) - f.n_partial :])
+                if f.vote is not None:
+                    vote = ex.summed[:1]
+            else:
+                a = self.ring.slot(first)
+                self.layout.ranks(self.ring.data[a : a + last - first + 1]).copy_(out.transpose(0, 1))
+                if kind == "export" and self.sharded:
+                    self.ring.layers(last).copy_(out[:, -1, f.partial].sum(0))
+                if kind == "export" and f.vote is not None:
+                    vote = out[0, -1, f.vote : f.vote + 1]
+            if vote is not None and self.votes is not None:
+                self.votes.post(last, vote)
+        except Exception:
+            self.errors.record("rank exchange (wait)")
 
     def row(self) -> torch.Tensor:
         """The row of the step in progress, its reduced sums folded in (once per step).
@@ -278,7 +367,7 @@ class StepTracker:
         self._row_done = True
         self._pull()
         try:
-            # a sharded model's reduced sums ride the gather (before_step): added up when judged
+            # a sharded model's reduced sums come with the step's collective (_complete)
             if not self.sharded:
                 if self._measured:
                     self.fold(self._reduced, self.ring.layers(step))
@@ -293,22 +382,23 @@ class StepTracker:
         self._valid[self.ring.slot(step)] = valid
         return row
 
-    def total_sq(self) -> torch.Tensor:
-        """The step in progress's reduced sum of squares, as a 0-d device tensor (no collective)."""
+    def _reduced_now(self) -> torch.Tensor:
+        """The step in progress's row with its reduced sums in (a sharded model's need its collective)."""
         if self.sharded:
             self.before_step()
-        row = self.row()
-        if self.sharded:
-            self.gather.wait()  # a stream wait on NCCL; the shards' sums are needed now
-            self._reduce_rows(row.unsqueeze(0))
+            self._complete()  # a stream wait on NCCL; the shards' sums are needed now
+        return self.row()
+
+    def total_sq(self) -> torch.Tensor:
+        """The step in progress's reduced sum of squares, as a 0-d device tensor (no collective)."""
+        row = self._reduced_now()
         torch.sum(row[self.layout.layers], 0, keepdim=True, out=row[1:2])
         return row[1]
 
     def judge_now(self) -> torch.Tensor:
         """Judge the step in progress now (a guard's verdict before ``optimizer.step()``); returns its row."""
         self.before_step()
-        self.gather.wait()
-        row = self.row()
+        row = self._reduced_now()
         self._judge(self.step + 1)
         return row
 
@@ -327,7 +417,7 @@ class StepTracker:
         self.before_step()  # a step whose start was not seen still sends its (invalid) row
         row = self.row()
         watch = self.activations
-        if watch is not None and watch.active:  # after the gather read the first bad module
+        if watch is not None and watch.active:  # after its row took the first bad module
             try:
                 watch.close_step(row[self.layout.act])
             except Exception:
@@ -344,64 +434,89 @@ class StepTracker:
         self._new_step()
         if self.activations is not None:  # the next step's forwards: watched or not
             self.activations.active = (self.step + 1) % self.activation_every == 0
-        if self.step % self.export_every == 0 or (
-            self.export_interval_s and time.monotonic() - self._last_publish >= self.export_interval_s
-        ):
+        if self.collective:
+            due = self._export_at == self.step
+        else:
+            due = self.step % self.export_every == 0 or bool(
+                self.export_interval_s and time.monotonic() - self._last_publish >= self.export_interval_s
+            )
+        if due:
             self.publish()
 
-    def _judge(self, through: int) -> None:
-        """Totals and detector verdicts of the steps up to ``through``, in one batch, in step order.
+    def _valid_runs(self, first: int, last: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The ring rows of steps ``first..last`` (consecutive: never across a publication) and
+        the ``(start, stop)`` row ranges of their runs of valid steps, in step order."""
+        a = self.ring.slot(first)
+        rows = self.ring.data[a : a + last - first + 1]
+        runs, start = [], 0
+        for valid, run in itertools.groupby(self._valid[a : a + len(rows)]):
+            n = len(list(run))
+            if valid:
+                runs.append((start, start + n))
+            start += n
+        return rows, runs
 
-        The steps since the last judgment never straddle a publication, so their rows are
-        consecutive in the ring; the detectors see each run of valid rows at once.
-        """
+    def _judge(self, through: int) -> None:
+        """Totals and reduced-figure verdicts of the steps up to ``through``, in one batch."""
         first = self._judged_through + 1
         if through < first:
             return
         self._judged_through = through
         try:
-            lay = self.layout
-            a = self.ring.slot(first)
-            rows = self.ring.data[a : a + through - first + 1]
-            if self.sharded:
-                self._reduce_rows(rows)
-            rows[:, 1] = rows[:, lay.layers].sum(1)
+            rows, runs = self._valid_runs(first, through)
+            rows[:, 1] = rows[:, self.layout.layers].sum(1)
             if self.detector is not None:
-                start = 0
-                for valid, run in itertools.groupby(self._valid[a : a + len(rows)]):
-                    n = len(list(run))
-                    if valid:
-                        self.detector.update(rows[start : start + n], lay)
-                    start += n
+                for start, stop in runs:
+                    self.detector.update(rows[start:stop], self.layout)
         except Exception:
             self.errors.record("detectors")
+
+    def _judge_ranks(self, first: int, last: int) -> None:
+        """The verdicts that need every rank's rows (rank outliers, noise scale), once they are in."""
+        rows, runs = self._valid_runs(first, last)
+        if self.detector is not None:
+            try:
+                for start, stop in runs:
+                    self.detector.update_ranks(rows[start:stop], self.layout)
+            except Exception:
+                self.errors.record("detectors")
         if self.noise is not None:
             try:
                 self.noise.update(rows, self.layout)
             except Exception:
                 self.errors.record("gradient noise scale")
 
-    def _reduce_rows(self, rows: torch.Tensor) -> None:
-        """A sharded model's reduced per-layer sums: the gathered partial sums of one shard group, added."""
-        lay, f = self.layout, self.gather.fields
-        gathered = lay.ranks(rows)
-        rows[:, lay.layers] = gathered[:, self._shard_ranks, f.partial].sum(1)
-
-    def publish(self) -> None:
+    def publish(self, gather: bool = True) -> None:
         """Judge the finished rows not yet published, copy them to the host (non-blocking), hand them over.
 
-        The published rows are then reset to the blank row (ordered after the copy on the
-        device), ready for the steps that reuse them. Fewer than ``export_every`` steps are ever
-        pending, so the row of a step in progress is never among them.
+        Every rank's rows of steps not yet gathered are all-gathered first: a collective, so
+        with several ranks call it on every rank at the same point. ``gather=False`` (a rank
+        closing on an exception, which the others may not share) publishes what this rank
+        has: its own figures, the other ranks' as not measured. The published rows are then
+        reset to the blank row (ordered after the copy on the device), ready for the steps
+        that reuse them. Fewer than ``export_every`` steps are ever pending, so the row of a
+        step in progress is never among them.
         """
         first, last = self._published_through + 1, self.step
         if last < first:
             return
-        try:
-            self.gather.wait()  # the last finished step's gather lands in its row
-        except Exception:
-            self.errors.record("rank gather (wait)")
+        self._complete()
+        if self._gathered_through < last:
+            a = self._gathered_through + 1
+            self._gathered_through = last
+            try:
+                if gather and self.collective:
+                    out = self.exchange.gather(self.ring.slot(a), self.ring.slot(last))
+                    self._pending = ("flush", a, last, out)
+                    self._complete()
+                else:
+                    s, n = self.ring.slot(a), last - a + 1
+                    own = self.layout.ranks(self.ring.data[s : s + n])[:, self.exchange.rank]
+                    own.copy_(self.exchange.rows[s : s + n])
+            except Exception:
+                self.errors.record("rank exchange (flush)")
         self._judge(last)
+        self._judge_ranks(first, last)
         self._published_through = last
         self._last_publish = time.monotonic()
         try:

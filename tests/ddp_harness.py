@@ -369,7 +369,8 @@ class SyncRecorder:
     """Record host syncs and collectives issued by distmon code, in any thread.
 
     ``rec.syncs`` and ``rec.collectives`` are lists of ``(name, thread_name,
-    stack_text)``. Only calls attributed to distmon by `in_distmon_code` are
+    stack_text)``; ``rec.sizes[i]`` holds the element counts of collective i's tensor
+    arguments. Only calls attributed to distmon by `in_distmon_code` are
     recorded. Nested instrumented calls (``dist.all_gather_into_tensor`` ->
     ``ProcessGroup._allgather_base``) count once, at the outermost call.
     """
@@ -378,6 +379,7 @@ class SyncRecorder:
         self.dm_dir = dm_dir or distmon_dir()
         self.syncs = []
         self.collectives = []
+        self.sizes = []  # per collective: the element counts of its tensor arguments (output, input)
         self._undo = []
         self._tls = threading.local()
         self._lock = threading.Lock()
@@ -404,6 +406,8 @@ class SyncRecorder:
                     entry = (name, threading.current_thread().name, _short_stack(caller))
                     with rec._lock:
                         (rec.syncs if kind == "sync" else rec.collectives).append(entry)
+                        if kind != "sync":
+                            rec.sizes.append([a.numel() for a in args if isinstance(a, torch.Tensor)])
             rec._tls.depth = depth + 1
             try:
                 return orig(*args, **kwargs)

@@ -352,8 +352,9 @@ def _hostsync_job(rank, world_size):
     import distmon
 
     model, twin, ddp, opt = _setup()
-    # exports by step count only: the window below must hold ordinary steps, however slow
-    mon = distmon.GradMonitor(ddp, opt, export_every=1000, export_interval_s=0, serve="none")
+    # the window below must hold ordinary steps, however slow: exports by step count only,
+    # with the time rule on (its vote rides the per-step all-reduce) but an hour away
+    mon = distmon.GradMonitor(ddp, opt, export_every=1000, export_interval_s=3600, serve="none")
     recs = []
     for step in range(1, WARMUP + 1):
         recs.append(_train_step(rank, step, model, twin, ddp, opt))
@@ -371,6 +372,7 @@ def _hostsync_job(rank, world_size):
         "syncs": rec.describe(rec.syncs),
         "n_syncs": len(rec.syncs),
         "collectives": [n for n, _, _ in rec.collectives],
+        "sizes": rec.sizes,
         "collective_stacks": rec.describe(rec.collectives[:4]),
         "per_step": per_step,
     }
@@ -438,6 +440,8 @@ def test_no_host_sync_on_non_export_steps(hostsync_run):
 
 
 def test_exactly_one_monitor_collective_per_step(hostsync_run):
+    """An ordinary step's one collective is an all-reduce of one float (rank 0's export vote),
+    whatever the world size and the number of layers."""
     for r, out in enumerate(hostsync_run):
         counts = out["per_step"]
         per_step = [b - a for a, b in zip([0] + counts[:-1], counts)]
@@ -445,6 +449,52 @@ def test_exactly_one_monitor_collective_per_step(hostsync_run):
             f"rank {r}: monitor collectives per step {per_step} (expected one each): "
             f"{out['collectives']}\n{out['collective_stacks']}"
         )
+        assert set(out["collectives"]) == {"dist.all_reduce"}, out["collectives"]
+        assert all(sizes == [1] for sizes in out["sizes"]), out["sizes"]
+
+
+SCHEDULE_STEPS, SCHEDULE_EVERY = 12, 4
+
+
+def _schedule_job(rank, world_size, interval_s):
+    """Per step: distmon's collectives (name, element counts) over three export cycles."""
+    import distmon
+
+    model, twin, ddp, opt = _setup()
+    mon = distmon.GradMonitor(
+        ddp, opt, export_every=SCHEDULE_EVERY, export_interval_s=interval_s, serve="none"
+    )
+    steps = []
+    for step in range(1, SCHEDULE_STEPS + 1):
+        with SyncRecorder() as rec:
+            _train_step(rank, step, model, twin, ddp, opt)
+        steps.append([(n, sizes) for (n, _, _), sizes in zip(rec.collectives, rec.sizes)])
+    with SyncRecorder() as rec:
+        snap = mon.flush()  # nothing left to gather: every step was exported
+    mon.close()
+    return steps, rec.collectives, [float(v) for v in snap.rank_grad_norms]
+
+
+@pytest.mark.parametrize("interval_s", [3600.0, 0.0], ids=["time rule on", "step count only"])
+def test_export_steps_gather_every_ranks_rows_since_the_last_in_place_of_the_all_reduce(interval_s):
+    """Every export_every-th step's one collective is the all-gather of the rows of the steps
+    since the last export (export_every rows of every rank); the other steps send one float
+    (with the time rule's vote) or nothing."""
+    for world in (2, 3):
+        for rank, (steps, flush_colls, norms) in enumerate(run_ranks(_schedule_job, world, interval_s)):
+            width = len(LAYERS) + 2  # the rank's row: its layer sums, errors, valid (+ the vote)
+            width += 1 if interval_s else 0
+            for step, colls in enumerate(steps, 1):
+                if step % SCHEDULE_EVERY == 0:
+                    rows = SCHEDULE_EVERY * width
+                    expected = [("dist.all_gather_single", [world * rows, rows])]
+                    assert colls == expected, (world, rank, step, colls)
+                elif interval_s:
+                    assert colls == [("dist.all_reduce", [1])], (world, rank, step, colls)
+                else:
+                    assert colls == [], (world, rank, step, colls)
+            assert flush_colls == [], (world, rank, flush_colls)
+            assert len(norms) == world and all(math.isfinite(v) and v > 0 for v in norms), norms
 
 
 def test_figures_exact_after_the_recorded_window(hostsync_run):

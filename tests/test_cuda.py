@@ -121,3 +121,33 @@ def test_one_rank_nccl_ddp_figures_equal_a_float64_reference():
         assert snap.grad_norm == pytest.approx(true, rel=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def test_one_rank_nccl_time_rule_vote_reaches_the_host_through_pinned_memory():
+    """export_interval_s on NCCL: rank 0's vote goes through the step's all-reduce, a pinned copy
+    and an event, read two steps later; snapshots are published by time alone (export_every is
+    far away, no flush)."""
+    import time
+
+    import torch.distributed as dist
+    from ddp_harness import free_port
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        net = make_net()
+        ddp = DDP(net, device_ids=[0])
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        with distmon.GradMonitor(ddp, opt, serve="none", export_every=1000, export_interval_s=0.05) as mon:
+            for n in range(12):
+                g = torch.Generator(device="cuda").manual_seed(n)
+                ddp(torch.randn(32, 64, device="cuda", generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.03)
+            time.sleep(0.5)  # the publisher thread
+            snap = mon.latest()
+            assert snap is not None and 6 <= snap.step <= 12, snap and snap.step
+            assert snap.valid and snap.monitor_errors == 0
+    finally:
+        dist.destroy_process_group()

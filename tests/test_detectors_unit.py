@@ -63,6 +63,7 @@ class Feeder:
         if not k:
             return []
         self.det.update(self.rows[:k], self.layout)
+        self.det.update_ranks(self.rows[:k], self.layout)  # the export: every rank's rows are in
         events = []
         for (step, ranks), vals in zip(self.pending, self.rows[:k].tolist()):
             norm = math.sqrt(vals[1]) if math.isfinite(vals[1]) else math.nan

@@ -17,10 +17,12 @@ One 2-rank gloo job walks through the cases, each on the same DDP model:
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import socket
 import threading
+import time
 import warnings
 
 import pytest
@@ -217,3 +219,53 @@ def test_errors_counted_after_the_last_published_step_are_served(lifecycle):
     served, counted = lifecycle[0]["served"], lifecycle[0]["errors_counted"]
     assert counted == 2  # the JSONL sink failed at both publications (steps 5 and 10)
     assert served["distmon_monitor_errors_total"] == counted + lifecycle[1]["errors_counted"]
+
+
+class _Died(RuntimeError):
+    pass
+
+
+def _dying_job(rank: int, world: int) -> dict:
+    """Rank 1 raises inside ``with GradMonitor(...)`` after step 5 of 10 (before the export);
+    rank 0 goes on to its own end 2 s later without another step, as a job torn down does."""
+    model = DDP(_net())
+    twin = copy.deepcopy(model.module)  # this rank's local gradient, unreduced
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    began = time.monotonic()
+    try:
+        with distmon.GradMonitor(model, opt, serve="none", export_every=10, export_interval_s=0) as mon:
+            for step in range(5):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+                twin.load_state_dict(model.module.state_dict())
+                twin.zero_grad()
+                twin(x).pow(2).mean().backward()
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            own = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()]).item()
+            if rank == 1:
+                raise _Died("a rank's own failure")
+            time.sleep(2.0)
+            raise _Died("torn down")
+    except _Died:
+        closed_after = time.monotonic() - began
+    snap = mon.latest()
+    return {
+        "closed_after": closed_after,
+        "step": snap.step,
+        "valid": snap.valid,
+        "rank_grad_norms": snap.rank_grad_norms,
+        "own": own,
+    }
+
+
+def test_a_rank_that_raises_closes_at_once_with_its_own_figures_only():
+    """close(finished=False) issues no collective (the other ranks may be anywhere): the steps
+    since the last export are published with this rank's figures, the others' NaN."""
+    for rank, out in enumerate(run_ranks(_dying_job, 2, timeout=120)):
+        assert out["closed_after"] < (10.0 if rank == 1 else 12.0), out
+        assert out["step"] == 5 and not out["valid"], out
+        other = out["rank_grad_norms"][1 - rank]
+        mine = out["rank_grad_norms"][rank]
+        assert math.isnan(other), out
+        assert abs(mine - out["own"]) <= 1e-5 * out["own"], out

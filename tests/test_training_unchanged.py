@@ -95,7 +95,14 @@ def _train(rank, scenario, group, monitored, steps, seed, log_path=None, gathers
     mon = None
     if monitored:
         mon = distmon.GradMonitor(
-            ddp, opt, serve="none", comm_hook=hook, comm_state=state, log_path=log_path if rank == 0 else None
+            ddp,
+            opt,
+            serve="none",
+            comm_hook=hook,
+            comm_state=state,
+            log_path=log_path if rank == 0 else None,
+            # profiled: every step exports, so every step's collective is the all-gather
+            export_every=1 if gathers is not None else None,
         )
     elif hook is not None:
         ddp.register_comm_hook(state, hook)
