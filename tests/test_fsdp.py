@@ -25,8 +25,10 @@ VOCAB, DIM = 25, 10
 LAYERS = ("emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "norm", "head")
 CONFIGS = {
     "fsdp_2": {"world": 2, "mesh": (2,)},
-    "fsdp_4": {"world": 4, "mesh": (4,)},
-    "hsdp_2x2": {"world": 4, "mesh": (2, 2)},
+    # export_every=STEPS: step STEPS exports by count, its reduced figures (and clip's norm) from
+    # the export's gathered shard sums instead of the ordinary step's all-reduce
+    "fsdp_4": {"world": 4, "mesh": (4,), "export_every": STEPS},
+    "hsdp_2x2": {"world": 4, "mesh": (2, 2), "export_every": STEPS},
     "bf16_params_fp32_reduce": {"world": 2, "mesh": (2,), "mp": torch.float32},
     # fp16 reductions are divided before the reduce-scatter (by 2 of 4): multiplied back for local figures
     "fp16_params_fp16_reduce": {"world": 4, "mesh": (4,), "mp": torch.float16},
@@ -118,9 +120,10 @@ def _job(rank, world, name, log_path):
     net, twin = _shard(_net(), cfg), _net()
     dtype = {None: torch.float32, torch.float32: torch.bfloat16, torch.float16: torch.float16}[cfg.get("mp")]
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    # exports only on flush: the window below must see ordinary steps only
+    # exports by count at most once, before the window below, which must see ordinary steps only
+    every = cfg.get("export_every", 1000)
     mon = distmon.GradMonitor(
-        net, opt, serve="none", export_every=1000, export_interval_s=0, log_path=log_path
+        net, opt, serve="none", export_every=every, export_interval_s=0, log_path=log_path
     )
     accum = cfg.get("accum", 1)
     recs = []
