@@ -124,6 +124,13 @@ def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env
     except Exception:
         pass
     faulthandler.cancel_dump_traceback_later()
+    # The result is written: leave without interpreter finalization, where torch 2.13's gloo
+    # worker threads can still drop the last reference to a finished work's tensors and abort
+    # the process ("terminate called without an active exception", SIGABRT with no Python
+    # frame; pytorch/pytorch#190489, #179291). Seen once in four full-suite runs, after the job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _stacks(workdir, world_size):
