@@ -186,11 +186,10 @@ class RankExchange:
         """Keep the send row as ring row ``slot`` until its export's gather."""
         self.rows[slot].copy_(self.send)
 
-    def reduce(self) -> torch.Tensor:
-        """Start the SUM all-reduce of the send row's :attr:`RankFields.reduced` floats; its buffer."""
+    def reduce(self) -> None:
+        """Start the SUM all-reduce of the send row's :attr:`RankFields.reduced` floats, in :attr:`summed`."""
         self.summed.copy_(self.send[self.fields.reduced])
         self._start(dist.all_reduce(self.summed, group=self.group, async_op=True))
-        return self.summed
 
     def gather(self, first: int, last: int) -> torch.Tensor:
         """Start the all-gather of kept rows ``first..last`` (ring slots); ``(world, k, width)`` out."""

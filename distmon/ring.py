@@ -118,6 +118,11 @@ class DeviceRing:
         """The reduced per-layer sums of squares of step ``step``'s row."""
         return self._layers[self.slot(step)]
 
+    def span(self, first: int, last: int) -> torch.Tensor:
+        """The rows of steps ``first..last``, consecutive in the ring (a stretch between exports)."""
+        start = self.slot(first)
+        return self.data[start : start + last - first + 1]
+
     def reset(self, first: int, last: int, blank: torch.Tensor) -> None:
         """Write the row ``blank`` into the rows of steps ``first..last`` (at most ``n_rows`` steps).
 

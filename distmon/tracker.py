@@ -343,8 +343,7 @@ class StepTracker:
                 if f.vote is not None:
                     vote = ex.summed[:1]
             else:
-                a = self.ring.slot(first)
-                self.layout.ranks(self.ring.data[a : a + last - first + 1]).copy_(out.transpose(0, 1))
+                self._land(first, last, out)
                 if kind == "export" and self.sharded:
                     self.ring.layers(last).copy_(out[:, -1, f.partial].sum(0))
                 if kind == "export" and f.vote is not None:
@@ -353,6 +352,10 @@ class StepTracker:
                 self.votes.post(last, vote)
         except Exception:
             self.errors.record("rank exchange (wait)")
+
+    def _land(self, first: int, last: int, out: torch.Tensor, ranks: slice = slice(None)) -> None:
+        """Write ``out`` (``(ranks, k, width)``: each rank's rows of steps ``first..last``) into the ring."""
+        self.layout.ranks(self.ring.span(first, last))[:, ranks].copy_(out.transpose(0, 1))
 
     def row(self) -> torch.Tensor:
         """The row of the step in progress, its reduced sums folded in (once per step).
@@ -446,8 +449,7 @@ class StepTracker:
     def _valid_runs(self, first: int, last: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The ring rows of steps ``first..last`` (consecutive: never across a publication) and
         the ``(start, stop)`` row ranges of their runs of valid steps, in step order."""
-        a = self.ring.slot(first)
-        rows = self.ring.data[a : a + last - first + 1]
+        a, rows = self.ring.slot(first), self.ring.span(first, last)
         runs, start = [], 0
         for valid, run in itertools.groupby(self._valid[a : a + len(rows)]):
             n = len(list(run))
@@ -497,10 +499,10 @@ class StepTracker:
         that reuse them. Fewer than ``export_every`` steps are ever pending, so the row of a
         step in progress is never among them.
         """
+        self._complete()  # whatever is published, no collective of distmon's is left in flight
         first, last = self._published_through + 1, self.step
         if last < first:
             return
-        self._complete()
         if self._gathered_through < last:
             a = self._gathered_through + 1
             self._gathered_through = last
@@ -509,10 +511,10 @@ class StepTracker:
                     out = self.exchange.gather(self.ring.slot(a), self.ring.slot(last))
                     self._pending = ("flush", a, last, out)
                     self._complete()
-                else:
-                    s, n = self.ring.slot(a), last - a + 1
-                    own = self.layout.ranks(self.ring.data[s : s + n])[:, self.exchange.rank]
-                    own.copy_(self.exchange.rows[s : s + n])
+                else:  # this rank's own rows only
+                    s, r = self.ring.slot(a), self.exchange.rank
+                    own = self.exchange.rows[s : s + last - a + 1].unsqueeze(0)
+                    self._land(a, last, own, slice(r, r + 1))
             except Exception:
                 self.errors.record("rank exchange (flush)")
         self._judge(last)
