@@ -9,11 +9,12 @@ Run it (one command; it starts ``torchrun`` itself when not already under it)::
     torchrun --nproc-per-node 2 benchmarks/overhead.py --full   # the same, launched by hand
 
 Every approach gets its own DDP copy of the same model (same initial weights; a DDP model
-accepts one comm hook). Every round runs ONE training step of every approach, in a rotating
-order, on the SAME batch, each timed with ``time.perf_counter`` around forward + backward +
-the approach's extra work + ``optimizer.step()``, after a ``dist.barrier()`` so the ranks start
-together. Machine drift (other jobs on a shared box, thermal state) hits every approach alike
-and cancels in the ratios. A step's time is the slowest rank's.
+accepts one comm hook). Every round runs ONE training step of every approach on the SAME
+batch, in an order that puts every approach in every place equally often (``round_order``),
+each timed with ``time.perf_counter`` around forward + backward + the approach's extra work +
+``optimizer.step()``, after a ``dist.barrier()`` so the ranks start together. Machine drift
+(other jobs on a shared box, thermal state) hits every approach alike and cancels in the ratios.
+A step's time is the slowest rank's.
 
 Approaches (see ``APPROACHES``):
 
@@ -552,6 +553,23 @@ APPROACHES: list[type[Approach]] = [
 # ------------------------------------------------------------------------------- runner
 
 
+def round_order(r: int, k: int) -> list[int]:
+    """The order in which round ``r`` steps the ``k`` copies.
+
+    Rounds come in pairs, an order and its reverse, each pair rotated one further: over any
+    ``2 k`` rounds every copy runs in every position equally often, and any two copies swap
+    places every round pair. A copy that always ran second (after another copy's step freed
+    its gradients and the floor read) would carry that position's cost into its ratio.
+
+    Example:
+        >>> [round_order(r, 2) for r in range(4)]
+        [[0, 1], [1, 0], [1, 0], [0, 1]]
+    """
+    shift = (r // 2) % k
+    order = list(range(shift, k)) + list(range(shift))
+    return order[::-1] if r % 2 else order
+
+
 @dataclass
 class Copy:
     approach: Approach
@@ -560,6 +578,7 @@ class Copy:
     times: list[float] = field(default_factory=list)
     cpus: list[float] = field(default_factory=list)
     selfs: list[dict[str, float]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # where in each timed round its step ran
 
 
 class Bench:
@@ -727,7 +746,7 @@ class Bench:
             nonlocal step_no
             step_no += 1
             x, y = self.batch(size, step_no)
-            for i in order:
+            for pos, i in enumerate(order):
                 c = copies[i]
                 if mem is not None:
                     mem[c.approach.name] = self.step_memory(c, x, y)
@@ -739,6 +758,7 @@ class Bench:
                     c.times.append(dt)
                     c.cpus.append(dc)
                     c.selfs.append(selfs)
+                    c.positions.append(pos)
                 if floors is not None and base:
                     floors.append(self.floor(c))
                     c.opt.zero_grad(set_to_none=True)
@@ -761,12 +781,7 @@ class Bench:
         n_rounds = self.bcast(n_rounds)
         self.log(f"   one round of {k} steps: {round_s:.1f} s; timing {n_rounds} rounds")
         for r in range(1, n_rounds):
-            shift = r % k
-            order = list(range(k))
-            order = order[shift:] + order[:shift]
-            if r % 2:
-                order.reverse()
-            round_(order, record=True, floors=floors)
+            round_(round_order(r, k), record=True, floors=floors)
             if self.rank == 0 and (r + 1) % max(1, n_rounds // 5) == 0:
                 print(f"   round {r + 1}/{n_rounds} ({now_s() - t_start:.0f} s)", flush=True)
 
@@ -791,6 +806,7 @@ class Bench:
             times={c.approach.name: c.times for c in copies},
             cpus={c.approach.name: c.cpus for c in copies},
             selfs={c.approach.name: c.selfs for c in copies},
+            positions={c.approach.name: c.positions for c in copies},
             floors=floors,
             mem=mem,
             persistent=persistent,
@@ -1061,6 +1077,29 @@ def paired_ratio(t: list[float], base: list[float], n_boot: int = 2000) -> tuple
     return median(ratios), meds[int(0.025 * n_boot)], meds[int(0.975 * n_boot) - 1]
 
 
+def order_effect(t: list[float], base: list[float], pos: list[int], base_pos: list[int]) -> dict:
+    """The paired median ratio of the rounds where the copy stepped after the baseline, and before it.
+
+    With both orders equally often, a cost that belongs to a position in the round, not to the
+    copy, shows as ``after / before`` far from 1, and cancels in the ratio over all rounds.
+    Empty when the positions were not recorded (results saved before they were).
+
+    Example:
+        >>> order_effect([1.1, 1.0], [1.0, 1.0], [1, 0], [0, 1])
+        {'paired_after': 1.1, 'paired_before': 1.0, 'n_after': 1, 'n_before': 1}
+    """
+    if not pos or len(pos) != len(t):
+        return {}
+    after = [a / b for a, b, p, q in zip(t, base, pos, base_pos) if p > q]
+    before = [a / b for a, b, p, q in zip(t, base, pos, base_pos) if p < q]
+    return dict(
+        paired_after=median(after) if after else math.nan,
+        paired_before=median(before) if before else math.nan,
+        n_after=len(after),
+        n_before=len(before),
+    )
+
+
 def _ratios(t: list[float], base: list[float], blocks: list[list[int]]) -> tuple[float, float, float]:
     """(ratio of medians, min and max of the same ratio within each block of rounds)."""
     per_block = [median([t[i] for i in b]) / median([base[i] for i in b]) for b in blocks if b]
@@ -1097,10 +1136,12 @@ def analyse(size_res: dict, repeats: int) -> dict:
     base_ms, base_cpu_ms = 1e3 * median(wall["baseline"]), 1e3 * median(cpu["baseline"])
     reps = max(1, min(repeats, n))
     blocks = [list(range(j * n // reps, (j + 1) * n // reps)) for j in range(reps)]
+    pos = ranks[0].get("positions", {})  # the same order on every rank
     rows = {}
     for a in names:
         ratio, rmin, rmax = _ratios(wall[a], wall["baseline"], blocks)
         paired, plo, phi = paired_ratio(wall[a], wall["baseline"])
+        order = order_effect(wall[a], wall["baseline"], pos.get(a, []), pos.get("baseline", []))
         cratio, cmin, cmax = _ratios(cpu[a], cpu["baseline"], blocks)
         med, cmed = 1e3 * median(wall[a]), 1e3 * median(cpu[a])
         # own code: CPU time inside the approach's code per step, mean over ranks; sites named
@@ -1136,6 +1177,7 @@ def analyse(size_res: dict, repeats: int) -> dict:
             paired=paired,
             paired_lo=plo,
             paired_hi=phi,
+            **order,
             extra_ms=med - base_ms,
             extra_passes=(med - base_ms) / floor_ms,
             cpu_ms=cmed,
@@ -1283,6 +1325,19 @@ def size_table(s: dict, hist_freq: int) -> list[str]:
             f"{fmt_bytes(r['peak_over_baseline'])} | {fmt_bytes(r['kept_bytes'])} |"
         )
     lines.append("")
+    checks = [
+        f"{_label(a, hist_freq)} {r['paired_after']:.4f} after it, {r['paired_before']:.4f} before it "
+        f"({r['n_after']} and {r['n_before']} rounds)"
+        for a, r in s["rows"].items()
+        if a != "baseline" and r.get("n_after") and r.get("n_before")
+    ]
+    if checks:
+        lines += [
+            "Order check, paired median ratio to bare DDP by the copy's place in the round "
+            "(a cost of the place, not the copy, shows as a gap between the two; it cancels in the "
+            "paired ratio over all rounds): " + "; ".join(checks) + ".",
+            "",
+        ]
     return lines
 
 
@@ -1593,7 +1648,8 @@ def method_notes(res: dict) -> list[str]:
         "`launch/model.py`, "
         "AdamW), the same batch for every approach in a round. Each round runs one step of every approach "
         "in a "
-        "rotating (and alternately reversed) order; each step is timed around forward + backward + the "
+        "balanced order (pairs of rounds in an order and its reverse, rotated one further per pair, so every "
+        "approach runs in every place equally often); each step is timed around forward + backward + the "
         "approach's extra work + `optimizer.step()`, after a `dist.barrier()`; `zero_grad` is outside. "
         "Machine drift hits all approaches alike and cancels in the ratios.",
         "- step ms (wall) = `time.perf_counter`, the slowest rank's; step CPU ms = `time.process_time` (CPU "
