@@ -6,7 +6,7 @@
 One process, the same model and batch: each round times one forward with the hooks of
 ``GradMonitor(model, opt, activations=True, activation_every=1)`` live (every block watched on
 every step: the worst case; the default is every ``export_every`` steps) and one with them
-off (the same hooks, inactive), in alternating order. Reports the median per-round
+off (the same hooks, inactive), in a balanced order (ABBA). Reports the median per-round
 difference in ms and as a fraction of the forward.
 """
 
@@ -22,7 +22,7 @@ for path in (os.path.join(REPO, "launch"), REPO, HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from overhead import SIZES  # noqa: E402
+from overhead import SIZES, round_order  # noqa: E402
 
 
 def main(argv=None) -> int:  # noqa: ANN001
@@ -47,7 +47,7 @@ def main(argv=None) -> int:  # noqa: ANN001
     on, off = [], []
     with torch.no_grad():
         for r in range(args.rounds + 2):
-            for active in (True, False) if r % 2 else (False, True):
+            for active in [(False, True)[i] for i in round_order(r, 2)]:
                 watch.active = active
                 t = time.perf_counter()
                 model(x)

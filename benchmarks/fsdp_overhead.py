@@ -9,7 +9,7 @@ Run it (it starts ``torchrun`` itself when not already under it)::
 The models are ``benchmarks/overhead.py``'s GPT sizes, each block a ``fully_shard`` unit and
 the root another. Two copies of the same seeded model, one bare and one with
 ``distmon.GradMonitor(model, opt, serve="none")`` (defaults), train on the same batch: every
-round runs one step of each, in alternating order, after a barrier; a step's time is the
+round runs one step of each, in a balanced order (ABBA), after a barrier; a step's time is the
 slowest rank's. Reported: the median of the per-round ratios (distmon / bare), the median
 extra milliseconds, and the extra time in *gradient passes*: units of one fused read
 (``torch._foreach_norm``) of a full-size copy of the gradients, the bytes distmon reads on the
@@ -32,7 +32,7 @@ for path in (os.path.join(REPO, "launch"), REPO, HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from overhead import SIZES  # noqa: E402  (benchmarks/overhead.py: the same model sizes)
+from overhead import SIZES, round_order  # noqa: E402  (benchmarks/overhead.py: the same sizes, order)
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
         for r in range(args.rounds + 3):
             x = torch.randint(0, vocab, (batch, seq), generator=g)
             y = torch.randint(0, vocab, (batch, seq), generator=g)
-            order = copies if r % 2 == 0 else copies[::-1]
+            order = [copies[i] for i in round_order(r, len(copies))]
             times = {id(c): _step(c[0], c[1], x, y) for c in order}
             t = torch.tensor([times[id(c)] for c in copies])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
