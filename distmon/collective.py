@@ -81,7 +81,8 @@ class RankFields:
             ("total_sq", 0 if rank_layers else 1),
             ("first_nonfinite", 0 if rank_layers else 1),
             ("errors", 1),
-            ("valid", 1),
+            ("valid", 1),  # this rank's local figures were measured
+            ("reduced_ok", 1 if partial else 0),  # its shard of the reduced gradient was measured
             ("batch", 1 if batch else 0),  # the gradient noise scale: this rank's batch this step
             ("act_first", 1 if act else 0),  # activations: the first non-finite module, -1 if none
             ("vote", 1 if vote else 0),  # from here on: what the per-step all-reduce adds up
@@ -96,6 +97,7 @@ class RankFields:
         self.total_sq: int | None = col["total_sq"]
         self.first_nonfinite: int | None = col["first_nonfinite"]
         self.errors, self.valid = col["errors"], col["valid"]
+        self.reduced_ok: int | None = col["reduced_ok"]
         self.batch: int | None = col["batch"]
         self.act_first: int | None = col["act_first"]
         self.vote: int | None = col["vote"]
@@ -157,21 +159,29 @@ class RankExchange:
         self.rows = torch.zeros(n_rows, fields.width, **f32)  # kept rows, by ring slot
         self.summed = torch.zeros(fields.reduced.stop - fields.reduced.start, **f32)  # all-reduce buffer
         self._gathered = torch.zeros(self.world * n_rows * fields.width, **f32)
-        self._sent_meta: tuple[int, bool, float] | None = None  # (errors, valid, batch) in the buffer
+        # (errors, valid, reduced_ok, batch) in the buffer
+        self._sent_meta: tuple[int, bool, bool, float] | None = None
         self._work: dist.Work | None = None
 
-    def pack(self, layer_order: torch.Tensor, errors: int, valid: bool, batch: float = 0.0) -> None:
-        """Fill the send row's per-rank fields after the last bucket (device ops only)."""
+    def pack(
+        self, layer_order: torch.Tensor, errors: int, valid: bool, reduced_ok: bool = True, batch: float = 0.0
+    ) -> None:
+        """Fill the send row's per-rank fields after the last bucket (device ops only).
+
+        ``valid``: the local figures were measured; ``reduced_ok``: this rank's shard sums were.
+        """
         f = self.fields
         if f.total_sq is not None and f.first_nonfinite is not None:
             torch.sum(self.layer_sq, 0, keepdim=True, out=self.send[f.total_sq : f.total_sq + 1])
             sums.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
-        if self._sent_meta != (errors, valid, batch):
+        if self._sent_meta != (errors, valid, reduced_ok, batch):
             self.send[f.errors].fill_(errors)
             self.send[f.valid].fill_(1.0 if valid else 0.0)
+            if f.reduced_ok is not None:
+                self.send[f.reduced_ok].fill_(1.0 if reduced_ok else 0.0)
             if f.batch is not None:
                 self.send[f.batch].fill_(batch)
-            self._sent_meta = (errors, valid, batch)
+            self._sent_meta = (errors, valid, reduced_ok, batch)
 
     def invalidate(self, errors: int) -> None:
         """Send a row that says "no figures from this rank this step" (after a local failure)."""
@@ -180,7 +190,7 @@ class RankExchange:
             if index is not None:
                 self.send[index].fill_(-1.0)
         self.send[self.fields.errors].fill_(errors)
-        self._sent_meta = (errors, False, 0.0)
+        self._sent_meta = (errors, False, False, 0.0)
 
     def keep(self, slot: int) -> None:
         """Keep the send row as ring row ``slot`` until its export's gather."""

@@ -7,6 +7,7 @@ which win over defaults.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable
@@ -24,7 +25,7 @@ SERVE_MODES = ("rank0", "node", "all", "none")
 GUARD_MODES = (None, "skip", "raise")
 DEFAULT_PORT = 9290
 
-__all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT"]
+__all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "AGREED", "option_label"]
 
 
 def _env(name: str) -> str | None:
@@ -58,6 +59,44 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "tls_client_ca": ("DISTMON_TLS_CLIENT_CA", lambda n, v: v),
     "basic_auth_file": ("DISTMON_BASIC_AUTH_FILE", lambda n, v: v),
 }
+
+
+# Options every rank must set alike: they shape the rows and the collective every rank sends
+# each step, or the guard's verdict, which every rank must reach alike (a difference hangs or
+# aborts the job, or lets the ranks' models drift apart). Compared at start-up (startup.agree).
+# batch_size and activations are compared by presence and by the modules they select: a rank's
+# batch may differ, the rows' width may not.
+AGREED = (
+    "export_every",
+    "export_interval_s",
+    "groups",
+    "max_layers",
+    "rank_layers",
+    "serve",
+    "detect",
+    "guard",
+    "scaler",
+    "loss_scale",
+    "batch_size",
+    "gns_alpha",
+    "activations",
+    "activation_every",
+    "update_ratio",
+)
+
+
+def option_label(name: str) -> str:
+    """An option as a user may have set it: ``export_every (DISTMON_EXPORT_EVERY)``.
+
+    Example:
+        >>> option_label("export_every"), option_label("guard")
+        ('export_every (DISTMON_EXPORT_EVERY)', 'guard')
+    """
+    return f"{name} ({_ENV[name][0]})" if name in _ENV else name
+
+
+def _digest(names: tuple[str, ...]) -> str:
+    return f"{len(names)} [{hashlib.sha1(chr(10).join(names).encode()).hexdigest()[:10]}]"
 
 
 @dataclass(frozen=True)
@@ -122,6 +161,32 @@ class MonitorConfig:
         cfg = cls(**values)
         cfg.validate()
         return cfg
+
+    def agreed(self, layers: tuple[str, ...], watched: tuple[str, ...]) -> dict[str, str]:
+        """The :data:`AGREED` options as every rank must have them, comparable across ranks.
+
+        ``layers`` (what ``groups`` and ``max_layers`` made of the model) and ``watched`` (the
+        modules ``activations`` selects) stand for those options: their names' count and digest.
+
+        Example:
+            >>> MonitorConfig(export_every=5).agreed(("fc1", "fc2"), ())["export_every"]
+            '5'
+        """
+        shown: dict[str, str] = {}
+        for name in AGREED:
+            value = getattr(self, name)
+            if name == "groups":
+                value = f"layer groups {_digest(layers)}"
+            elif name == "activations":
+                value = f"watched modules {_digest(watched)}" if watched else None
+            elif name == "batch_size":
+                value = "given" if value is not None else None
+            elif name == "scaler":
+                value = "a GradScaler" if value is not None else None
+            elif name == "activation_every":
+                value = value or self.export_every
+            shown[name] = repr(value) if not isinstance(value, str) else value
+        return shown
 
     @property
     def security(self) -> EndpointSecurity:

@@ -40,3 +40,12 @@ class ErrorCounter:
                 "here are counted in distmon_monitor_errors_total, not logged)",
                 site,
             )
+
+    def note(self, site: str, n: int, message: str) -> None:
+        """Count ``n`` losses at ``site`` that are no exception (a sink fell behind); warn once per site."""
+        with self._lock:
+            self.count += n
+            first = site not in self._seen
+            self._seen.add(site)
+        if first:
+            logger.warning(message)

@@ -26,6 +26,7 @@ from .loss_scale import LossScale
 from .noise_scale import NoiseScale
 from .prometheus_exporter import GradCollector, MetricsAggregate
 from .publisher import Publisher, RowDecoder
+from .sinks import Sink, SinkWorker
 from .snapshot import AnomalyEvent, Snapshot
 from .sources import source_for
 from .startup import Prepared, agree, prepare, served_ranks
@@ -36,6 +37,14 @@ __all__ = ["GradMonitor", "GradientAnomalyError"]
 
 
 _WITHDRAW_GRACE_S = 5.0  # serving after the file_sd target file is removed
+# The longest flush() and close() wait for the sinks on threads of their own (the JSONL log, the
+# on_anomaly callbacks): a log on a hung mount or a blocked callback must not hold the job.
+SINK_WAIT_S = 10.0
+_STOP_S = 2.0
+
+
+def _has_events(snap: Snapshot) -> bool:
+    return bool(snap.events)
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -187,6 +196,7 @@ class GradMonitor:
         me = hostinfo.local_rank_info(source.group, source.device)
         # Everything that can fail, on this rank; nothing is installed yet.
         proposal: str | None = None  # this rank's run id; rank 0's wins
+        agreed: dict[str, str] | None = None  # the options every rank must set alike
         prepared = Prepared()
         failure: Exception | None = None
         try:
@@ -223,12 +233,14 @@ class GradMonitor:
                 extras.ratio,
             )
             source.bind(tracker, grouping)
+            watched = tracker.activations.names if tracker.activations else ()
+            agreed = cfg.agreed(grouping.layers, tuple(watched))
             proposal = hostinfo.resolve_run_id(cfg.run_id)
             prepared = prepare(cfg, me, proposal)
         except Exception as e:
             failure = e
         try:
-            peers = agree(me, proposal, prepared.endpoint, failure, source.group)
+            peers = agree(me, proposal, prepared.endpoint, failure, source.group, agreed)
         except BaseException:
             prepared.release()
             raise
@@ -245,7 +257,7 @@ class GradMonitor:
         self._fixed_scale_in_grads: bool | None = None  # loss_scale=: did the user unscale by clip time?
         self._server, self._log, self._target = prepared.server, prepared.log, prepared.target
         self._callbacks: list[Callable[[AnomalyEvent, Snapshot], None]] = []
-        sinks: list[Callable[[Sequence[Snapshot]], None]] = []
+        inline: list[Sink] = []
         self._aggregate: MetricsAggregate | None = None
         if self._server is not None:
             cluster, served = served_ranks(cfg.serve, me, self.rank_infos)
@@ -261,10 +273,10 @@ class GradMonitor:
                 lambda: self._errors.count,
             )
             self._server.attach(GradCollector(self._aggregate))
-            sinks.append(self._aggregate.add)
+            inline.append(self._aggregate.add)
+        workers = [SinkWorker("on_anomaly callbacks", self._dispatch_events, self._errors, want=_has_events)]
         if self._log is not None:
-            sinks.append(self._log)
-        sinks.append(self._dispatch_events)
+            workers.append(SinkWorker("JSONL log", self._log, self._errors, close=self._log.close))
         decoder = RowDecoder(
             tracker.layout,
             grouping.layers,
@@ -274,7 +286,7 @@ class GradMonitor:
             DetectorDecoder(det_cfg, grouping.layers) if factory else None,
             tracker.activations.names if tracker.activations else (),
         )
-        self._publisher = Publisher(decoder, sinks, self._errors)
+        self._publisher = Publisher(decoder, inline, workers, self._errors)
         tracker.publish_batch = self._publisher.submit
         self._source = source
         source.install()
@@ -494,7 +506,12 @@ class GradMonitor:
 
     def _publish(self, gather: bool) -> None:
         self._tracker.publish(gather)
-        self._publisher.drain()
+        if not self._publisher.drain(SINK_WAIT_S):
+            logger.warning(
+                "distmon: a sink (the JSONL log or an on_anomaly callback) has not written every "
+                "snapshot within %.0f s; going on without waiting for it",
+                SINK_WAIT_S,
+            )
 
     def close(self, finished: bool = True) -> None:
         """Flush, stop measuring, mark the run finished, linger, stop serving. Idempotent.
@@ -533,7 +550,8 @@ class GradMonitor:
             except Exception:
                 self._errors.record(site)
 
-        quietly("publisher shutdown", self._publisher.stop)
+        # the sinks had SINK_WAIT_S to drain in _publish: a sink still stuck now gets a moment more
+        quietly("publisher shutdown", lambda: self._publisher.stop(_STOP_S))
         if self._aggregate is not None and finished:
             self._aggregate.mark_finished()
         if self._server is not None and finished and self.config.linger_s > 0:
@@ -551,8 +569,6 @@ class GradMonitor:
             time.sleep(min(_WITHDRAW_GRACE_S, self.config.linger_s))
         if self._server is not None:
             quietly("metrics server shutdown", self._server.close)
-        if self._log is not None:
-            quietly("JSONL log", self._log.close)
 
     def __enter__(self) -> GradMonitor:
         return self

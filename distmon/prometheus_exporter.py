@@ -135,6 +135,7 @@ class _View:
     nonfinite_steps: int = 0
     scaler_skipped_steps: int = 0
     rank_nonfinite: tuple[int, ...] = ()
+    rank_norms: tuple[float | None, ...] = ()  # each rank's latest measured local norm (None: never)
     anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
     window_max: float = math.nan
     activations: Snapshot | None = None  # the newest step with activation figures
@@ -176,6 +177,7 @@ class MetricsAggregate:
         self._hist_child = self._hist.labels(self.run_id)
         self._anomalies = dict(self.view.anomalies)
         self._rank_nonfinite = [0] * self.world_size
+        self._rank_norms: list[float | None] = [None] * self.world_size
         self._nonfinite = 0
         self._scaler_skipped = 0
 
@@ -194,6 +196,10 @@ class MetricsAggregate:
                 if s.skip_reason == "scaler":  # routine fp16 overflow: counted apart, not served as a norm
                     self._scaler_skipped += 1
                     continue
+                # a rank's local figures can be measured when the global ones are not, and back
+                for r, ok in enumerate(s.rank_valid or [s.valid] * len(s.rank_grad_norms)):
+                    if ok:
+                        self._rank_norms[r] = s.rank_grad_norms[r]
                 if s.valid:
                     measured = s
                     if math.isfinite(s.grad_norm):
@@ -214,6 +220,7 @@ class MetricsAggregate:
                 activations=activations,
                 updates=updates,
                 rank_nonfinite=tuple(self._rank_nonfinite),
+                rank_norms=tuple(self._rank_norms),
                 anomalies=tuple(self._anomalies.items()),
                 window_max=max((v for _, v in self._window), default=math.nan),
             )
@@ -311,18 +318,21 @@ class GradCollector(Collector):
                 yield family
         if agg.ranks:
 
-            def per_rank(name: str, value_of: Callable[[int], float]) -> Metric:
+            def per_rank(name: str, value_of: Callable[[int], float | None]) -> Metric:
                 family = _family(name, gpu)
                 for info in agg.ranks:
-                    family.add_metric(run + list(info.labels().values()), value_of(info.rank))
+                    value = value_of(info.rank)
+                    if value is not None:  # None: never measured on that rank
+                        family.add_metric(run + list(info.labels().values()), value)
                 return family
 
             yield per_rank(
                 "distmon_rank_nonfinite_steps_total", lambda r: v.rank_nonfinite[r] if v.rank_nonfinite else 0
             )
+            if any(n is not None for n in v.rank_norms):
+                yield per_rank("distmon_rank_grad_norm", v.rank_norms.__getitem__)
             m = v.measured
             if m is not None:
-                yield per_rank("distmon_rank_grad_norm", m.rank_grad_norms.__getitem__)
                 if m.rank_outlier_scores:
                     yield per_rank("distmon_rank_outlier_score", m.rank_outlier_scores.__getitem__)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -16,11 +17,10 @@ from typing import NamedTuple
 from .collective import RankFields, earliest_nonfinite
 from .errors import ErrorCounter
 from .ring import HostCopy, RowLayout
+from .sinks import Sink, SinkWorker
 from .snapshot import AnomalyEvent, Snapshot
 
 __all__ = ["RowDecoder", "Publisher", "ExportBatch", "StepInfo"]
-
-Sink = Callable[[Sequence[Snapshot]], None]
 
 
 class StepInfo(NamedTuple):
@@ -81,13 +81,13 @@ class RowDecoder:
         bad: list[tuple[int, int]] = []  # (rank, layer)
         rank_errors: list[int] = []
         measured = row[0] == 1.0  # this rank measured the reduced gradient (what it reports globally)
-        if f.n_partial:  # a sharded model's reduced figures need every rank's shard
-            measured &= all(vals[f.valid] == 1.0 for vals in ranks)
-        all_valid = measured
+        if f.reduced_ok is not None:  # a sharded model's reduced figures need every rank's shard
+            measured &= all(vals[f.reduced_ok] == 1.0 for vals in ranks)
+        rank_valid: list[bool] = []
         for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):
             rank_errors.append(int(vals[f.errors]))
             ok = vals[f.valid] == 1.0
-            all_valid &= ok
+            rank_valid.append(ok)
             rank_norms.append(_sqrt(total) if ok else math.nan)
             if f.n_layer_cols:
                 rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[: f.n_layer_cols]])
@@ -119,7 +119,8 @@ class RowDecoder:
             first_nonfinite=first,
             monitor_errors=sum(rank_errors),
             rank_monitor_errors=rank_errors,
-            valid=all_valid,
+            valid=measured,
+            rank_valid=rank_valid,
             run_id=self.run_id,
             world_size=lay.world,
             skipped=bool(info.skip),
@@ -169,14 +170,22 @@ class RowDecoder:
 class Publisher:
     """Background thread that decodes export batches and feeds every sink, in order.
 
+    ``inline`` sinks (the Prometheus aggregate: in-memory, bounded work) run on this thread;
+    ``workers`` (the JSONL log, callbacks: file systems and user code) get the snapshots through
+    their own bounded queues, so nothing they do can hold this thread, the host buffers it
+    releases, or the training step that waits for one.
+
     Example:
-        >>> pub = Publisher(decoder, [print], errors)   # doctest: +SKIP
-        >>> pub.submit(batch); pub.drain(); pub.stop()   # doctest: +SKIP
+        >>> pub = Publisher(decoder, [aggregate.add], [log_worker], errors)   # doctest: +SKIP
+        >>> pub.submit(batch); pub.drain(10.0); pub.stop(5.0)                  # doctest: +SKIP
     """
 
-    def __init__(self, decoder: RowDecoder, sinks: list[Sink], errors: ErrorCounter) -> None:
+    def __init__(
+        self, decoder: RowDecoder, inline: list[Sink], workers: list[SinkWorker], errors: ErrorCounter
+    ) -> None:
         self.decoder = decoder
-        self.sinks = sinks
+        self.inline = inline
+        self.workers = workers
         self.errors = errors
         self.latest: Snapshot | None = None
         self._queue: queue.Queue[ExportBatch | None] = queue.Queue()
@@ -186,13 +195,27 @@ class Publisher:
     def submit(self, batch: ExportBatch) -> None:
         self._queue.put(batch)
 
-    def drain(self) -> None:
-        """Block until every submitted batch has been published."""
-        self._queue.join()
+    def drain(self, timeout: float) -> bool:
+        """Wait until every submitted batch is decoded and written by every sink, at most ``timeout`` s.
 
-    def stop(self) -> None:
+        Returns whether everything was written in time (a stuck sink keeps its backlog).
+        """
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            done = self._queue.all_tasks_done.wait_for(
+                lambda: self._queue.unfinished_tasks == 0, max(0.0, deadline - time.monotonic())
+            )
+        for worker in self.workers:
+            done = worker.drain(max(0.0, deadline - time.monotonic())) and done
+        return done
+
+    def stop(self, timeout: float) -> None:
+        """Publish what is queued, stop every worker (closing its sink): at most ``timeout`` s in all."""
+        deadline = time.monotonic() + timeout
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout)
+        for worker in self.workers:
+            worker.stop(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:
@@ -216,8 +239,10 @@ class Publisher:
         if not snaps:
             return
         self.latest = snaps[-1]
-        for sink in self.sinks:
+        for sink in self.inline:
             try:
                 sink(snaps)
             except Exception:
                 self.errors.record(f"sink {getattr(sink, '__qualname__', type(sink).__name__)}")
+        for worker in self.workers:
+            worker.offer(snaps)

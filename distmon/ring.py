@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowLayout", "DeviceRing", "HostCopy"]
+__all__ = ["RowLayout", "DeviceRing", "HostCopy", "HOST_WAIT_S"]
+
+# The longest an export step waits for a host buffer. The publisher thread frees one as soon
+# as it has read it (sinks that write files or run callbacks have threads of their own), so
+# this is reached only if decoding falls two exports behind.
+HOST_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,16 @@ class DeviceRing:
         if n > head:
             self.data[: n - head].copy_(blank.expand(n - head, -1))
 
-    def copy_to_host(self) -> HostCopy:
-        """Start the copy of the whole ring; the caller hands the result to the host thread."""
-        i, self._next = self._next, 1 - self._next
-        self._free[i].wait()  # only blocks if the host thread is two exports behind
+    def copy_to_host(self, timeout: float = HOST_WAIT_S) -> HostCopy | None:
+        """Start the copy of the whole ring; the caller hands the result to the host thread.
+
+        None when no host buffer came free within ``timeout`` seconds (the host thread is two
+        exports behind): the caller drops this export rather than hold the training step.
+        """
+        i = self._next
+        if not self._free[i].wait(timeout):
+            return None
+        self._next = 1 - i
         self._free[i].clear()
         self._host[i].copy_(self.data, non_blocking=True)
         event = None

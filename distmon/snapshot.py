@@ -48,9 +48,15 @@ class Snapshot:
         events: detector verdicts of this step.
         monitor_errors: errors caught in monitor code so far, summed over ranks.
         rank_monitor_errors: the same per rank.
-        valid: every figure was measured. False when monitor code failed on some rank or no
-            backward preceded the optimizer step; the figures not measured are NaN (and do not
-            count as non-finite).
+        valid: the step's global figures (``grad_norm``, ``layer_grad_norms``, the detectors'
+            verdicts on them) were measured. False when no backward preceded the optimizer step
+            or monitor code failed where they are measured; they are then NaN (and do not count
+            as non-finite).
+        rank_valid: per rank, whether its local figures (``rank_grad_norms``, its row of
+            ``rank_layer_grad_norms``) were measured; where not, they are NaN. A rank's local
+            figures can be lost while the global ones are exact: a failure in its local
+            measurement, or FSDP2 reduce-scattering on every micro-batch (no single
+            reduce-scatter input holds the step's local gradient).
         run_id, world_size: the run this step belongs to.
         scores: detector scores: "zscore" and "median_ratio" of the global norm, "layer_zmax"
             the largest layer z-score.
@@ -101,6 +107,7 @@ class Snapshot:
     activation_absmax: dict[str, float] = field(default_factory=dict)
     first_nonfinite_activation: tuple[int, str] | None = None
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
+    rank_valid: list[bool] = field(default_factory=list)
 
 
 def _clean(value: Any) -> Any:

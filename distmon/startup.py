@@ -11,20 +11,20 @@ releases what it prepared and raises the same error, naming the rank, the option
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from . import hostinfo
-from .config import MonitorConfig
+from .config import MonitorConfig, option_label
 from .file_sd import TargetFile, target_host
 from .hostinfo import RankInfo
 from .http_server import MetricServer
 from .jsonl_log import JsonlLog
 
-__all__ = ["Peer", "Prepared", "prepare", "agree", "serves", "served_ranks"]
+__all__ = ["Peer", "Prepared", "prepare", "agree", "differences", "serves", "served_ranks"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Peer:
     run_id: str | None  # its proposal; rank 0's wins
     endpoint: str | None  # "host:port" it serves metrics on, if it serves
     failure: tuple[str, int, str] | None = None  # (exception type, errno, message) if it cannot start
+    agreed: Mapping[str, str] | None = None  # the options every rank must set alike (config.AGREED)
 
 
 def serves(serve: str, rank: int, local_rank: int) -> bool:
@@ -118,25 +119,68 @@ def _describe(exc: BaseException) -> tuple[str, int, str]:
     return kind, getattr(exc, "errno", None) or 0, message.removeprefix("distmon: ")
 
 
+def _ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and spans[-1][1] == r - 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def differences(everyone: Sequence[Peer]) -> str | None:
+    """Which agreed options differ between ranks, and each value's ranks; None if they all agree.
+
+    Example:
+        >>> info = lambda r: RankInfo(r, r, "host", "")
+        >>> peers = [Peer(info(r), None, None, agreed={"export_every": v}) for r, v in enumerate("3355")]
+        >>> differences(peers)
+        'export_every (DISTMON_EXPORT_EVERY) is 3 on ranks 0-1, 5 on ranks 2-3'
+    """
+    told = [p for p in everyone if p.agreed is not None]
+    if not told:
+        return None
+    out = []
+    for name in told[0].agreed:
+        by_value: dict[str, list[int]] = {}
+        for p in told:
+            by_value.setdefault(p.agreed.get(name, "?"), []).append(p.info.rank)
+        if len(by_value) > 1:
+            values = ", ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in by_value.items())
+            out.append(f"{option_label(name)} is {values}")
+    return "; ".join(out) or None
+
+
 def agree(
     me: RankInfo,
     run_id: str | None,
     endpoint: str | None,
     failure: BaseException | None,
     group: dist.ProcessGroup | None,
+    agreed: Mapping[str, str] | None = None,
 ) -> list[Peer]:
     """Exchange every rank's outcome (one collective); raise the same error everywhere if any failed.
 
     Call on every rank, whatever happened locally: that is what keeps a failure on one rank
-    from leaving the others waiting. The caller releases what it prepared before the error
-    propagates.
+    from leaving the others waiting. ``agreed`` are this rank's options that every rank must
+    set alike (:meth:`MonitorConfig.agreed`); a difference is a failure of every rank, named
+    with each value's ranks. The caller releases what it prepared before the error propagates.
     """
     everyone: list[Peer] = hostinfo.exchange(
-        Peer(me, run_id, endpoint, failure and _describe(failure)), group
+        Peer(me, run_id, endpoint, failure and _describe(failure), agreed), group
     )
     failed = [p for p in everyone if p.failure is not None]
     if not failed:
-        return everyone
+        differ = differences(everyone)
+        if differ is None:
+            return everyone
+        raise ValueError(
+            f"distmon: GradMonitor did not start on any rank: options differ between ranks: {differ}. "
+            "Every rank must set them alike (a difference hangs or aborts the job at the monitor's "
+            "first collective): check each node's DISTMON_* environment and the arguments"
+        )
     kind, code, _ = failed[0].failure
     detail = "; ".join(f"rank {p.info.rank} ({p.info.hostname}): {p.failure[2]}" for p in failed)
     message = f"distmon: GradMonitor did not start on any rank: {detail}"

@@ -181,7 +181,8 @@ class StepTracker:
         self._new_step()
 
     def _new_step(self) -> None:
-        self._step_ok = True
+        self._local_ok = True  # this rank's local (pre-reduction) figures of the step
+        self._reduced_ok = True  # its reduced figures (a sharded model: its shard's)
         self._measured = False  # a backward handed this step its sums
         self._begun = False
         self._row_done = False
@@ -204,10 +205,17 @@ class StepTracker:
         if self._inv_sq is not None:
             sq.mul_(self._inv_sq)
 
-    def fail(self, site: str) -> None:
-        """Count a failure at ``site`` (logged once); the step's figures become invalid."""
+    def fail(self, site: str, local: bool = True, reduced: bool = True) -> None:
+        """Count a failure at ``site`` (logged once); the step's ``local`` and/or ``reduced`` figures
+        on this rank become invalid (NaN where reported)."""
         self.errors.record(site)
-        self._step_ok = False
+        self._local_ok &= not local
+        self._reduced_ok &= not reduced
+
+    def local_unmeasured(self) -> None:
+        """This step's local figures cannot be measured (no failure: e.g. FSDP reduce-scattering
+        every micro-batch, whose local gradient no single reduce-scatter input holds)."""
+        self._local_ok = False
 
     def set_layer_order(self, positions: list[float]) -> None:
         """Each layer's position in backward order, as the source learned it (rare: new layouts)."""
@@ -274,7 +282,13 @@ class StepTracker:
                 self._reduced.clear()
             self._local.clear()
             batch = float(self.batch_size()) if self.batch_size is not None else 0.0
-            ex.pack(self.layer_order, self.errors.count, self._step_ok and self._measured, batch)
+            ex.pack(
+                self.layer_order,
+                self.errors.count,
+                self._local_ok and self._measured,
+                self._reduced_ok and self._measured,
+                batch,
+            )
             watch = self.activations
             # this rank's first non-finite module travels in its row; the send row keeps
             # "none" between activation steps, so those write nothing
@@ -376,9 +390,9 @@ class StepTracker:
                     self.fold(self._reduced, self.ring.layers(step))
                     self._unscale(self.ring.layers(step), self._reduced_scaled)
                 self._reduced.clear()
-            valid = self._step_ok and self._measured
+            valid = self._reduced_ok and self._measured
         except Exception:
-            self.fail("step row")
+            self.fail("step row", local=False)
             valid = False
         if not valid:
             row[0].fill_(0.0)
@@ -528,6 +542,14 @@ class StepTracker:
             )
             copy = self.ring.copy_to_host()
             self.ring.reset(first, last, self._blank)
-            self.publish_batch(ExportBatch(copy, steps))
+            if copy is None:
+                self.errors.note(
+                    "export dropped",
+                    len(steps),
+                    "distmon: the publisher thread is two exports behind; this export's steps are "
+                    "dropped (counted in distmon_monitor_errors_total) rather than hold training",
+                )
+            else:
+                self.publish_batch(ExportBatch(copy, steps))
         except Exception:
             self.errors.record("export")

@@ -229,12 +229,16 @@ def distmon_dir():
 def _reduction_on_ddp_behalf():
     """Code objects that perform the training's own gradient reduction: distmon's default inner
     hook reproduces DDP's built-in reduction (which would run without distmon), and its FSDP
-    reduce-scatter wrapper calls FSDP's own comm, so their collectives are the training's, not
-    the monitor's."""
+    reduce-scatter and post_backward wrappers call FSDP's own, so their collectives are the
+    training's, not the monitor's."""
     from distmon.sources.ddp import ddp_allreduce_hook
-    from distmon.sources.fsdp import _MeasuringReduceScatter
+    from distmon.sources.fsdp import _MeasuringReduceScatter, _NotingPostBackward
 
-    return {ddp_allreduce_hook.__code__, _MeasuringReduceScatter.__call__.__code__}
+    return {
+        ddp_allreduce_hook.__code__,
+        _MeasuringReduceScatter.__call__.__code__,
+        _NotingPostBackward.__call__.__code__,
+    }
 
 
 def in_distmon_code(frame, dm_dir):

@@ -33,6 +33,11 @@ CONFIGS = {
     # fp16 reductions are divided before the reduce-scatter (by 2 of 4): multiplied back for local figures
     "fp16_params_fp16_reduce": {"world": 4, "mesh": (4,), "mp": torch.float16},
     "accumulation_without_sync": {"world": 2, "mesh": (2,), "accum": 3},
+    # FSDP2's default under accumulation: a reduce-scatter per micro-batch. No input holds a step's
+    # local gradient: local figures NaN (rank_valid False), the reduced ones exact
+    "accumulation_with_sync": {"world": 2, "mesh": (2,), "accum": 3, "sync_every_micro": True},
+    # a parameter no rank uses: FSDP leaves it out of its unit's reduce-scatter input
+    "unused_parameter": {"world": 2, "mesh": (2,), "unused": True},
     "sum_divide_factor": {"world": 2, "mesh": (2,), "divide": 1.0},
     "keep_unsharded_after_forward": {"world": 2, "mesh": (2,), "reshard": False},
     # on the last recorded step: the NaN update poisons the weights
@@ -41,10 +46,12 @@ CONFIGS = {
 
 
 class Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, unused=False):
         super().__init__()
         self.ln = torch.nn.LayerNorm(DIM)
         self.fc = torch.nn.Linear(DIM, DIM)
+        if unused:
+            self.extra = torch.nn.Linear(DIM, DIM)  # never called in forward
 
     def forward(self, h):
         return h + self.fc(torch.tanh(self.ln(h)))
@@ -53,10 +60,10 @@ class Block(torch.nn.Module):
 class LM(torch.nn.Module):
     """Embedding, residual blocks (one fully_shard unit each), final norm, head (the root unit)."""
 
-    def __init__(self):
+    def __init__(self, unused=False):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, DIM)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.blocks = torch.nn.ModuleList(Block(unused) for _ in range(2))
         self.norm = torch.nn.LayerNorm(DIM)
         self.head = torch.nn.Linear(DIM, VOCAB)
 
@@ -67,9 +74,17 @@ class LM(torch.nn.Module):
         return self.head(self.norm(h))
 
 
-def _net():
+def _net(unused=False):
     torch.manual_seed(0)
-    return LM()
+    return LM(unused)
+
+
+def _layers(cfg):
+    """The layers distmon reports for ``cfg``'s model, in model order."""
+    if not cfg.get("unused"):
+        return LAYERS
+    extra = lambda i: (f"blocks.{i}.ln", f"blocks.{i}.fc", f"blocks.{i}.extra")  # noqa: E731
+    return ("emb", *extra(0), *extra(1), "norm", "head")
 
 
 def _shard(net, cfg):
@@ -106,18 +121,24 @@ def _loss(model, batch):
     return lm_loss(model(x), y)
 
 
-def _layer_sq(named_grads):
-    sq = dict.fromkeys(LAYERS, 0.0)
+def _layer_sq(named_grads, layers=LAYERS):
+    sq = dict.fromkeys(layers, 0.0)
     for name, g in named_grads:
-        sq[layer_of(name)] += float(g.double().pow(2).sum())
+        if g is not None:  # an unused parameter has no gradient: its layer adds 0
+            sq[layer_of(name)] += float(g.double().pow(2).sum())
     return sq
+
+
+def _full(grad):
+    return None if grad is None else grad.full_tensor()
 
 
 def _job(rank, world, name, log_path):
     import distmon
 
     cfg = CONFIGS[name]
-    net, twin = _shard(_net(), cfg), _net()
+    net, twin = _shard(_net(cfg.get("unused", False)), cfg), _net(cfg.get("unused", False))
+    layers = _layers(cfg)
     dtype = {None: torch.float32, torch.float32: torch.bfloat16, torch.float16: torch.float16}[cfg.get("mp")]
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     # exports by count at most once, before the window below, which must see ordinary steps only
@@ -131,7 +152,7 @@ def _job(rank, world, name, log_path):
         twin.load_state_dict({k: v.full_tensor().to(dtype) for k, v in net.state_dict().items()})
         twin.zero_grad()
         for micro in range(accum):
-            net.set_requires_gradient_sync(micro == accum - 1)
+            net.set_requires_gradient_sync(cfg.get("sync_every_micro", False) or micro == accum - 1)
             batch = _batch(rank, step, micro)
             # the NaN starts in the gradient of blocks.1.fc's output on one rank: backward carries
             # it into every layer below, but blocks.1 is the first unit to reduce-scatter
@@ -142,9 +163,10 @@ def _job(rank, world, name, log_path):
             if poison is not None:
                 poison.remove()
             (_loss(twin.to(dtype), batch) / accum).backward()
-        reduced = _layer_sq((n, p.grad.full_tensor()) for n, p in net.named_parameters())
-        local = _layer_sq((n, p.grad) for n, p in twin.named_parameters())
-        direct = float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters()]).full_tensor())
+        reduced = _layer_sq(((n, _full(p.grad)) for n, p in net.named_parameters()), layers)
+        local = _layer_sq(((n, p.grad) for n, p in twin.named_parameters()), layers)
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        direct = float(torch.nn.utils.get_total_norm(grads).full_tensor())
         clipped = float(mon.clip_grad_norm_(1e9)) if math.isfinite(direct) else direct
         opt.step()
         opt.zero_grad()
@@ -184,6 +206,8 @@ def test_global_layer_and_rank_figures_equal_float64_references(fsdp_run):
     name, out = fsdp_run
     snaps = out[0]["snaps"]
     assert [s["step"] for s in snaps] == list(range(1, STEPS + 4))
+    layers = _layers(CONFIGS[name])
+    no_local = CONFIGS[name].get("sync_every_micro", False)
     nan = CONFIGS[name].get("nan")
     for step, snap in enumerate(snaps[:STEPS], 1):
         ref = out[0]["recs"][step - 1]
@@ -192,13 +216,20 @@ def test_global_layer_and_rank_figures_equal_float64_references(fsdp_run):
         assert snap["valid"] and not snap["nonfinite"], (step, snap)
         assert close(snap["grad_norm"], math.sqrt(sum(ref["reduced"].values())), 1e-5), (step, snap, ref)
         assert close(snap["grad_norm"], ref["direct"], 1e-5)
-        for layer in LAYERS:
+        assert list(snap["layer_grad_norms"]) == list(layers)
+        for layer in layers:
             want = math.sqrt(ref["reduced"][layer])
             assert close(snap["layer_grad_norms"][layer], want, 1e-5), (step, layer)
+        if no_local:  # not measurable: NaN, never a real-looking number
+            assert snap["rank_valid"] == [False] * len(out), snap
+            assert all(v == "nan" for v in snap["rank_grad_norms"]), snap
+            assert all(v == "nan" for row in snap["rank_layer_grad_norms"] for v in row), snap
+            continue
+        assert snap["rank_valid"] == [True] * len(out), snap
         for rank, rank_out in enumerate(out):
             local = rank_out["recs"][step - 1]["local"]
             assert close(snap["rank_grad_norms"][rank], math.sqrt(sum(local.values())), 1e-4), (step, rank)
-            for i, layer in enumerate(LAYERS):
+            for i, layer in enumerate(layers):
                 want = math.sqrt(local[layer])
                 assert close(snap["rank_layer_grad_norms"][rank][i], want, 1e-4), (step, rank, layer)
 
@@ -276,3 +307,45 @@ def _unchanged(rank, world):
 
 def test_hsdp_training_is_bit_identical_with_and_without_distmon():
     assert all(run_ranks(_unchanged, 4))
+
+
+def _guard_job(rank, world, log_path):
+    """guard="skip" with a reduce-scatter per micro-batch: a NaN on rank 1 at step 3 is refused."""
+    import distmon
+
+    net = _shard(_net(), {"mesh": (2,)})
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    mon = distmon.GradMonitor(
+        net, opt, serve="none", guard="skip", export_every=2, export_interval_s=0, log_path=log_path
+    )
+    for step in range(1, 6):
+        for micro in range(2):  # FSDP2's default: gradient sync on every micro-batch
+            poison = None
+            if (step, micro, rank) == (3, 1, 1):
+                poison = net.blocks[1].fc.register_forward_hook(_poison_output_gradient)
+            (_loss(net, _batch(rank, step, micro)) / 2).backward()
+            if poison is not None:
+                poison.remove()
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+    snaps = []
+    if rank == 0:
+        with open(log_path) as f:
+            snaps = [json.loads(line) for line in f]
+    finite = all(bool(p.full_tensor().isfinite().all()) for p in net.parameters())
+    return {"finite": finite, "errors": mon._errors.count, "snaps": snaps}
+
+
+def test_the_guard_refuses_a_nan_step_when_fsdp_reduce_scatters_every_micro_batch(tmp_path):
+    """Before, every such step was invalid and the guard let the NaN through (parameters NaN)."""
+    out = run_ranks(_guard_job, 2, str(tmp_path / "steps.jsonl"), timeout=180)
+    for rank_out in out:
+        assert rank_out["finite"], "a NaN step went through the guard"
+        assert rank_out["errors"] == 0  # FSDP's default is no monitor error
+    snaps = out[0]["snaps"]
+    assert [s["step"] for s in snaps] == [1, 2, 3, 4, 5]
+    assert [s["skip_reason"] for s in snaps] == ["", "", "guard", "", ""], snaps
+    assert all(s["valid"] for s in snaps), snaps
+    assert snaps[2]["nonfinite"] and [e["kind"] for e in snaps[2]["events"]] == ["nonfinite"]
+    assert all(math.isfinite(s["grad_norm"]) for i, s in enumerate(snaps) if i != 2)

@@ -2,6 +2,10 @@
 
 One 2-rank gloo job walks through the cases, each on the same DDP model:
 
+* options that shape the collective or the rows (export cadence, grouping, layer cap,
+  rank_layers, batch_size, activations, guard) set differently on the two ranks: every rank
+  raises the same ``ValueError`` naming the option and each value's ranks (before, the job
+  hung or a rank aborted at the first collective);
 * an unusable ``log_path`` (a path under a regular file) or ``file_sd_dir``, an option that is
   bad on one rank only (``DISTMON_EXPORT_EVERY`` in rank 1's environment): every rank raises
   the same error naming distmon, the option and the path; no rank keeps a comm hook, an
@@ -106,6 +110,25 @@ def _job(rank: int, world: int, workdir: str) -> dict:
             "trained": len(_train(model, opt, rank, 3)),
         }
 
+    # options that shape the collective or the rows, set differently on the two ranks
+    out["differ"] = {}
+    for case, (options, env) in DIFFER.items():
+        for name, values in env.items():
+            os.environ[name] = values[rank]
+        torch.distributed.barrier()
+        try:
+            distmon.GradMonitor(model, opt, serve="none", **{k: v[rank] for k, v in options.items()})
+            error = None
+        except Exception as e:  # noqa: BLE001 - the type and message are what is checked
+            error = (type(e).__name__, str(e))
+        for name in env:
+            os.environ.pop(name)
+        out["differ"][case] = {
+            "error": error,
+            "leftovers": _leftovers(model, opt),
+            "trained": len(_train(model, opt, rank, 3)),
+        }
+
     # a working monitor on the same model, then another one after it closed
     mons = []
     for _ in range(2):
@@ -155,6 +178,30 @@ def _job(rank: int, world: int, workdir: str) -> dict:
     return out
 
 
+# case -> ({option: (rank 0's, rank 1's)}, {env variable: (rank 0's, rank 1's)}); the text the
+# error must hold. Before, each of these hung the job or aborted a rank at the first collective.
+DIFFER = {
+    "export_every": ({}, {"DISTMON_EXPORT_EVERY": ("3", "5")}),
+    "export_interval_s": ({}, {"DISTMON_EXPORT_INTERVAL_S": ("0", "0.001")}),
+    "rank_layers": ({"rank_layers": (True, False)}, {}),
+    "groups": ({"groups": (None, [(r".*", "all")])}, {}),
+    "max_layers": ({"max_layers": (128, 1)}, {}),
+    "batch_size": ({"batch_size": (None, 8)}, {}),
+    "activations": ({"activations": (None, True)}, {}),
+    "guard": ({"guard": (None, "skip")}, {}),
+}
+DIFFER_SAYS = {
+    "export_every": "export_every (DISTMON_EXPORT_EVERY) is 3 on ranks 0, 5 on ranks 1",
+    "export_interval_s": "export_interval_s (DISTMON_EXPORT_INTERVAL_S) is 0.0 on ranks 0, 0.001 on ranks 1",
+    "rank_layers": "rank_layers is True on ranks 0, False on ranks 1",
+    "groups": "groups is layer groups 2 [",
+    "max_layers": "max_layers is 128 on ranks 0, 1 on ranks 1",
+    "batch_size": "batch_size is None on ranks 0, given on ranks 1",
+    "activations": "activations is None on ranks 0, watched modules 3 [",
+    "guard": "guard is None on ranks 0, skip on ranks 1",
+}
+
+
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory) -> list[dict]:
     return run_ranks(_job, 2, str(tmp_path_factory.mktemp("lifecycle")), timeout=180)
@@ -188,6 +235,19 @@ def test_a_start_up_failure_on_one_rank_fails_every_rank_and_leaves_nothing(
         assert res["failures"][case]["leftovers"] == CLEAN
         assert res["failures"][case]["port_free"], "the failed monitor kept its port"
         assert res["failures"][case]["trained"] == 3  # caught the error and trained on: no hang
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(DIFFER))
+def test_options_that_differ_between_ranks_fail_every_rank_alike_naming_them(lifecycle, case):
+    errors = [res["differ"][case]["error"] for res in lifecycle]
+    assert errors[0] is not None and errors[0] == errors[1], errors  # the same error on every rank
+    name, message = errors[0]
+    assert name == "ValueError" and "distmon: GradMonitor did not start on any rank" in message, errors
+    assert DIFFER_SAYS[case] in message, message
+    for res in lifecycle:
+        assert res["differ"][case]["leftovers"] == CLEAN
+        assert res["differ"][case]["trained"] == 3  # caught the error and trained on: no hang
 
 
 @pytest.mark.slow

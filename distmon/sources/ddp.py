@@ -348,7 +348,7 @@ class DDPSource(Source):
                 )
                 tracker.add_reduced(layout, layout.measure(flat, views if same else None))
             except Exception:
-                tracker.fail("comm hook (reduced gradients)")
+                tracker.fail("comm hook (reduced gradients)", local=False)
             return result
 
         return measure_reduced

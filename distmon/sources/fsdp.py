@@ -17,12 +17,17 @@ Two points, read where FSDP2 itself holds the two gradients:
 Refused at construction, never measured wrongly: several parameter groups in one unit
 (per-parameter meshes via ``shard_placement_fn``), a mesh that does not span the job, a
 shard group of one rank (no reduce-scatter to read: use DDP), and a fixed ``loss_scale``.
-A unit that reduce-scatters twice in one step (gradient sync on every micro-batch) or
-without some of its parameters' gradients makes that step's local figures invalid.
+A unit reduce-scatters only the parameters that have a gradient (an unused one is left out):
+which ones, distmon notes as FSDP's ``post_backward`` begins, and measures the input laid
+out for them. A unit that reduce-scatters on every micro-batch (FSDP2's default under
+gradient accumulation) holds no single input with the step's local gradient: that step's
+local figures are NaN (``rank_valid`` False), not an error; the reduced ones are exact.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sq_sums
 from .base import Source, backward_positions
@@ -80,6 +86,38 @@ class _MeasuringReduceScatter(ReduceScatter):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]
         self.source.measure_local(self.unit, flat)
+        return self.inner(*args, **kwargs)
+
+
+def _present(pgroup: Any) -> tuple[bool, ...]:
+    """Which of the unit's trainable parameters its next reduce-scatter holds (FSDP's own test).
+
+    As ``FSDPParamGroup.post_backward`` picks them: an accumulated or a fresh unsharded
+    gradient, or any trainable parameter when unused ones are reduce-scattered as zeros.
+    """
+    zeros = getattr(pgroup, "reduce_scatter_unused_params", False)
+    return tuple(
+        hasattr(fp, "_unsharded_param")
+        and (
+            fp.unsharded_accumulated_grad is not None
+            or fp.unsharded_param.grad is not None
+            or (zeros and fp.unsharded_param.requires_grad)
+        )
+        for fp in pgroup.fsdp_params
+        if fp.sharded_param.requires_grad
+    )
+
+
+class _NotingPostBackward:
+    """A unit's ``post_backward`` that first notes which parameters its reduce-scatter will hold."""
+
+    def __init__(self, inner: Callable[..., Any], source: FSDPSource, unit: int) -> None:
+        self.inner = inner
+        self.source = source
+        self.unit = unit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.source.note_present(self.unit)
         return self.inner(*args, **kwargs)
 
 
@@ -135,8 +173,15 @@ class FSDPSource(Source):
         self.shard_ranks: list[int] = dist.get_process_group_ranks(shard_pg)
         self.device = pgroup.device
         self.tracker: Any = None
+        self._seqs = itertools.count()  # the run sets' seq numbers, local and reduced alike
         self._layouts: list[_UnitLayout] = []
+        # (unit, present parameters) -> layout, for a reduce-scatter without every parameter
+        self._partial: dict[tuple[int, tuple[bool, ...]], _UnitLayout] = {}
+        self._present: dict[int, tuple[bool, ...]] = {}  # per unit, noted as its post_backward began
+        self._repeated = False  # a unit reduce-scattered twice this step: no local figures
+        self._told_repeated = False
         self._inner: list[Any] = []
+        self._post_backward: list[Callable[..., Any]] = []
         self._seen: dict[int, None] = {}  # units reduce-scattered in this step, in that order
         self._order: tuple[int, ...] = ()  # the backward order of the units, as last told to the tracker
         self._grads: GradSums | None = None
@@ -153,25 +198,26 @@ class FSDPSource(Source):
     def bind(self, tracker: Any, grouping: Grouping) -> None:
         self.tracker = tracker
         slot_of = {id(p): i for i, p in enumerate(grouping.params)}
-        self._layouts = [
-            self._layout(g, slot_of, grouping.param_layer, i) for i, (_, g) in enumerate(self.units)
-        ]
+        self._slot_of, self._param_layer = slot_of, grouping.param_layer
+        self._layouts = [self._layout(g) for _, g in self.units]
         self._grads = GradSums(
-            list(grouping.params), list(grouping.param_layer), self.device, _local, seq_base=len(self.units)
+            list(grouping.params), list(grouping.param_layer), self.device, _local, seqs=self._seqs
         )
         self._n_layers = len(grouping.layers)
         # until a backward shows the order of the units' reduce-scatters: model order
         tracker.set_layer_order([float(i) for i in range(self._n_layers)])
 
-    def _layout(self, pgroup: Any, slot_of: dict[int, int], param_layer: list[int], seq: int) -> _UnitLayout:
+    def _layout(self, pgroup: Any, present: tuple[bool, ...] | None = None) -> _UnitLayout:
+        """The reduce-scatter input's runs, with every trainable parameter or those ``present``."""
+        trainable = [fp for fp in pgroup.fsdp_params if fp.sharded_param.requires_grad]
         columns: list[list[int]] = []  # [start, stop, layer]
         cursor = 0
-        for fp in pgroup.fsdp_params:
-            if not fp.sharded_param.requires_grad:
-                continue  # never in the reduce-scatter input
+        for i, fp in enumerate(trainable):
+            if present is not None and not present[i]:
+                continue  # no gradient this backward: not in the input
             n = fp.padded_sharded_param_size.numel()
-            slot = slot_of.get(id(fp.sharded_param))
-            layer = -1 if slot is None else param_layer[slot]
+            slot = self._slot_of.get(id(fp.sharded_param))
+            layer = -1 if slot is None else self._param_layer[slot]
             if columns and columns[-1][2] == layer and columns[-1][1] == cursor:
                 columns[-1][1] += n  # adjacent and of the same layer: one view
             else:
@@ -183,7 +229,7 @@ class FSDPSource(Source):
         return _UnitLayout(
             layer_ids=ids,
             layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            seq=seq,
+            seq=next(self._seqs),
             split_sizes=[b - a for a, b, _ in columns] * world,
             pick=[r * n + i for r in range(world) for i in pick],
             per_rank=cursor,
@@ -208,19 +254,32 @@ class FSDPSource(Source):
         return self._pre[key]
 
     def install(self) -> None:
-        self._inner = []
+        self._inner, self._post_backward = [], []
         for i, (m, g) in enumerate(self.units):
             self._inner.append(g._reduce_scatter_comm)
             m.set_custom_reduce_scatter(_MeasuringReduceScatter(g._reduce_scatter_comm, self, i))
+            # FSDP calls it on the instance (its autograd function, its final callback)
+            g.post_backward = _NotingPostBackward(g.post_backward, self, i)
+            self._post_backward.append(g.post_backward)
         self.tracker.pull = self.measure_reduced
 
     def remove(self) -> None:
-        for (m, g), inner in zip(self.units, self._inner):
+        for (m, g), inner, noting in zip(self.units, self._inner, self._post_backward):
             comm = g._reduce_scatter_comm
             if isinstance(comm, _MeasuringReduceScatter) and comm.source is self:
                 m.set_custom_reduce_scatter(inner)
+            if vars(g).get("post_backward") is noting:
+                del g.post_backward
         if self.tracker is not None and self.tracker.pull == self.measure_reduced:
             self.tracker.pull = None
+
+    def note_present(self, unit: int) -> None:
+        """Note which parameters the unit's coming reduce-scatter holds (its post_backward begins)."""
+        try:
+            self._present[unit] = _present(self.units[unit][1])
+        except Exception:
+            self._present.pop(unit, None)  # unknown: a short input is then not measured
+            self.tracker.errors.record("FSDP post_backward (parameters with gradients)")
 
     def measure_local(self, unit: int, flat: torch.Tensor) -> None:
         """Sums of squares of one unit's local gradients, from its reduce-scatter input."""
@@ -229,19 +288,21 @@ class FSDPSource(Source):
             return
         try:
             tracker.begin_backward()
-            layout = self._layouts[unit]
-            if unit in self._seen:
-                raise RuntimeError(
-                    "distmon: an FSDP unit reduce-scattered twice in one step; with gradient "
-                    "accumulation call set_requires_gradient_sync(False) on all micro-batches but "
-                    "the last"
-                )
+            if unit in self._seen:  # reduce-scatter on every micro-batch: see measure_reduced
+                self._repeated = True
+                return
             self._seen[unit] = None
-            if flat.numel() != layout.per_rank * self.shard_world:
-                raise RuntimeError(
-                    "distmon: an FSDP unit reduce-scattered without some of its parameters' "
-                    "gradients (unused this step): its local figures are not measured"
-                )
+            layout = self._layouts[unit]
+            if flat.numel() != layout.per_rank * self.shard_world:  # some parameters had no gradient
+                present = self._present.get(unit)
+                layout = self._partial.get((unit, present)) if present is not None else None
+                if layout is None and present is not None:
+                    layout = self._partial[(unit, present)] = self._layout(self.units[unit][1], present)
+                if layout is None or flat.numel() != layout.per_rank * self.shard_world:
+                    raise RuntimeError(
+                        "distmon: an FSDP unit's reduce-scatter input does not match its parameters "
+                        "with gradients: its local figures are not measured"
+                    )
             if not layout.layer_ids:
                 return
             pieces = flat.split(layout.split_sizes)
@@ -251,7 +312,7 @@ class FSDPSource(Source):
                 torch._foreach_mul_(sums, float(pre) ** 2)
             tracker.add_local(layout, sums)
         except Exception:
-            tracker.fail("FSDP reduce-scatter (local gradients)")
+            tracker.fail("FSDP reduce-scatter (local gradients)", reduced=False)
 
     def _tell_order(self, units: tuple[int, ...]) -> None:
         """Each layer's position in backward order: its unit's reduce-scatter, then reverse model order."""
@@ -267,6 +328,17 @@ class FSDPSource(Source):
         tracker = self.tracker
         try:
             seen, self._seen = tuple(self._seen), {}
+            if self._repeated:
+                self._repeated = False
+                tracker.local_unmeasured()
+                if not self._told_repeated:
+                    self._told_repeated = True
+                    logger.warning(
+                        "distmon: FSDP reduce-scatters gradients on every micro-batch: no single "
+                        "reduce-scatter input holds a step's local gradient, so per-rank local figures "
+                        "are NaN on such steps (the global and per-layer figures stay exact). For them, "
+                        "call set_requires_gradient_sync(False) on all micro-batches but the last"
+                    )
             if not seen:
                 return  # no backward reduce-scattered this step: nothing measured
             if seen != self._order:
@@ -278,4 +350,4 @@ class FSDPSource(Source):
             tracker.add_reduced(*read)
             tracker.end_backward(scaled=True, reduced_scaled=tracker.loss_scale.scaler_unscaled() is not True)
         except Exception:
-            tracker.fail("FSDP sharded gradients (reduced)")
+            tracker.fail("FSDP sharded gradients (reduced)", local=False)

@@ -12,7 +12,8 @@ own record of that tells the tracker whether to divide the scale out. A fixed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,14 +45,15 @@ class GradSums:
         layer_of: list[int],
         device: torch.device,
         local: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
-        seq_base: int = 0,
+        seqs: Iterator[int] | None = None,
     ) -> None:
         self.params = params
         self.layer_of = layer_of
         self.device = device
         self.local = local
         self._runs: dict[tuple[int, ...], Runs] = {}
-        self._seq_base = seq_base  # run sets of one fold must not share a seq with the source's others
+        # run sets folded together must not share a seq: a source with run sets of its own shares its count
+        self._seqs = seqs if seqs is not None else itertools.count()
 
     def read(self) -> tuple[Runs, list[torch.Tensor]] | None:
         """The runs and sums of the gradients present now, or None when no parameter has one."""
@@ -69,7 +71,7 @@ class GradSums:
             runs = self._runs[key] = Runs(
                 ids,
                 torch.tensor(ids, dtype=torch.int64, device=self.device),
-                seq=self._seq_base + len(self._runs),
+                seq=next(self._seqs),
             )
         return runs, sums
 
