@@ -11,18 +11,16 @@ difference in ms and as a fraction of the forward.
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for path in (os.path.join(REPO, "launch"), REPO, HERE):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from overheadbench.distmon_internals import activation_watch
+from overheadbench.paths import use_checkout
+from overheadbench.runner import round_order
+from overheadbench.sizes import SIZES
 
-from overhead import SIZES, round_order  # noqa: E402
+use_checkout()  # this checkout's distmon and launch/model.py
 
 
 def main(argv=None) -> int:  # noqa: ANN001
@@ -42,7 +40,7 @@ def main(argv=None) -> int:  # noqa: ANN001
     model = GPT(GPTConfig(**shape))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mon = distmon.GradMonitor(model, opt, serve="none", activations=True, activation_every=1)
-    watch = mon._tracker.activations  # the benchmark switches the hooks on and off by hand
+    watch = activation_watch(mon)  # the benchmark switches the hooks on and off by hand
     x = torch.randint(0, shape["vocab"], (batch, shape["seq_len"]))
     on, off = [], []
     with torch.no_grad():

@@ -6,8 +6,8 @@ Run it (it starts ``torchrun`` itself when not already under it)::
     python benchmarks/fsdp_overhead.py                  # 1M and 5M, 2 ranks, 30 rounds
     python benchmarks/fsdp_overhead.py --sizes 1M --rounds 6   # a quick look
 
-The models are ``benchmarks/overhead.py``'s GPT sizes, each block a ``fully_shard`` unit and
-the root another. Two copies of the same seeded model, one bare and one with
+The models are ``benchmarks/overhead.py``'s GPT sizes (``overheadbench.sizes``), each block a
+``fully_shard`` unit and the root another. Two copies of the same seeded model, one bare and one with
 ``distmon.GradMonitor(model, opt, serve="none")`` (defaults), train on the same batch: every
 round runs one step of each, in a balanced order (ABBA), after a barrier; a step's time is the
 slowest rank's. Reported: the median of the per-round ratios (distmon / bare), the median
@@ -26,13 +26,11 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for path in (os.path.join(REPO, "launch"), REPO, HERE):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+from overheadbench.paths import use_checkout
+from overheadbench.runner import round_order
+from overheadbench.sizes import SIZES
 
-from overhead import SIZES, round_order  # noqa: E402  (benchmarks/overhead.py: the same sizes, order)
+use_checkout()  # this checkout's distmon and launch/model.py
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,18 +1,24 @@
 """The overhead benchmark's method: the order of a round's steps and the order check.
 
-In-process and fast: these are the parts of ``benchmarks/overhead.py`` whose mistakes no timing
-shows. Round orders that never swapped two copies once hid a cost of a step's place in the
-round inside one copy's ratio (with two copies the old rotation and reversal cancelled).
+In-process and fast: these are the parts of the overhead benchmark (``benchmarks/overheadbench``)
+whose mistakes no timing shows. Round orders that never swapped two copies once hid a cost of a
+step's place in the round inside one copy's ratio (with two copies the old rotation and reversal
+cancelled).
 """
 
+import doctest
+import importlib
 import itertools
 import os
+import pkgutil
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from overhead import order_effect, round_order  # noqa: E402
+import overheadbench  # noqa: E402
+from overheadbench.runner import round_order  # noqa: E402
+from overheadbench.stats import order_effect  # noqa: E402
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
@@ -49,9 +55,16 @@ def test_order_check_separates_a_cost_of_the_place_from_a_cost_of_the_copy():
     base = [1.0 * (1.1 if p else 1.0) for p in pos_base]
     copy = [1.02 * (1.1 if p else 1.0) for p in pos_copy]
     out = order_effect(copy, base, pos_copy, pos_base)
-    assert out["n_after"] == out["n_before"] == rounds // 2
-    assert out["paired_after"] == pytest.approx(1.02 * 1.1)
-    assert out["paired_before"] == pytest.approx(1.02 / 1.1)
+    assert out.n_after == out.n_before == rounds // 2
+    assert out.paired_after == pytest.approx(1.02 * 1.1)
+    assert out.paired_before == pytest.approx(1.02 / 1.1)
     # the copy's own cost is the geometric mean of the two; the place's is their ratio's root
-    assert (out["paired_after"] * out["paired_before"]) ** 0.5 == pytest.approx(1.02)
-    assert order_effect(copy, base, [], []) == {}
+    assert (out.paired_after * out.paired_before) ** 0.5 == pytest.approx(1.02)
+    assert order_effect(copy, base, [], []) is None
+
+
+@pytest.mark.parametrize("module", sorted(m.name for m in pkgutil.iter_modules(overheadbench.__path__)))
+def test_the_examples_in_the_package_docstrings_hold(module):
+    # benchmarks/ is outside pytest's doctest paths: its examples run here
+    result = doctest.testmod(importlib.import_module(f"overheadbench.{module}"))
+    assert result.failed == 0, module

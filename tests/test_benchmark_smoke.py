@@ -78,7 +78,7 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
 
     assert not size["info"].get("uninstrumented"), (
         "distmon's internals changed: the benchmark no longer times these sites "
-        f"(update Distmon.attach in benchmarks/overhead.py): {size['info']['uninstrumented']}"
+        f"(update benchmarks/overheadbench/distmon_internals.py): {size['info']['uninstrumented']}"
     )
 
     # every monitoring approach actually ran its code on the timed steps

@@ -1,0 +1,81 @@
+"""Every private name of distmon the benchmark touches, in one place.
+
+The benchmark times distmon's own code from outside (no distmon file is edited) by wrapping
+its internal entry points, and reads a few internal objects (the state it keeps, its error
+count, its export schedule). These are private names: when distmon's internals are renamed or
+restructured, this module is the one to re-point. Where a name is gone, that site is not
+timed and is reported so (``SizeInfo.uninstrumented``, asserted empty by
+``tests/test_benchmark_smoke.py``); the end-to-end numbers do not depend on it.
+"""
+
+from typing import Any
+
+from .measure import SelfTimer, timed
+
+
+def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[str]:
+    """Time distmon's internal entry points into ``timer``; returns the sites that could not be.
+
+    Instance attributes shadow the methods; the comm hook and the optimizer hooks look them up
+    at call time. Sites: ``distmon::local_sums`` / ``distmon::reduced_sums`` (the comm hook's
+    sums of the local bucket and, in its future callback, of the reduced one),
+    ``distmon::before_step`` / ``distmon::after_step`` (the optimizer step hooks),
+    ``periodic::distmon::export`` (the publication, nested in ``after_step``; each call's CPU
+    seconds also go to ``export_times``), ``background::publisher`` (the host thread).
+    """
+    uninstrumented: list[str] = []
+    tr = getattr(mon, "_tracker", None)
+    source = getattr(mon, "_source", None)
+    if hasattr(source, "measure_local"):
+        local = timed(source.measure_local, timer, "distmon::local_sums")
+
+        def measure_local(bucket: Any) -> Any:
+            measure_reduced = local(bucket)  # the reduced-side callback, or None
+            return (
+                timed(measure_reduced, timer, "distmon::reduced_sums")
+                if callable(measure_reduced)
+                else measure_reduced
+            )
+
+        source.measure_local = measure_local
+    else:
+        uninstrumented.append("local_sums")
+    # The publication (every export_every steps: totals and detectors over the rows since the
+    # last one, host copy) runs inside after_step on few of the timed steps, so a median step
+    # hides it: every publication outside the profiler is timed here, and its mean is amortized.
+    if hasattr(tr, "publish"):
+        tr.publish = timed(tr.publish, timer, "periodic::distmon::export", export_times)
+    for attr, site in (("before_step", "distmon::before_step"), ("after_step", "distmon::after_step")):
+        if hasattr(tr, attr):
+            setattr(tr, attr, timed(getattr(tr, attr), timer, site))
+        else:
+            uninstrumented.append(site.split("::")[1])
+    # host thread: decode + exporters (not on the training thread; reported apart)
+    pub = getattr(mon, "_publisher", None)
+    if hasattr(pub, "_publish"):
+        pub._publish = timed(pub._publish, timer, "background::publisher")
+    else:
+        uninstrumented.append("publisher")
+    return uninstrumented
+
+
+def kept_state(mon: Any) -> Any:
+    """What distmon keeps between steps (walked for the kept-state column): its step tracker."""
+    return getattr(mon, "_tracker", None)
+
+
+def error_count(mon: Any) -> int | None:
+    """Errors distmon caught and counted (None where the counter is not found)."""
+    return getattr(getattr(mon, "_errors", None), "count", None)
+
+
+def exports_next_step(mon: Any) -> bool:
+    """Whether distmon's next step is an export step (which copies to the host by design)."""
+    tr = mon._tracker
+    return (tr.step + 1) % tr.export_every == 0
+
+
+def activation_watch(mon: Any) -> Any:
+    """distmon's forward activation hooks (``activations=True``), switched on and off by hand in
+    ``benchmarks/activation_overhead.py``."""
+    return mon._tracker.activations
