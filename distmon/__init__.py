@@ -13,11 +13,43 @@ Three lines in a DDP training script::
 Metrics are served to Prometheus at ``http://127.0.0.1:9290/metrics`` by global rank 0 by
 default. Public names: :class:`GradMonitor`, :class:`Snapshot`, :class:`AnomalyEvent`,
 :class:`DetectorConfig` (detector thresholds), :class:`GradientAnomalyError` (``guard="raise"``).
+
+The names are imported on first use, so ``import distmon`` and ``python -m distmon report``
+do not import torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .detectors import DetectorConfig
-from .monitor import GradientAnomalyError, GradMonitor
-from .snapshot import AnomalyEvent, Snapshot
+
+if TYPE_CHECKING:
+    from .detectors import DetectorConfig
+    from .monitor import GradientAnomalyError, GradMonitor
+    from .snapshot import AnomalyEvent, Snapshot
 
 __all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "GradientAnomalyError", "__version__"]
+
+# public name -> the module that defines it
+_LAZY = {
+    "GradMonitor": ".monitor",
+    "GradientAnomalyError": ".monitor",
+    "DetectorConfig": ".detectors",
+    "Snapshot": ".snapshot",
+    "AnomalyEvent": ".snapshot",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,444 @@
+"""Reading a JSONL log (``log_path=``) for the report: one run of it, in bounded memory.
+
+Imports neither torch nor matplotlib (``python -m distmon report`` loads no torch).
+
+Each line is read in binary with a size cap, decoded as UTF-8, parsed as JSON and checked
+against the snapshot schema; a line that fails any of these is skipped and counted under its
+reason (with the number of its first line), never raised:
+
+- ``longer than N MiB``: never loaded; read past in 1 MiB pieces;
+- ``not UTF-8``, ``not JSON``;
+- ``cut line``: the last line, without its newline, is not JSON (a run stopped mid-write); or
+  a line whose tail is a whole snapshot (a restarted run appended its first line to the cut
+  one): the tail is kept, the cut head counted;
+- ``not a JSON object``, ```step` missing or not an integer >= 0``, and one reason per field of
+  the wrong type (```layer_grad_norms` is not an object of numbers``, ``an event's `value` is
+  missing or of the wrong type``, ...). Every field but ``step`` may be absent.
+
+Runs: the log of a job restarted in append mode holds several runs one after another. A run
+is a stretch of lines with the same ``run_id`` and rising steps; a step that does not rise
+starts a new run even with the same id (a restart that reused it: ``TORCHELASTIC_RUN_ID``,
+a requeued Slurm job). One run is kept: the latest by default, else the latest with a given
+id, else the N-th; the others are only listed (id, steps, lines).
+
+Bounds: a line costs at most ``max_line_bytes`` while it is parsed; what is kept per step is
+``MAX_LAYERS`` layer norms and ``MAX_RANKS`` rank norms (8 bytes each): layers past the first
+``MAX_LAYERS - 1`` of the run fold into ``"other"`` as their root-sum-of-squares, as the
+exporter's ``max_layers`` folds them. Events keep their steps per kind and the first
+``MAX_EVENTS`` in full; the rank x layer matrix is kept (capped) only for the steps that may
+be the worst one; names (run ids, layers, event kinds) are kept to ``MAX_NAME`` characters.
+
+Example:
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+    ...     _ = f.write(b'{"step": 1, "grad_norm": 0.5}\\n[1, 2]\\n{"step": 2, "grad_')
+    >>> log = read_log(f.name)
+    >>> list(log.run.steps), dict(log.skipped)
+    ([1], {'not a JSON object': 1, 'cut line': 1})
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+__all__ = [
+    "read_log",
+    "LogRead",
+    "Run",
+    "RunSpan",
+    "LogError",
+    "check_snapshot",
+    "as_float",
+    "describe_skips",
+    "describe_runs",
+    "MAX_LAYERS",
+    "MAX_RANKS",
+    "OTHER",
+]
+
+MAX_LAYERS = 128  # the exporter's default max_layers (MonitorConfig): the last slot is "other"
+MAX_RANKS = 64  # ranks drawn (per-rank norms, the rank x layer matrix)
+MAX_EVENTS = 200  # events kept in full (the summary's table)
+MAX_LINE_BYTES = 8 << 20  # a 128-layer snapshot of 1,024 ranks is about 3 MiB
+LISTED_RUNS = 20  # runs listed from each end of a log with more
+MAX_NAME = 256  # characters kept of a name: a line of the cap could hold one of 8 MiB
+OTHER = "other"
+_NONFINITE = {"nan", "inf", "-inf", "+inf", "infinity", "-infinity", "+infinity"}
+
+
+class LogError(ValueError):
+    """The log cannot be reported: unreadable, empty, no valid snapshot, or no such run."""
+
+
+def _is_num(v: Any) -> bool:
+    return v is None or type(v) in (int, float) or (isinstance(v, str) and v.lower() in _NONFINITE)
+
+
+def as_float(v: Any) -> float:
+    """A checked JSONL figure as a float (null and the strings "nan"/"inf" included).
+
+    Example:
+        >>> as_float("inf"), as_float(None), as_float(2)
+        (inf, nan, 2.0)
+    """
+    return math.nan if v is None else float(v)
+
+
+def _short(v: Any) -> Any:
+    return v[:MAX_NAME] if isinstance(v, str) else v
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return type(v) is int and low <= v < 2**53
+
+
+def _is_nums(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_is_num, v))
+
+
+# field -> (check, what it must be); a field may be absent, but if present must pass
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "run_id": (lambda v: isinstance(v, str), "a string"),
+    "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
+    "grad_norm": (_is_num, "a number"),
+    "gradient_noise_scale": (_is_num, "a number"),
+    "layer_grad_norms": (
+        lambda v: isinstance(v, dict) and all(map(_is_num, v.values())),
+        "an object of numbers",
+    ),
+    "rank_grad_norms": (_is_nums, "a list of numbers"),
+    "rank_layer_grad_norms": (
+        lambda v: v is None or (isinstance(v, list) and all(map(_is_nums, v))),
+        "null or a list of lists of numbers",
+    ),
+    "nonfinite": (lambda v: isinstance(v, bool), "true or false"),
+    "valid": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_reason": (lambda v: isinstance(v, str), "a string"),
+    "monitor_errors": (_is_int, "an integer >= 0"),
+    "first_nonfinite": (
+        lambda v: (
+            v is None or (isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and isinstance(v[1], str))
+        ),
+        "null or a [rank, layer] pair",
+    ),
+    "events": (lambda v: isinstance(v, list), "a list"),
+}
+_EVENT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "kind": lambda v: isinstance(v, str),
+    "step": _is_int,
+    "rank": lambda v: _is_int(v, -1),
+    "layer": lambda v: isinstance(v, str),
+    "value": _is_num,
+    "threshold": _is_num,
+}
+
+
+def check_snapshot(obj: Any) -> str | None:
+    """Why ``obj`` (a parsed line) is not a snapshot the report can read, or None when it is.
+
+    Example:
+        >>> check_snapshot({"step": 3, "layer_grad_norms": [1.0]})
+        '`layer_grad_norms` is not an object of numbers'
+        >>> check_snapshot({"step": 3, "events": [{"kind": "spike"}]}) is None
+        False
+    """
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    if not _is_int(obj.get("step")):
+        return "`step` missing or not an integer >= 0"
+    for name, (ok, what) in _FIELDS.items():
+        if name in obj and not ok(obj[name]):
+            return f"`{name}` is not {what}"
+    for event in obj.get("events", ()):
+        if not isinstance(event, dict):
+            return "an event is not an object"
+        for name, ok in _EVENT_FIELDS.items():
+            if name not in event or not ok(event[name]):
+                return f"an event's `{name}` is missing or of the wrong type"
+    matrix = obj.get("rank_layer_grad_norms")
+    if matrix and any(len(row) != len(obj.get("layer_grad_norms", ())) for row in matrix):
+        return "`rank_layer_grad_norms` rows do not match `layer_grad_norms`"
+    return None
+
+
+@dataclass
+class RunSpan:
+    """One run of the log: its id, first and last step, and lines (``index`` counts from 1)."""
+
+    index: int
+    run_id: str
+    first_step: int
+    last_step: int
+    lines: int = 1
+    first_line: int = 0
+
+
+@dataclass
+class _Worst:
+    """A candidate for the worst step: its step, key and capped rank x layer matrix."""
+
+    step: int
+    key: float = -math.inf
+    matrix: list[array] | None = None
+
+
+@dataclass
+class Run:
+    """What the report keeps of one run: per-step arrays, capped (see the module docstring).
+
+    ``layers`` are the kept layer names in model order (``"other"`` last when anything
+    folded); ``layer_norms[i]`` holds step ``i``'s norms by slot (:attr:`order` gives the slots
+    of ``layers``), shorter when later steps brought new layers (read those as NaN).
+    """
+
+    span: RunSpan
+    steps: array = field(default_factory=lambda: array("q"))
+    grad_norm: array = field(default_factory=lambda: array("d"))
+    noise_scale: array = field(default_factory=lambda: array("d"))
+    layer_norms: list[array] = field(default_factory=list)
+    rank_norms: list[array] = field(default_factory=list)
+    columns: dict[str, int] = field(default_factory=dict)  # named layer -> slot; slot 0 is "other"
+    folded: bool = False  # some step has an "other" value
+    capped: bool = False  # some named layer was folded here (not by the exporter)
+    most_layers: int = 0  # the most layers one line had
+    world_size: int = 1
+    most_ranks: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_EVENTS
+    event_count: int = 0
+    event_steps: dict[str, list[int]] = field(default_factory=dict)  # kind -> steps with it
+    first_nonfinite: tuple[int, Any, Any] | None = None  # step, rank, layer
+    guard_skips: int = 0
+    scaler_skips: int = 0
+    invalid: int = 0
+    monitor_errors: int = 0
+    worst_nonfinite: _Worst | None = None
+    worst_event: _Worst | None = None
+    worst_norm: _Worst | None = None
+
+    @property
+    def layers(self) -> list[str]:
+        return [*self.columns, OTHER] if self.folded else list(self.columns)
+
+    @property
+    def order(self) -> list[int]:
+        """The slots of :attr:`layers`, in its order (a stored row is indexed by slot)."""
+        return [*self.columns.values(), 0] if self.folded else list(self.columns.values())
+
+    def worst(self) -> _Worst:
+        """The first non-finite step, else the strongest event's, else the largest finite norm."""
+        return self.worst_nonfinite or self.worst_event or self.worst_norm or _Worst(self.steps[0])
+
+    def _slots(self, names: list[str]) -> list[int]:
+        """Each layer name's slot, new names taking free ones; past the cap, slot 0 (folded)."""
+        slots = []
+        for name in map(_short, names):
+            slot = self.columns.get(name)
+            if slot is None:
+                if name == OTHER or len(self.columns) >= MAX_LAYERS - 1:
+                    slot = 0
+                    self.capped |= name != OTHER
+                else:
+                    slot = self.columns[name] = len(self.columns) + 1
+            slots.append(slot)
+        return slots
+
+    def _fold(self, values: list[Any], slots: list[int]) -> array:
+        row = array("d", [math.nan]) * (len(self.columns) + 1)
+        rest = [as_float(v) for v, slot in zip(values, slots) if slot == 0]
+        for v, slot in zip(values, slots):
+            if slot:
+                row[slot] = as_float(v)
+        if rest:
+            row[0] = math.hypot(*rest)
+            self.folded = True
+        return row
+
+    def add(self, snap: dict[str, Any]) -> None:
+        """Take one checked snapshot of this run."""
+        step = snap["step"]
+        layers = snap.get("layer_grad_norms", {})
+        slots = self._slots(list(layers))
+        self.steps.append(step)
+        self.grad_norm.append(as_float(snap.get("grad_norm")))
+        self.noise_scale.append(as_float(snap.get("gradient_noise_scale")))
+        self.layer_norms.append(self._fold(list(layers.values()), slots))
+        ranks = snap.get("rank_grad_norms", [])
+        self.rank_norms.append(array("d", map(as_float, ranks[:MAX_RANKS])))
+        self.most_layers = max(self.most_layers, len(layers))
+        self.most_ranks = max(self.most_ranks, len(ranks))
+        self.world_size = snap.get("world_size", self.world_size)
+        self.monitor_errors = snap.get("monitor_errors", self.monitor_errors)
+        self.guard_skips += snap.get("skip_reason") == "guard"
+        self.scaler_skips += snap.get("skip_reason") == "scaler"
+        self.invalid += not snap.get("valid", True)
+
+        def matrix() -> list[array] | None:
+            rows = snap.get("rank_layer_grad_norms")
+            return [self._fold(r, slots) for r in rows[:MAX_RANKS]] if rows else None
+
+        events = snap.get("events", [])
+        for e in events:
+            self.event_count += 1
+            if len(self.events) < MAX_EVENTS:
+                self.events.append({k: _short(e[k]) for k in _EVENT_FIELDS})
+            steps = self.event_steps.setdefault(_short(e["kind"]), [])
+            if not steps or steps[-1] != step:
+                steps.append(step)
+        if snap.get("nonfinite") and self.worst_nonfinite is None:
+            where = snap.get("first_nonfinite") or ["?", "?"]
+            self.first_nonfinite = (step, where[0], _short(where[1]))
+            self.worst_nonfinite = _Worst(step, matrix=matrix())
+        # NaN-valued events (non-finite activations) rank below every measured one
+        values = [as_float(e["value"]) for e in events]
+        strongest = max((-math.inf if math.isnan(v) else v for v in values), default=None)
+        if strongest is not None and (self.worst_event is None or strongest > self.worst_event.key):
+            self.worst_event = _Worst(step, strongest, matrix())
+        norm = self.grad_norm[-1]
+        if math.isfinite(norm) and (self.worst_norm is None or norm > self.worst_norm.key):
+            self.worst_norm = _Worst(step, norm, matrix())
+
+
+@dataclass
+class LogRead:
+    """A log read for the report: the chosen run, the runs listed, the lines skipped."""
+
+    run: Run
+    runs: list[RunSpan | None]  # the first and last LISTED_RUNS, None where some were left out
+    run_count: int
+    skipped: Counter[str]  # reason -> lines
+    first_skipped: dict[str, int]  # reason -> its first line number
+    max_line_bytes: int
+
+
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, bool]]:
+    """(line number, its bytes or None when longer than ``limit``, whether it is the last line).
+
+    An over-long line is read past in 1 MiB pieces, never held whole.
+    """
+
+    def raw() -> Iterator[bytes | None]:
+        while chunk := f.readline(limit + 1):
+            if len(chunk) > limit and not chunk.endswith(b"\n"):
+                while chunk and not chunk.endswith(b"\n"):
+                    chunk = f.readline(1 << 20)
+                yield None
+            else:
+                yield chunk
+
+    lines = raw()
+    line, number = next(lines, b""), 0
+    while line != b"":
+        after = next(lines, b"")
+        number += 1
+        yield number, line, after == b""
+        line = after
+
+
+def _parse(raw: bytes, last: bool) -> tuple[Any, str | None, bool]:
+    """(the parsed line, the reason it is skipped or None, whether a cut head was dropped)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8", False
+    try:
+        return json.loads(text), None, False
+    except (ValueError, RecursionError):
+        pass
+    tail = text.rfind('{"step":', 1)  # a restarted run's first line appended to a cut one
+    if tail > 0:
+        try:
+            return json.loads(text[tail:]), None, True
+        except (ValueError, RecursionError):
+            pass
+    return None, "cut line" if last and not raw.endswith(b"\n") else "not JSON", False
+
+
+def read_log(
+    path: str, run_id: str | None = None, run_index: int | None = None, max_line_bytes: int = MAX_LINE_BYTES
+) -> LogRead:
+    """Read one run of the JSONL log at ``path``: the latest, the latest with ``run_id``, or the
+    ``run_index``-th (from 1). Raises :class:`LogError` (or ``OSError``) when there is none."""
+    skipped: Counter[str] = Counter()
+    first_skipped: dict[str, int] = {}
+    head: list[RunSpan] = []
+    tail: deque[RunSpan] = deque(maxlen=LISTED_RUNS)
+    span: RunSpan | None = None
+    kept: Run | None = None  # the run chosen so far
+    current: Run | None = None  # the run being read, when it is a choice
+
+    def skip(reason: str, line_no: int) -> None:
+        skipped[reason] += 1
+        first_skipped.setdefault(reason, line_no)
+
+    line_no = 0
+    with open(path, "rb") as f:
+        for line_no, raw, last in _lines(f, max_line_bytes):
+            if raw is None:
+                skip(f"longer than {max_line_bytes / 2**20:g} MiB", line_no)
+                continue
+            if not raw.strip():
+                continue
+            obj, reason, cut_head = _parse(raw, last)
+            if cut_head:
+                skip("cut line", line_no)
+            reason = reason or check_snapshot(obj)
+            if reason:
+                skip(reason, line_no)
+                continue
+            rid, step = _short(obj.get("run_id", "")), obj["step"]
+            if span is None or rid != span.run_id or step <= span.last_step:
+                span = RunSpan((span.index if span else 0) + 1, rid, step, step, first_line=line_no)
+                (head if len(head) < LISTED_RUNS else tail).append(span)
+                wanted = span.index == run_index if run_index else run_id in (None, rid)
+                current = Run(span) if wanted else None
+                kept = current or kept
+            else:
+                span.last_step, span.lines = step, span.lines + 1
+            if current is not None:
+                current.add(obj)
+    if not line_no:
+        raise LogError(f"{path} is empty")
+    if span is None:
+        raise LogError(f"no valid snapshot in {path}: {describe_skips(skipped, first_skipped)}")
+    runs: list[RunSpan | None] = [*head, *([None] if span.index > len(head) + len(tail) else []), *tail]
+    if kept is None:
+        wanted = f"no run {run_id!r}" if run_index is None else f"no run #{run_index}"
+        raise LogError(f"{wanted} in {path}; it holds {describe_runs(runs, span.index)}")
+    return LogRead(kept, runs, span.index, skipped, first_skipped, max_line_bytes)
+
+
+def describe_skips(skipped: Counter[str], first: dict[str, int]) -> str:
+    """How many lines were skipped and why, with the first line of each reason.
+
+    Example:
+        >>> describe_skips(Counter({"not JSON": 2, "cut line": 1}), {"not JSON": 4, "cut line": 9})
+        '3 lines skipped: 2 not JSON (first: line 4), 1 cut line (line 9)'
+    """
+    total = sum(skipped.values())
+    if not total:
+        return "no line skipped"
+    parts = [f"{n} {why} ({'first: ' if n > 1 else ''}line {first[why]})" for why, n in skipped.most_common()]
+    return f"{total} line{'s' if total > 1 else ''} skipped: " + ", ".join(parts)
+
+
+def describe_runs(runs: list[RunSpan | None], count: int) -> str:
+    """The runs as ``#1 'a' steps 1..150 (150 lines), ...``; None stands for those left out.
+
+    Example:
+        >>> describe_runs([RunSpan(1, "a", 1, 150, 150), None, RunSpan(45, "b", 1, 9, 9)], 45)
+        "#1 'a' steps 1..150 (150 lines), (43 more), #45 'b' steps 1..9 (9 lines)"
+    """
+    shown = sum(s is not None for s in runs)
+    return ", ".join(
+        f"({count - shown} more)"
+        if s is None
+        else f"#{s.index} {s.run_id!r} steps {s.first_step}..{s.last_step} "
+        f"({s.lines} line{'s' if s.lines > 1 else ''})"
+        for s in runs
+    )
