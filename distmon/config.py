@@ -18,8 +18,8 @@ import torch
 
 from .activations import validate_activations
 from .detectors import DetectorConfig
+from .endpoint_security import EndpointSecurity
 from .grouping import GroupSpec, validate_groups
-from .http_server import EndpointSecurity
 
 SERVE_MODES = ("rank0", "node", "all", "none")
 GUARD_MODES = (None, "skip", "raise")
@@ -28,8 +28,24 @@ DEFAULT_PORT = 9290
 __all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "AGREED", "option_label"]
 
 
+# Set but empty, these would turn TLS or basic auth off without a word: an error, not "unset".
+_FILE_ENV = ("DISTMON_TLS_CERT", "DISTMON_TLS_KEY", "DISTMON_TLS_CLIENT_CA", "DISTMON_BASIC_AUTH_FILE")
+
+
 def _env(name: str) -> str | None:
+    """A variable's value; set but empty means unset, except for the endpoint's security files.
+
+    Example:
+        >>> os.environ["DISTMON_TLS_CERT"] = ""
+        >>> _env("DISTMON_TLS_CERT")
+        Traceback (most recent call last):
+        ...
+        ValueError: distmon: DISTMON_TLS_CERT is set but empty: give the file's path, or unset it
+        >>> del os.environ["DISTMON_TLS_CERT"]
+    """
     value = os.environ.get(name)
+    if value is not None and not value.strip() and name in _FILE_ENV:
+        raise ValueError(f"distmon: {name} is set but empty: give the file's path, or unset it")
     return value if value not in (None, "") else None
 
 

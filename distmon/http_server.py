@@ -1,312 +1,232 @@
 """The HTTP endpoint: ``/metrics`` over HTTP or HTTPS, bounded, timed out, optionally with basic auth.
 
-prometheus_client's own WSGI app (``make_wsgi_app``) serves the registry, as in its
-``start_wsgi_server``, but the server around it differs in what an always-on endpoint in a
-training process needs:
+prometheus_client's own WSGI app (``make_wsgi_app``) serves the registry; the server around
+it is made for an always-on endpoint in a training process that slow, silent or hostile
+clients can reach:
 
-- one thread waits on the listening socket and on every accepted connection that has not
-  sent anything yet, so an idle connection costs a file descriptor, not a thread (the
-  oldest idle one is dropped beyond ``MAX_IDLE``); a connection with bytes to read goes to
-  one of at most ``max_connections`` worker threads (a few more wait in a short queue,
-  the rest are closed at once);
-- every connection has a deadline ``timeout_s`` after it was accepted, idle or busy, and is
-  closed past it, also a client that dribbles a byte at a time (the serving thread shuts
-  its socket down under the worker);
-- the TLS handshake runs in the worker, under that deadline (prometheus_client wraps the
-  listening socket, so its ``accept()`` does the handshake on the serving thread and one
-  silent client stops the endpoint);
-- HTTP basic auth against bcrypt hashes, as Prometheus' exporter web config does.
+- one thread (the serving thread) holds every connection that is not being answered: it
+  accepts, runs the TLS handshake, reads the request head and writes the response, none of
+  it blocking, so a client that stalls at any of these costs a file descriptor and a few
+  KiB, never a thread; it holds at most ``MAX_IDLE`` connections (the oldest goes first);
+- a connection must have sent its whole request head (TLS handshake included, at most
+  ``MAX_HEAD`` bytes) within ``header_timeout_s`` of its accept, and is closed
+  ``timeout_s`` after it, answered or not;
+- only a complete request reaches a worker thread (at most ``max_connections`` at once, as
+  many again queue, beyond that 503 at once); workers compute responses and never touch a
+  socket, so no client can hold one;
+- basic auth: credentials verified before are accepted by the serving thread (an HMAC), so a
+  scrape with them never waits for bcrypt; the others queue for one bcrypt thread (at most
+  ``BCRYPT_QUEUE`` waiting, beyond that 503 at once), so a flood of wrong passwords delays
+  only itself.
 
-One request per connection (HTTP/1.0, as ``wsgiref``); Prometheus reconnects per scrape.
+One request per connection (HTTP/1.0 responses, ``Connection: close``); Prometheus
+reconnects per scrape.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
+import contextlib
+import enum
 import errno
-import hashlib
-import hmac
-import itertools
-import os
+import io
 import re
-import secrets
 import selectors
 import socket
-import socketserver
 import ssl
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Union
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from typing import Any
+from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.registry import Collector
 
-from .errors import ErrorCounter, logger
+from .endpoint_security import REALM, BasicAuth, Claim, EndpointSecurity, Verdict
+from .errors import ErrorCounter
 
-__all__ = ["EndpointSecurity", "BasicAuth", "MetricServer", "MAX_CONNECTIONS", "TIMEOUT_S", "MAX_IDLE"]
+__all__ = [
+    "MetricServer",
+    "EndpointSecurity",
+    "MAX_CONNECTIONS",
+    "TIMEOUT_S",
+    "HEADER_TIMEOUT_S",
+    "MAX_IDLE",
+    "MAX_HEAD",
+    "BCRYPT_QUEUE",
+]
 
-MAX_CONNECTIONS = 8  # requests handled at once (worker threads)
+MAX_CONNECTIONS = 8  # requests answered at once (worker threads)
 TIMEOUT_S = 10.0  # per connection, from accept to close; Prometheus' default scrape_timeout
-MAX_IDLE = 64  # accepted connections waiting for their first byte
-REALM = "distmon"
+HEADER_TIMEOUT_S = 3.0  # from accept to the end of the request head, TLS handshake included
+MAX_IDLE = 64  # connections the serving thread holds (handshaking, sending a head, reading an answer)
+MAX_HEAD = 8192  # bytes of request line and headers
+BCRYPT_QUEUE = 4  # password checks waiting for the bcrypt thread
+_CHUNK = 16384  # bytes per send: at most one TLS record
 
-# bcrypt as htpasswd -B, Apache and Go write it: $2a$, $2b$ or $2y$, cost 04-31, 53 characters
-_BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
-# Checked for an unknown user name, so that it costs as much as a wrong password.
-_UNKNOWN_USER_HASH = b"$2b$10$RSgx4VLcrbItJmPp8AlFXuVyO6an0T.8NEpCf8yCCIxlAIH4mHZdm"
-_HTTP_TO_HTTPS = (
-    b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
-    b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_TOKEN = "[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_REQUEST_LINE = re.compile(rf"({_TOKEN}) (\S+) (HTTP/1\.[01])")
+_HEADER_NAME = re.compile(_TOKEN)
+
+
+def http_response(status: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+    """An HTTP/1.0 response that closes the connection, with its ``Content-Length``.
+
+    Example:
+        >>> for line in http_response("404 Not Found", [("Content-Type", "text/plain")], b"no").splitlines():
+        ...     print(line.decode())
+        HTTP/1.0 404 Not Found
+        Content-Type: text/plain
+        Content-Length: 2
+        Connection: close
+        <BLANKLINE>
+        no
+    """
+    lines = [f"HTTP/1.0 {status}"]
+    lines += [f"{k}: {v}" for k, v in headers if k.lower() not in ("content-length", "connection")]
+    lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1") + body
+
+
+def _text(status: str, text: str, *headers: tuple[str, str]) -> bytes:
+    return http_response(status, [("Content-Type", "text/plain; charset=utf-8"), *headers], text.encode())
+
+
+_BAD_REQUEST = _text("400 Bad Request", "400 Bad Request\n")
+_HTTP_TO_HTTPS = _text("400 Bad Request", "Client sent an HTTP request to an HTTPS server.\n")
+_HEAD_TOO_LARGE = _text("431 Request Header Fields Too Large", f"request head over {MAX_HEAD} bytes\n")
+_UNAUTHORIZED = _text(
+    "401 Unauthorized", "401 Unauthorized\n", ("WWW-Authenticate", f'Basic realm="{REALM}"')
 )
-
-PathLike = Union[str, "os.PathLike[str]"]
-WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
-
-
-def _option(name: str) -> str:
-    """An option as the user may have set it: ``tls_cert (DISTMON_TLS_CERT)``."""
-    return f"{name} (DISTMON_{name.upper()})"
+_BUSY = _text("503 Service Unavailable", "too many requests at once: try again\n", ("Retry-After", "1"))
+_NO_USERS = _text("503 Service Unavailable", "the endpoint's users file cannot be read\n")
+_SERVER_ERROR = _text("500 Internal Server Error", "500 Internal Server Error\n")
 
 
-def _no_password() -> bytes:
-    # Without a callback OpenSSL would prompt on the terminal for an encrypted key: a hang.
-    raise ValueError("the private key is encrypted; distmon needs an unencrypted key file")
+def parse_head(head: bytes) -> dict[str, str] | None:
+    """The CGI variables of a request head (request line and headers), or None if it is malformed.
 
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class EndpointSecurity:
-    """TLS, mutual TLS and basic-auth settings of the metrics endpoint (file paths).
-
-    ``tls_cert`` and ``tls_key`` (PEM) make the endpoint speak HTTPS (TLS 1.2 or later);
-    ``tls_client_ca`` also requires clients to present a certificate signed by that CA;
-    ``basic_auth_file`` holds ``user:bcrypt-hash`` lines (``htpasswd -nbB user password``).
-    Construction checks which options go together; :meth:`load` reads the files, so
-    everything that can fail does before a socket is bound.
+    Header names become ``HTTP_*`` keys (repeated ones joined with commas); names with an
+    underscore are dropped, as they would pose as their dashed twins.
 
     Example:
-        >>> EndpointSecurity().load()
+        >>> head = b"GET /metrics?name[]=a HTTP/1.1\\r\\nAccept: text/plain\\r\\nX-A: 1\\r\\nx-a: 2\\n\\n"
+        >>> env = parse_head(head)
+        >>> env["REQUEST_METHOD"], env["PATH_INFO"], env["QUERY_STRING"], env["HTTP_ACCEPT"], env["HTTP_X_A"]
+        ('GET', '/metrics', 'name[]=a', 'text/plain', '1,2')
+        >>> parse_head(b"hello\\r\\n\\r\\n"), parse_head(b"GET / HTTP/1.1\\r\\n folded\\r\\n\\r\\n")
         (None, None)
-        >>> EndpointSecurity(tls_cert="/etc/distmon/server.pem")
-        Traceback (most recent call last):
-        ...
-        ValueError: distmon: tls_cert (DISTMON_TLS_CERT) needs tls_key (DISTMON_TLS_KEY) too (its private key)
     """
-
-    tls_cert: PathLike | None = None
-    tls_key: PathLike | None = None
-    tls_client_ca: PathLike | None = None
-    basic_auth_file: PathLike | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "basic_auth_file"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-                raise TypeError(f"distmon: {_option(name)} must be a file path, got {value!r}")
-            object.__setattr__(self, name, os.fspath(value))
-        if self.tls_cert is not None and self.tls_key is None:
-            raise ValueError(
-                f"distmon: {_option('tls_cert')} needs {_option('tls_key')} too (its private key)"
-            )
-        if self.tls_key is not None and self.tls_cert is None:
-            raise ValueError(
-                f"distmon: {_option('tls_key')} needs {_option('tls_cert')} too (its certificate)"
-            )
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError(
-                f"distmon: {_option('tls_client_ca')} needs {_option('tls_cert')} and "
-                f"{_option('tls_key')}: client certificates are checked in the TLS handshake"
-            )
-
-    def load(self) -> tuple[ssl.SSLContext | None, BasicAuth | None]:
-        """Read every file: ``(TLS context or None, BasicAuth or None)``.
-
-        Raises ``ValueError`` naming distmon, the option and the path of what cannot be
-        loaded. Basic auth without TLS works but logs a warning: passwords cross the
-        network in clear text.
-        """
-        context = None
-        if self.tls_cert is not None:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            try:
-                context.load_cert_chain(self.tls_cert, self.tls_key, password=_no_password)
-            except (OSError, ValueError) as e:
-                raise ValueError(
-                    f"distmon: tls_cert {self.tls_cert!r} / tls_key {self.tls_key!r} "
-                    f"(DISTMON_TLS_CERT / DISTMON_TLS_KEY) cannot be loaded: {e} (expected PEM "
-                    f"files: the certificate chain and its unencrypted private key)"
-                ) from e
-            if self.tls_client_ca is not None:
-                try:
-                    context.load_verify_locations(cafile=self.tls_client_ca)
-                except OSError as e:
-                    raise ValueError(
-                        f"distmon: {_option('tls_client_ca')} {self.tls_client_ca!r} cannot be "
-                        f"loaded: {e} (expected PEM CA certificates)"
-                    ) from e
-                context.verify_mode = ssl.CERT_REQUIRED
-        auth = BasicAuth.from_file(self.basic_auth_file) if self.basic_auth_file is not None else None
-        if auth is not None and context is None:
-            logger.warning(
-                "distmon: basic_auth_file is set without tls_cert/tls_key: passwords cross the "
-                "network in clear text; set DISTMON_TLS_CERT and DISTMON_TLS_KEY"
-            )
-        return context, auth
+    lines = re.split(r"\r?\n", head.decode("latin-1"))
+    request = _REQUEST_LINE.fullmatch(lines[0])
+    if request is None:
+        return None
+    method, target, version = request.groups()
+    path, _, query = target.partition("?")
+    env = {
+        "REQUEST_METHOD": method,
+        "PATH_INFO": unquote(path, "latin-1"),
+        "QUERY_STRING": query,
+        "SERVER_PROTOCOL": version,
+    }
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not _HEADER_NAME.fullmatch(name):  # also a folded line (leading space)
+            return None
+        if "_" in name:
+            continue
+        key = name.upper().replace("-", "_")
+        key = key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key
+        value = value.strip(" \t")
+        env[key] = f"{env[key]},{value}" if key in env else value
+    return env
 
 
-class BasicAuth:
-    """Users and bcrypt hashes of an htpasswd file; checks ``Authorization: Basic`` headers.
-
-    A verified password is remembered as an HMAC (under a key of this process) of user and
-    password, so only the first scrape pays bcrypt (~0.1-0.3 s); a failure is not remembered,
-    bcrypt runs one check at a time, and an unknown user costs what a wrong password costs.
+class _Lane:
+    """Jobs run by up to ``threads`` threads, started on demand and ended when idle; ``waiting`` more queue.
 
     Example:
-        >>> import bcrypt, tempfile
-        >>> users = tempfile.NamedTemporaryFile("w", suffix=".htpasswd", delete=False)
-        >>> _ = users.write("prometheus:" + bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode() + "\\n")
-        >>> users.close()
-        >>> auth = BasicAuth.from_file(users.name)
-        >>> auth.check("Basic " + base64.b64encode(b"prometheus:s3cret").decode())
-        True
-        >>> auth.check("Basic " + base64.b64encode(b"prometheus:guess").decode()), auth.check(None)
-        (False, False)
-        >>> os.unlink(users.name)
+        >>> done = []
+        >>> lane = _Lane("demo", 1, 0, done.append, ErrorCounter())
+        >>> lane.submit(1), lane.close(), done
+        (True, None, [1])
     """
 
-    def __init__(self, users: dict[str, bytes], checkpw: Callable[[bytes, bytes], bool]) -> None:
-        self._users = users
-        self._checkpw = checkpw
-        self._key = secrets.token_bytes(32)
-        self._verified: dict[str, bytes] = {}
-        self._bcrypt_lock = threading.Lock()  # failed guesses use one core at most
+    def __init__(
+        self, name: str, threads: int, waiting: int, run: Callable[[Any], None], errors: ErrorCounter
+    ) -> None:
+        self._name, self._threads, self._waiting = name, threads, waiting
+        self._run, self._errors = run, errors
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0
+        self._queue: deque[Any] = deque()
+        self._closed = False
 
-    @classmethod
-    def from_file(cls, path: str) -> BasicAuth:
-        """Read an htpasswd file of ``user:bcrypt-hash`` lines (blank lines are skipped).
+    def submit(self, job: Any) -> bool:
+        """Run ``job`` or queue it; False if the lane is full (or closed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._running >= self._threads:
+                if len(self._queue) >= self._waiting:
+                    return False
+                self._queue.append(job)
+                return True
+            self._running += 1
+        try:
+            threading.Thread(target=self._loop, args=(job,), name=self._name, daemon=True).start()
+        except RuntimeError:  # no thread to be had
+            with self._lock:
+                self._running -= 1
+                self._idle.notify_all()
+            return False
+        return True
 
-        Raises ``ValueError`` naming the option, the path and the line of what is wrong,
-        or how to install ``bcrypt`` if it is missing.
-        """
-        where = f"{_option('basic_auth_file')} {path!r}"
-        try:
-            import bcrypt
-        except ImportError as e:
-            raise ValueError(
-                f"distmon: {where} needs the bcrypt package: pip install bcrypt "
-                f"(or pip install 'distmon[auth]')"
-            ) from e
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"distmon: {where} cannot be read: {e}") from e
-        users: dict[str, bytes] = {}
-        for number, line in enumerate(lines, 1):
-            line = line.strip()
-            if not line:
-                continue
-            user, sep, hashed = line.partition(":")
-            if not (
-                sep and user and _BCRYPT_HASH.fullmatch(hashed)
-            ):  # the line is not echoed: it may hold a password
-                raise ValueError(
-                    f"distmon: {where} line {number} is not 'user:bcrypt-hash' (a $2a$, $2b$ or "
-                    f"$2y$ hash, as `htpasswd -nbB user password` prints)"
-                )
-            if user in users:
-                raise ValueError(f"distmon: {where} line {number}: user {user!r} is listed twice")
-            users[user] = hashed.encode()
-        if not users:
-            raise ValueError(
-                f"distmon: {where} is empty: expected 'user:bcrypt-hash' lines "
-                f"(`htpasswd -nbB user password`)"
-            )
-        return cls(users, bcrypt.checkpw)
+    def close(self, timeout: float = 5.0) -> None:
+        """Drop queued jobs and wait (up to ``timeout``) for running ones."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._idle.wait_for(lambda: self._running == 0, timeout=timeout)
 
-    def check(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value holds a listed user and its password."""
-        scheme, _, encoded = (header or "").strip().partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        try:
-            user_b, sep, password = base64.b64decode(encoded.strip(), validate=True).partition(b":")
-            user = user_b.decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        if not sep:
-            return False
-        digest = hmac.new(self._key, b"%d:%s%s" % (len(user_b), user_b, password), hashlib.sha256).digest()
-        known = self._verified.get(user)
-        if known is not None and hmac.compare_digest(known, digest):
-            return True
-        hashed = self._users.get(user)
-        with self._bcrypt_lock:
+    def _loop(self, job: Any) -> None:
+        while True:
             try:
-                ok = self._checkpw(password, hashed or _UNKNOWN_USER_HASH) and hashed is not None
-            except ValueError:  # bcrypt refuses passwords over 72 bytes
-                ok = False
-        if ok:
-            self._verified[user] = digest
-        return ok
-
-    def wrap(self, app: WSGIApp) -> WSGIApp:
-        """``app`` behind basic auth: 401 with ``WWW-Authenticate`` unless the request's credentials check."""
-
-        def authenticated(environ: dict, start_response: Callable) -> Iterable[bytes]:
-            if self.check(environ.get("HTTP_AUTHORIZATION")):
-                return app(environ, start_response)
-            start_response(
-                "401 Unauthorized",
-                [
-                    ("WWW-Authenticate", f'Basic realm="{REALM}"'),
-                    ("Content-Type", "text/plain; charset=utf-8"),
-                ],
-            )
-            return [b"401 Unauthorized\n"]
-
-        return authenticated
+                self._run(job)
+            except Exception:
+                self._errors.record(f"the metrics endpoint ({self._name})")
+            with self._lock:
+                if not self._queue:
+                    self._running -= 1
+                    self._idle.notify_all()
+                    return
+                job = self._queue.popleft()
 
 
-# --------------------------------------------------------------------------- server
+class _Stage(enum.Enum):
+    HANDSHAKE = "handshake"  # TLS
+    HEAD = "head"  # reading the request line and headers
+    BUSY = "busy"  # with a worker or the bcrypt thread
+    WRITE = "write"  # sending the response
 
 
-class _Handler(WSGIRequestHandler):
-    """wsgiref's request handler, without a log line per scrape."""
+class _Conn:
+    """One client connection, as the serving thread holds it."""
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _WSGIServer(WSGIServer):
-    """wsgiref's server as the holder of the listening socket, the app and the WSGI environ.
-
-    :class:`MetricServer` accepts and dispatches; only binding and ``finish_request`` (one
-    request on one connection) are used from here.
-    """
-
-    request_queue_size = 128
-
-    def __init__(self, family: socket.AddressFamily, host: str, port: int, app: WSGIApp) -> None:
-        self.address_family = family
-        super().__init__((host, port), _Handler)  # binds and listens; closes the socket on failure
-        self.set_app(app)
-
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)
-        # HTTPServer would look the host up in DNS here (getfqdn), which can take seconds
-        self.server_name, self.server_port = self.server_address[:2]
-        self.setup_environ()
+    def __init__(self, sock: socket.socket, client: Any, stage: _Stage, expires: float, deadline: float):
+        self.sock, self.client, self.stage = sock, client, stage
+        self.expires = expires  # closed then: the head deadline until the head is in, then ``deadline``
+        self.deadline = deadline
+        self.events = selectors.EVENT_READ
+        self.inbox = bytearray()
+        self.outbox = b""
+        self.sent = 0
 
 
 def _resolve(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
@@ -322,6 +242,19 @@ def _resolve(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
     return family, sockaddr[0]
 
 
+def _listen(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _close(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_WR)  # the client reads the end of the response, then EOF
@@ -330,21 +263,13 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-def _interrupt(sock: socket.socket) -> None:
-    """Wake a worker blocked on ``sock`` (another thread); the worker then closes it."""
-    try:
-        # the plain socket method: an SSLSocket's own shutdown() drops its TLS state first
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 class MetricServer:
     """The ``/metrics`` endpoint over one registry of its own (never the global one).
 
     Serves prometheus_client's WSGI app (GET only; ``name[]`` filters) over HTTP, or HTTPS
-    with ``security``; at most ``max_connections`` requests at once, each connection closed
-    ``timeout_s`` after it was accepted.
+    with ``security``; at most ``max_connections`` requests answered at once; every
+    connection closed ``header_timeout_s`` after it was accepted if its request head is not
+    in by then, and ``timeout_s`` after it in any case.
 
     Example:
         >>> from prometheus_client.core import GaugeMetricFamily
@@ -363,24 +288,35 @@ class MetricServer:
     def __init__(
         self,
         registry: CollectorRegistry,
-        server: _WSGIServer,
+        listener: socket.socket,
         tls: ssl.SSLContext | None,
+        auth: BasicAuth | None,
         max_connections: int,
         timeout_s: float,
+        header_timeout_s: float,
     ) -> None:
         self.registry = registry
-        self.addr, self.port = server.server_address[0], server.server_address[1]
+        self.addr, self.port = listener.getsockname()[:2]
         self.scheme = "https" if tls is not None else "http"
-        self._server, self._tls = server, tls
         self.max_connections, self.timeout_s = max_connections, timeout_s
+        self.header_timeout_s = min(header_timeout_s, timeout_s)
+        self._app = make_wsgi_app(registry)
+        self._listener, self._tls, self._auth = listener, tls, auth
         self._errors = ErrorCounter()
+        self._workers = _Lane(
+            "distmon-http-worker", max_connections, max_connections, self._answer, self._errors
+        )
+        self._bcrypt = _Lane("distmon-http-bcrypt", 1, BCRYPT_QUEUE, self._check, self._errors)
+        # the serving thread's own: connections it holds, oldest first, and those with a lane
+        self._held: dict[_Conn, None] = {}
+        self._busy: set[_Conn] = set()
+        self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
-        self._workers_done = threading.Condition(self._lock)
-        self._busy = 0  # worker threads running
-        self._queued: deque[tuple[socket.socket, Any]] = deque()  # ready, waiting for a worker
-        self._deadlines: dict[socket.socket, float] = {}  # connections handed to workers
+        self._answered: deque[tuple[_Conn, bytes]] = deque()  # by the lanes, for the serving thread
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._serve, name="distmon-http", daemon=True)
         self._thread.start()
 
@@ -395,25 +331,24 @@ class MetricServer:
         tries: int = 100,
         max_connections: int = MAX_CONNECTIONS,
         timeout_s: float = TIMEOUT_S,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> MetricServer:
         """Load ``security``, then serve an (initially empty) registry on ``addr:port``.
 
         ``port`` 0 takes an ephemeral port; ``fallback`` the next free one after ``port``.
-        A taken port raises ``OSError`` with ``errno.EADDRINUSE``; any other bind failure
+        ``timeout_s`` bounds a connection's life from its accept, ``header_timeout_s`` (at
+        most ``timeout_s``) the time until its request head is in. A taken port raises
+        ``OSError`` with ``errno.EADDRINUSE``; any other bind failure
         raises the ``OSError`` (``socket.gaierror`` for a name that does not resolve) of
         what it is; unreadable security files raise ``ValueError`` (:meth:`EndpointSecurity.load`).
         """
         tls, auth = (security or EndpointSecurity()).load()
-        registry = CollectorRegistry(auto_describe=False)
-        app = make_wsgi_app(registry)
-        if auth is not None:
-            app = auth.wrap(app)
         family, host = _resolve(addr, port)
         candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) if fallback and port else [])
         last: OSError | None = None
         for p in candidates:
             try:
-                server = _WSGIServer(family, host, p, app)
+                listener = _listen(family, host, p)
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
                     raise OSError(
@@ -423,7 +358,8 @@ class MetricServer:
                     ) from e
                 last = e
                 continue
-            return cls(registry, server, tls, max_connections, timeout_s)
+            registry = CollectorRegistry(auto_describe=False)
+            return cls(registry, listener, tls, auth, max_connections, timeout_s, header_timeout_s)
         hint = (
             f"ports {port}-{candidates[-1]} are all in use"
             if fallback
@@ -440,148 +376,231 @@ class MetricServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._wake_w.send(b"\0")
+        self._wake()
         self._thread.join(timeout=5)
-        with self._lock:
-            for sock in self._deadlines:
-                _interrupt(sock)
-            self._deadlines.clear()
-            queued = [sock for sock, _ in self._queued]
-            self._queued.clear()
-            self._workers_done.wait_for(lambda: self._busy == 0, timeout=5)
-        for sock in queued:
-            sock.close()
-        self._server.server_close()
+        self._workers.close()
+        self._bcrypt.close()
+        self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
 
-    # -- serving thread ----------------------------------------------------------------------
+    # -- lanes (worker threads) ------------------------------------------------------------------
+    def _answer(self, job: tuple[_Conn, dict[str, str]]) -> None:
+        conn, env = job
+        try:
+            response = self._respond(conn, env)
+        except Exception:
+            self._errors.record("the metrics endpoint")
+            response = _SERVER_ERROR
+        self._deliver(conn, response)
+
+    def _check(self, job: tuple[_Conn, dict[str, str], Claim]) -> None:
+        conn, env, claim = job
+        assert self._auth is not None
+        if self._auth.verify(claim) is not Verdict.ACCEPT:
+            self._deliver(conn, _UNAUTHORIZED)
+        elif not self._workers.submit((conn, env)):
+            self._deliver(conn, _BUSY)
+
+    def _respond(self, conn: _Conn, env: dict[str, str]) -> bytes:
+        """Run the WSGI app on one request; the whole response, ready to send."""
+        environ: dict[str, Any] = {
+            **env,
+            "SCRIPT_NAME": "",
+            "SERVER_NAME": str(self.addr),
+            "SERVER_PORT": str(self.port),
+            "REMOTE_ADDR": str(conn.client[0]),
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": self.scheme,
+            "wsgi.input": io.BytesIO(),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": True,
+            "wsgi.multiprocess": False,
+            "wsgi.run_once": False,
+        }
+        head: list[Any] = []
+        body: list[bytes] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable:
+            head[:] = [status, headers]
+            return body.append
+
+        result = self._app(environ, start_response)
+        try:
+            body.extend(result)
+        finally:
+            getattr(result, "close", lambda: None)()
+        return http_response(head[0], head[1], b"".join(body))
+
+    def _deliver(self, conn: _Conn, response: bytes) -> None:
+        with self._lock:
+            self._answered.append((conn, response))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # full (a wake is pending anyway) or closed (the server is closing)
+            pass
+
+    # -- serving thread ----------------------------------------------------------------------------
     def _serve(self) -> None:
-        listener = self._server.socket
-        listener.setblocking(False)
-        selector = selectors.DefaultSelector()
-        selector.register(listener, selectors.EVENT_READ)
-        selector.register(self._wake_r, selectors.EVENT_READ)
-        idle: dict[socket.socket, tuple[Any, float]] = {}  # in accept order: the first is the oldest
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
         try:
             while not self._stop.is_set():
                 try:
-                    for key, _ in selector.select(self._next_timeout(idle)):
-                        sock = key.fileobj
-                        if sock is listener:
-                            self._accept(listener, selector, idle)
-                        elif sock is not self._wake_r:
-                            selector.unregister(sock)
-                            self._dispatch(sock, *idle.pop(sock))
-                    self._expire(selector, idle)
+                    for key, _ in self._selector.select(self._next_timeout()):
+                        if key.fileobj is self._listener:
+                            self._accept()
+                        elif key.fileobj is self._wake_r:
+                            with contextlib.suppress(BlockingIOError):
+                                self._wake_r.recv(4096)
+                        elif key.data in self._held:  # not dropped earlier in this batch
+                            self._step(key.data)
+                    self._send_answers()
+                    self._expire()
                 except Exception:
                     self._errors.record("the metrics endpoint's serving thread")
                     self._stop.wait(0.1)
         finally:
-            for sock in idle:
-                sock.close()
-            selector.close()
+            for conn in [*self._held, *self._busy]:
+                conn.sock.close()
+            self._held.clear()
+            self._busy.clear()
+            self._selector.close()
 
-    def _next_timeout(self, idle: dict[socket.socket, tuple[Any, float]]) -> float | None:
-        deadlines = [deadline for _, deadline in itertools.islice(idle.values(), 1)]
-        with self._lock:
-            deadlines += self._deadlines.values()
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+    def _next_timeout(self) -> float | None:
+        ends = [c.expires for c in self._held] + [c.deadline for c in self._busy]
+        return max(0.0, min(ends) - time.monotonic()) if ends else None
 
-    def _accept(
-        self,
-        listener: socket.socket,
-        selector: selectors.BaseSelector,
-        idle: dict[socket.socket, tuple[Any, float]],
-    ) -> None:
+    def _accept(self) -> None:
         while True:
             try:
-                sock, client = listener.accept()
+                sock, client = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # out of file descriptors, say: do not spin on a readable listener
                 self._stop.wait(0.1)
                 return
-            if len(idle) >= MAX_IDLE:
-                oldest = next(iter(idle))
-                selector.unregister(oldest)
-                del idle[oldest]
-                oldest.close()
-            idle[sock] = (client, time.monotonic() + self.timeout_s)
-            selector.register(sock, selectors.EVENT_READ)
-
-    def _dispatch(self, sock: socket.socket, client: Any, deadline: float) -> None:
-        with self._lock:
-            if self._busy >= self.max_connections and len(self._queued) >= self.max_connections:
-                sock.close()
-                return
-            self._deadlines[sock] = deadline
-            if self._busy >= self.max_connections:
-                self._queued.append((sock, client))
-                return
-            self._busy += 1
-        try:
-            threading.Thread(
-                target=self._work, args=(sock, client), name="distmon-http-worker", daemon=True
-            ).start()
-        except RuntimeError:  # no thread to be had: drop this connection, keep the slot count right
-            with self._lock:
-                self._busy -= 1
-                self._deadlines.pop(sock, None)
-            sock.close()
-            raise
-
-    def _expire(self, selector: selectors.BaseSelector, idle: dict[socket.socket, tuple[Any, float]]) -> None:
-        now = time.monotonic()
-        while idle:
-            sock, (_, deadline) = next(iter(idle.items()))
-            if deadline > now:
-                break
-            selector.unregister(sock)
-            del idle[sock]
-            sock.close()
-        with self._lock:
-            for sock in [s for s, deadline in self._deadlines.items() if deadline <= now]:
-                del self._deadlines[sock]
-                _interrupt(sock)
-
-    # -- workers -------------------------------------------------------------------------------
-    def _work(self, sock: socket.socket, client: Any) -> None:
-        while True:
-            self._handle(sock, client)
-            with self._lock:
-                if not self._queued:
-                    self._busy -= 1
-                    self._workers_done.notify_all()
-                    return
-                sock, client = self._queued.popleft()
-
-    def _handle(self, sock: socket.socket, client: Any) -> None:
-        conn = sock
-        try:
-            with self._lock:
-                deadline = self._deadlines.get(sock)
-                if deadline is None:  # expired while queued, or the server is closing
-                    return
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                if self._tls is not None:
-                    # wrap_socket takes the descriptor over: re-key the deadline in the same step
-                    conn = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-                    self._deadlines[conn] = self._deadlines.pop(sock)
+            while len(self._held) >= MAX_IDLE:
+                self._drop(next(iter(self._held)))
+            sock.setblocking(False)
+            stage = _Stage.HEAD
             if self._tls is not None:
                 try:
-                    conn.do_handshake()
-                except ssl.SSLError as e:
-                    if e.reason == "HTTP_REQUEST":  # say why, as Go's servers do, instead of a bare reset
-                        socket.socket.sendall(conn, _HTTP_TO_HTTPS)
-                    return
-            self._server.finish_request(conn, client)
-        except OSError:
-            pass  # the client went away, failed the handshake, or ran out of time
-        except Exception:
-            self._errors.record("the metrics endpoint")
-        finally:
-            with self._lock:
-                self._deadlines.pop(conn, None)
-                self._deadlines.pop(sock, None)
-            _close(conn)
+                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except OSError:
+                    sock.close()
+                    continue
+                stage = _Stage.HANDSHAKE
+            now = time.monotonic()
+            conn = _Conn(sock, client, stage, now + self.header_timeout_s, now + self.timeout_s)
+            self._held[conn] = None
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _step(self, conn: _Conn) -> None:
+        """Take ``conn`` as far as it goes without waiting."""
+        try:
+            if conn.stage is _Stage.HANDSHAKE:
+                conn.sock.do_handshake()  # type: ignore[attr-defined]
+                conn.stage = _Stage.HEAD
+            if conn.stage is _Stage.HEAD:
+                self._read_head(conn)
+            elif conn.stage is _Stage.WRITE:
+                self._write(conn)
+        except ssl.SSLWantReadError:
+            self._want(conn, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._want(conn, selectors.EVENT_WRITE)
+        except BlockingIOError:
+            self._want(conn, selectors.EVENT_WRITE if conn.stage is _Stage.WRITE else selectors.EVENT_READ)
+        except ssl.SSLError as e:
+            if e.reason == "HTTP_REQUEST":  # say why, as Go's servers do, instead of a bare reset
+                try:
+                    socket.socket.send(conn.sock, _HTTP_TO_HTTPS)
+                except OSError:
+                    pass
+            self._drop(conn)
+        except OSError:  # the client went away or failed the handshake
+            self._drop(conn)
+
+    def _read_head(self, conn: _Conn) -> None:
+        while True:
+            data = conn.sock.recv(4096)
+            if not data:
+                self._drop(conn)
+                return
+            conn.inbox += data
+            end = _HEAD_END.search(conn.inbox, max(0, len(conn.inbox) - len(data) - 3))
+            if end is not None and end.end() <= MAX_HEAD:
+                self._route(conn, bytes(conn.inbox[: end.end()]))
+                return
+            if len(conn.inbox) > MAX_HEAD:
+                self._reply(conn, _HEAD_TOO_LARGE)
+                return
+
+    def _route(self, conn: _Conn, head: bytes) -> None:
+        """A complete head: answer it now, or hand it to the bcrypt thread or a worker."""
+        conn.inbox = bytearray()
+        conn.expires = conn.deadline
+        env = parse_head(head)
+        if env is None:
+            self._reply(conn, _BAD_REQUEST)
+            return
+        verdict = Verdict.ACCEPT if self._auth is None else self._auth.screen(env.get("HTTP_AUTHORIZATION"))
+        if isinstance(verdict, Claim):
+            handed = self._bcrypt.submit((conn, env, verdict))
+        elif verdict is Verdict.ACCEPT:
+            handed = self._workers.submit((conn, env))
+        else:
+            self._reply(conn, _UNAUTHORIZED if verdict is Verdict.REJECT else _NO_USERS)
+            return
+        if not handed:
+            self._reply(conn, _BUSY)
+            return
+        self._selector.unregister(conn.sock)
+        del self._held[conn]
+        conn.stage = _Stage.BUSY
+        self._busy.add(conn)
+
+    def _reply(self, conn: _Conn, response: bytes) -> None:
+        conn.stage, conn.outbox, conn.sent = _Stage.WRITE, response, 0
+        self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        while conn.sent < len(conn.outbox):
+            conn.sent += conn.sock.send(conn.outbox[conn.sent : conn.sent + _CHUNK])
+        self._drop(conn)
+
+    def _send_answers(self) -> None:
+        with self._lock:
+            answered, self._answered = self._answered, deque()
+        for conn, response in answered:
+            if conn not in self._busy:  # timed out meanwhile
+                continue
+            self._busy.remove(conn)
+            self._held[conn] = None
+            conn.events = selectors.EVENT_WRITE
+            self._selector.register(conn.sock, conn.events, conn)
+            conn.stage, conn.outbox, conn.sent = _Stage.WRITE, response, 0
+            self._step(conn)
+
+    def _want(self, conn: _Conn, events: int) -> None:
+        if conn.events != events:
+            self._selector.modify(conn.sock, events, conn)
+            conn.events = events
+
+    def _drop(self, conn: _Conn) -> None:
+        """Close ``conn`` (it leaves every table)."""
+        if conn in self._held:
+            del self._held[conn]
+            self._selector.unregister(conn.sock)
+        self._busy.discard(conn)
+        _close(conn.sock)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired = [c for c in self._held if c.expires <= now] + [c for c in self._busy if c.deadline <= now]
+        for conn in expired:
+            self._drop(conn)

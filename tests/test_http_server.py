@@ -1,8 +1,10 @@
-"""The metrics endpoint (distmon/http_server.py): TLS, mutual TLS, basic auth, bounds, timeouts.
+"""The metrics endpoint (distmon/http_server.py, distmon/endpoint_security.py): TLS, mutual TLS,
+basic auth, bounds, timeouts, and the attacks of issue #24.
 
 Real servers on 127.0.0.1 (ephemeral ports), real TLS with certificates made by the openssl
 CLI, real bcrypt hashes, real client sockets. Every server is closed by the test that
-started it.
+started it. The attacks run through ``benchmarks/endpoint_attacks.py`` (the endpoint in a
+child process, as in a training process; the attackers and a Prometheus-like scraper here).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import base64
 import contextlib
 import errno
 import http.client
+import os
 import select
 import socket
 import ssl
@@ -26,7 +29,11 @@ from ddp_harness import free_port
 from prometheus_client.core import GaugeMetricFamily
 from secure_endpoint import Pki, make_pki, run_openssl, write_htpasswd
 
+from distmon.config import MonitorConfig
 from distmon.http_server import MAX_CONNECTIONS, EndpointSecurity, MetricServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import endpoint_attacks  # noqa: E402
 
 USER, PASSWORD = "prometheus", "s3cret pass:word"
 
@@ -49,6 +56,12 @@ def pki(tmp_path_factory) -> Pki:
 @pytest.fixture(scope="module")
 def users(tmp_path_factory) -> Path:
     return write_htpasswd(tmp_path_factory.mktemp("auth") / "users", {USER: PASSWORD, "other": "x"})
+
+
+@pytest.fixture(scope="module")
+def attack_dir(tmp_path_factory) -> Path:
+    """Certificates and users files (bcrypt cost 12, as the README's recipe, and 8) for endpoint_attacks."""
+    return endpoint_attacks.prepare(tmp_path_factory.mktemp("attacks"), costs=(12, 8))
 
 
 @contextlib.contextmanager
@@ -177,6 +190,50 @@ def test_a_verified_password_is_not_checked_by_bcrypt_again(tmp_path):
     assert statistics.median(again) < first / 10, (first, again)
 
 
+def test_a_users_file_with_a_byte_order_mark_lets_its_user_in(tmp_path):
+    users = write_htpasswd(tmp_path / "users", {USER: PASSWORD})
+    users.write_bytes(b"\xef\xbb\xbf" + users.read_bytes())  # what Notepad saves as "UTF-8"
+    with serving(EndpointSecurity(basic_auth_file=users)) as server:
+        assert get(server, auth=basic(USER, PASSWORD))[0] == 200
+        assert get(server, auth=basic("\ufeff" + USER, PASSWORD))[0] == 401
+
+
+def _status_within(server: MetricServer, auth: str, status: int, seconds: float = 4.0) -> int:
+    """Poll until a request with ``auth`` gets ``status`` (the file is looked at once a second)."""
+    deadline = time.monotonic() + seconds
+    while (got := get(server, auth=auth)[0]) != status and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
+def test_a_rotated_users_file_takes_effect_without_a_restart(tmp_path):
+    users = write_htpasswd(tmp_path / "users", {USER: "old password"})
+    with serving(EndpointSecurity(basic_auth_file=users)) as server:
+        assert get(server, auth=basic(USER, "old password"))[0] == 200  # verified, remembered
+        assert get(server, auth=basic(USER, "new password"))[0] == 401  # refused, remembered
+        write_htpasswd(tmp_path / "users.new", {USER: "new password"})
+        os.replace(tmp_path / "users.new", users)  # rotation by rename
+        assert _status_within(server, basic(USER, "new password"), 200) == 200
+        assert get(server, auth=basic(USER, "old password"))[0] == 401, "a rotated-out password still works"
+        write_htpasswd(users, {USER: "third password"})  # rotation in place, same size
+        assert _status_within(server, basic(USER, "third password"), 200) == 200
+        assert get(server, auth=basic(USER, "new password"))[0] == 401
+        users.unlink()  # fail closed while the file is missing
+        assert _status_within(server, basic(USER, "third password"), 503) == 503
+        write_htpasswd(users, {USER: "third password"})
+        assert _status_within(server, basic(USER, "third password"), 200) == 200
+
+
+@pytest.mark.slow
+def test_an_unknown_user_costs_what_a_wrong_password_costs(attack_dir):
+    """At the file's own cost (8 here; distmon used to check unknown users at a fixed cost 10)."""
+    with endpoint_attacks.endpoint(attack_dir, cost=8) as ep:
+        ep.request(basic(USER, "warm-up"))
+        times = endpoint_attacks.probe_timing(ep, 15)
+    unknown, wrong = (statistics.median(t) for t in times.values())
+    assert 0.6 < unknown / wrong < 1.6, {k: [round(x, 4) for x in v] for k, v in times.items()}
+
+
 # --------------------------------------------------------------------------- bad settings
 
 
@@ -189,6 +246,19 @@ def test_options_that_do_not_go_together():
         EndpointSecurity(tls_client_ca="ca.pem")
     with pytest.raises(TypeError, match="basic_auth_file"):
         EndpointSecurity(basic_auth_file=3)
+
+
+@pytest.mark.parametrize(
+    "variable", ["DISTMON_TLS_CERT", "DISTMON_TLS_KEY", "DISTMON_TLS_CLIENT_CA", "DISTMON_BASIC_AUTH_FILE"]
+)
+def test_an_empty_security_variable_is_an_error(monkeypatch, variable):
+    """A typo that empties one must not serve plain HTTP without auth; other empty variables mean unset."""
+    monkeypatch.setenv("DISTMON_PORT", "")
+    assert MonitorConfig.from_options(port=None).port == 9290
+    for value in ("", "  "):
+        monkeypatch.setenv(variable, value)
+        with pytest.raises(ValueError, match=f"{variable} is set but empty"):
+            MonitorConfig.from_options(tls_cert=None, tls_key=None, tls_client_ca=None, basic_auth_file=None)
 
 
 def _encrypted_key(pki: Pki, directory: Path) -> Path:
@@ -280,13 +350,12 @@ def test_idle_and_stalled_connections_hold_no_threads_and_time_out(pki, users):
         assert get(server, ca=pki.ca, auth=auth)[0] == 200  # pays bcrypt once, before the clock
         t0 = time.monotonic()
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
-        stalled = []  # half a TLS ClientHello each: they hold a worker in the handshake
+        stalled = []  # half a TLS ClientHello each: the serving thread holds them, no worker
         for _ in range(MAX_CONNECTIONS // 2):
             stalled.append(socket.create_connection(("127.0.0.1", server.port)))
             stalled[-1].sendall(b"\x16\x03\x01\x02\x00\x01")
         time.sleep(0.3)
-        threads = endpoint_threads()
-        assert len(threads) <= MAX_CONNECTIONS + 1, threads
+        assert settled_threads(1, timeout=0.5) == ["distmon-http"]  # (they time out at 2 s)
         status, _, body = get(server, ca=pki.ca, auth=auth)  # while they are held
         assert status == 200 and "demo_a 1.0" in body
         assert time.monotonic() - t0 < timeout_s, "too slow to show the scrape succeeded while they were held"
@@ -331,6 +400,39 @@ def test_a_client_that_dribbles_bytes_is_dropped_at_the_deadline():
         assert elapsed < 2.5, f"a dribbling client was served for {elapsed:.1f} s with timeout_s=1"
         assert elapsed > 0.8
         assert get(server)[0] == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec", ["half-open-tls:16", "slow-request:12", "slow-request:20", "wrong-passwords:24"]
+)
+def test_prometheus_is_answered_in_time_under_attack(attack_dir, spec):
+    """Issue #24's attacks at its sizes: every scrape (verified credentials) succeeds, well within 10 s."""
+    name, _, clients = spec.partition(":")
+    with endpoint_attacks.endpoint(attack_dir) as ep:
+        outcome = endpoint_attacks.attack(ep, name, int(clients), seconds=6)
+    attacked = sum(outcome.attackers.values())
+    assert attacked >= int(clients), f"the attack did not take place: {outcome}"
+    assert outcome.failed == 0 and len(outcome.latencies) >= 8, outcome
+    assert statistics.median(outcome.latencies) < 1.0 and max(outcome.latencies) < 5.0, outcome
+
+
+def _raw_exchange(port: int, head: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(head)
+        chunks = []
+        while data := sock.recv(65536):
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def test_malformed_and_oversized_request_heads_are_answered_at_once():
+    with serving() as server:
+        assert _raw_exchange(server.port, b"hello\r\n\r\n").startswith(b"HTTP/1.0 400 ")
+        big = b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"
+        assert _raw_exchange(server.port, big).startswith(b"HTTP/1.0 431 ")
+        ok = _raw_exchange(server.port, b"GET /metrics?name[]=demo_b HTTP/1.0\n\n")  # bare LF
+        assert ok.startswith(b"HTTP/1.0 200 ") and b"demo_b 2.0" in ok and b"demo_a" not in ok
 
 
 # --------------------------------------------------------------------------- HTTP and binding
