@@ -7,7 +7,7 @@ Three lines in a DDP training script::
     mon = distmon.GradMonitor(model, optimizer)   # wraps DDP's comm hook, hooks optimizer.step
     ...                                            # the training loop is unchanged
     snap = mon.latest()   # newest Snapshot (None before the first export)
-    mon.flush()           # publish every finished step now (may sync; tests, end of training)
+    mon.flush()           # export every finished step now (may sync; tests, end of training)
     mon.close()           # or: with distmon.GradMonitor(model, optimizer) as mon: ...
 
 Metrics are served to Prometheus at ``http://127.0.0.1:9290/metrics`` by global rank 0 by
@@ -21,7 +21,7 @@ do not import torch.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._version import __version__
 
@@ -42,7 +42,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """Import a public name's module on first use (PEP 562) and keep the name here."""
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from .errors import ErrorCounter
 from .sums import sq_sums
 
 __all__ = ["ActivationWatch", "select_modules"]
@@ -56,7 +57,7 @@ def select_modules(model: torch.nn.Module, spec: ActivationSpec) -> list[tuple[s
     return [(name, m) for name, m in named if name and watched(name, m)]
 
 
-def validate_activations(spec: Any) -> None:
+def validate_activations(spec: object) -> None:
     """Raise ``ValueError``/``TypeError`` for an ``activations=`` value that cannot select modules."""
     if spec is None or isinstance(spec, bool):
         return
@@ -79,7 +80,7 @@ def validate_activations(spec: Any) -> None:
             )
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
+def _first_tensor(output: object) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (list, tuple)):
@@ -90,20 +91,28 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 class ActivationWatch:
     """The hooks and the device buffer of the watched modules' output statistics.
 
-    ``columns`` row floats per step: RMS per module, max-abs per module, then the index of the
-    first module (forward order) whose output was non-finite (-1 if none). ``active`` is
-    set by the tracker for the steps whose forwards are watched.
+    Each step's statistics go to the step row's ``act`` columns (:class:`distmon.rows.StepRow`):
+    RMS per module, max-abs per module, then the index of the first module (forward order)
+    whose output was non-finite (-1 if none). ``active`` is set by the tracker for the steps
+    whose forwards are watched.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> watched = select_modules(net, True)
+        >>> watch = ActivationWatch(watched, device=torch.device("cpu"), errors=ErrorCounter())
+        >>> watch.install(); watch.active = True; _ = net(torch.ones(1, 2))
+        >>> out = torch.empty(3); watch.close_step(out); watch.remove(); out[2].item()   # no NaN: -1
+        -1.0
     """
 
     def __init__(
-        self, modules: Sequence[tuple[str, torch.nn.Module]], device: torch.device, on_error: Callable
+        self, modules: Sequence[tuple[str, torch.nn.Module]], *, device: torch.device, errors: ErrorCounter
     ):
         self.names = [name for name, _ in modules]
         self.modules = [m for _, m in modules]
         self.n = len(modules)
-        self.columns = 2 * self.n + 1
         self.active = False
-        self._on_error = on_error
+        self._errors = errors
         f32 = dict(dtype=torch.float32, device=device)
         self._sq = torch.zeros(self.n, **f32)
         self._count = torch.zeros(self.n, **f32)
@@ -112,7 +121,7 @@ class ActivationWatch:
         # order, so the first to find it unset is the first in forward order
         self.first_module = torch.full((), -1.0, **f32)
         self.none = torch.full((), -1.0, **f32)  # what a step that was not watched sends
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def install(self) -> None:
         for i, m in enumerate(self.modules):
@@ -123,9 +132,9 @@ class ActivationWatch:
             h.remove()
         self._handles.clear()
 
-    def _hook(self, index: int) -> Callable:
+    def _hook(self, index: int) -> Callable[[torch.nn.Module, object, object], None]:
         @torch.compiler.disable
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
             if not self.active or torch._C._current_graph_task_id() != -1:
                 return  # not an activation step, or a checkpoint's recomputation inside backward
             try:
@@ -144,7 +153,7 @@ class ActivationWatch:
                 first = bad & (self.first_module < 0)
                 self.first_module.copy_(torch.where(first, float(index), self.first_module))
             except Exception:
-                self._on_error("activation hook")
+                self._errors.record("activation hook")
 
         return hook
 

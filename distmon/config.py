@@ -10,23 +10,38 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Literal, NamedTuple, Protocol, get_args
 
 import torch
 
-from .activations import validate_activations
+from .activations import ActivationSpec, ActivationWatch, select_modules, validate_activations
 from .detectors import DetectorConfig
 from .endpoint_security import EndpointSecurity
-from .grouping import GroupSpec, validate_groups
+from .errors import ErrorCounter
+from .grouping import Grouping, GroupSpec, validate_groups
+from .options import AGREED, BY_NAME
+from .sources import Source
+from .sources.ddp import CommHook
+from .update_ratio import UpdateRatio
 
-SERVE_MODES = ("rank0", "node", "all", "none")
-GUARD_MODES = (None, "skip", "raise")
+ServeMode = Literal["rank0", "node", "all", "none"]
+GuardMode = Literal["skip", "raise"]
+SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
+GUARD_MODES: tuple[GuardMode | None, ...] = (None, *get_args(GuardMode))
 DEFAULT_PORT = 9290
 
-__all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "AGREED", "option_label"]
+__all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "ServeMode", "GuardMode", "Scheduler", "Features"]
 
+
+class Scheduler(Protocol):
+    """What ``lr_scheduler`` must be: something with a ``step()`` (a guard holds it back on skipped steps)."""
+
+    def step(self, *args: object, **kwargs: object) -> object: ...
+
+
+BatchSize = float | Callable[[], float]
 
 # Set but empty, these would turn TLS or basic auth off without a word: an error, not "unset".
 _FILE_ENV = ("DISTMON_TLS_CERT", "DISTMON_TLS_KEY", "DISTMON_TLS_CLIENT_CA", "DISTMON_BASIC_AUTH_FILE")
@@ -49,68 +64,6 @@ def _env(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-def _env_bool(name: str, text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"distmon: {name}={text!r} is not a boolean (use 1/0, true/false)")
-
-
-# option name -> (environment variable, parser)
-_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "export_every": ("DISTMON_EXPORT_EVERY", lambda n, v: int(v)),
-    "export_interval_s": ("DISTMON_EXPORT_INTERVAL_S", lambda n, v: float(v)),
-    "serve": ("DISTMON_SERVE", lambda n, v: v),
-    "port": ("DISTMON_PORT", lambda n, v: int(v)),
-    "addr": ("DISTMON_ADDR", lambda n, v: v),
-    "port_fallback": ("DISTMON_PORT_FALLBACK", _env_bool),
-    "run_id": ("DISTMON_RUN_ID", lambda n, v: v),
-    "log_path": ("DISTMON_LOG_PATH", lambda n, v: v),
-    "file_sd_dir": ("DISTMON_FILE_SD_DIR", lambda n, v: v),
-    "linger_s": ("DISTMON_LINGER_S", lambda n, v: float(v)),
-    "tls_cert": ("DISTMON_TLS_CERT", lambda n, v: v),
-    "tls_key": ("DISTMON_TLS_KEY", lambda n, v: v),
-    "tls_client_ca": ("DISTMON_TLS_CLIENT_CA", lambda n, v: v),
-    "basic_auth_file": ("DISTMON_BASIC_AUTH_FILE", lambda n, v: v),
-}
-
-
-# Options every rank must set alike: they shape the rows and the collective every rank sends
-# each step, or the guard's verdict, which every rank must reach alike (a difference hangs or
-# aborts the job, or lets the ranks' models drift apart). Compared at start-up (startup.agree).
-# batch_size and activations are compared by presence and by the modules they select: a rank's
-# batch may differ, the rows' width may not.
-AGREED = (
-    "export_every",
-    "export_interval_s",
-    "groups",
-    "max_layers",
-    "rank_layers",
-    "serve",
-    "detect",
-    "guard",
-    "scaler",
-    "loss_scale",
-    "batch_size",
-    "gns_alpha",
-    "activations",
-    "activation_every",
-    "update_ratio",
-)
-
-
-def option_label(name: str) -> str:
-    """An option as a user may have set it: ``export_every (DISTMON_EXPORT_EVERY)``.
-
-    Example:
-        >>> option_label("export_every"), option_label("guard")
-        ('export_every (DISTMON_EXPORT_EVERY)', 'guard')
-    """
-    return f"{name} ({_ENV[name][0]})" if name in _ENV else name
-
-
 def _digest(names: tuple[str, ...]) -> str:
     return f"{len(names)} [{hashlib.sha1(chr(10).join(names).encode()).hexdigest()[:10]}]"
 
@@ -119,14 +72,14 @@ def _digest(names: tuple[str, ...]) -> str:
 class MonitorConfig:
     """Validated options of :class:`distmon.GradMonitor` (see its docstring for each one)."""
 
-    comm_hook: Callable | None = None
-    comm_state: Any = None
+    comm_hook: CommHook | None = None
+    comm_state: object = None
     export_every: int = 10
     export_interval_s: float = 5.0
     groups: GroupSpec = None
     max_layers: int = 128
     rank_layers: bool = True
-    serve: str = "rank0"
+    serve: ServeMode = "rank0"
     port: int = DEFAULT_PORT
     addr: str = "127.0.0.1"
     port_fallback: bool = False
@@ -139,19 +92,19 @@ class MonitorConfig:
     file_sd_dir: str | None = None
     linger_s: float = 30.0
     window_s: float = 60.0
-    guard: str | None = None
-    lr_scheduler: Any = None
-    detect: Any = True  # bool or DetectorConfig
-    scaler: Any = None  # torch.amp.GradScaler
+    detect: bool | DetectorConfig = True
+    guard: GuardMode | None = None
+    lr_scheduler: Scheduler | Sequence[Scheduler] | None = None
+    scaler: torch.amp.GradScaler | None = None
     loss_scale: float | None = None
-    batch_size: Any = None  # number or callable -> number: per rank per step, the noise scale's unit
+    batch_size: BatchSize | None = None  # per rank per step, in the noise scale's unit
     gns_alpha: float = 0.05
-    activations: Any = None  # True, or module types / name patterns
+    activations: ActivationSpec = None
     activation_every: int | None = None  # default: export_every
     update_ratio: bool = False
 
     @classmethod
-    def from_options(cls, **options: Any) -> MonitorConfig:
+    def from_options(cls, **options: object) -> MonitorConfig:
         """Merge keyword options (``None`` = not given) with the environment and defaults, then validate.
 
         Example:
@@ -162,19 +115,19 @@ class MonitorConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"distmon: unknown option(s) {unknown}; known: {sorted(known)}")
-        values: dict[str, Any] = {}
+        values: dict[str, object] = {}
         for name, value in options.items():
-            if value is None and name in _ENV:
-                env_name, parse = _ENV[name]
-                text = _env(env_name)
+            env = BY_NAME[name].env
+            if value is None and env is not None:
+                text = _env(env)
                 if text is not None:
                     try:
-                        value = parse(env_name, text)
+                        value = BY_NAME[name].parse(text)
                     except ValueError as e:
-                        raise ValueError(f"distmon: bad {env_name}={text!r}: {e}") from None
+                        raise ValueError(f"distmon: bad {env}={text!r}: {e}") from None
             if value is not None:
                 values[name] = value
-        cfg = cls(**values)
+        cfg = cls(**values)  # type: ignore[arg-type]  # checked by validate()
         cfg.validate()
         return cfg
 
@@ -338,3 +291,60 @@ class MonitorConfig:
             and self.activation_every >= 1,
             f"activation_every must be an int >= 1, got {self.activation_every!r}",
         )
+
+
+class Features(NamedTuple):
+    """The opt-in measurements of one monitor, once their options were checked against the source."""
+
+    batch_of_step: Callable[[], float] | None  # the noise scale: this rank's batch this step
+    watch: ActivationWatch | None
+    ratio: UpdateRatio | None
+
+
+def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: ErrorCounter) -> Features:
+    """The loss-scale, noise-scale, activation and update-ratio parts, or the error naming the option.
+
+    What each needs of the source: a fixed ``loss_scale`` gradients read in backward (DDP);
+    ``batch_size`` 2+ data-parallel ranks and a reduction that is the ranks' mean;
+    ``activations`` modules to watch; ``update_ratio`` unsharded weights.
+    """
+    if cfg.loss_scale is not None and not source.reads_in_backward:
+        raise ValueError(
+            "distmon: loss_scale= needs a DDP model: a single process's (or an FSDP model's "
+            "sharded) gradients are read at the optimizer step, when distmon cannot tell "
+            "whether you divided the scale out; use torch.amp.GradScaler and pass scaler="
+        )
+    batch_of_step = None
+    if cfg.batch_size is not None:
+        if source.world_size < 2:
+            raise ValueError(
+                "distmon: batch_size= turns on the gradient noise scale, which compares one rank's "
+                "batch with the global one: it needs 2 or more data-parallel ranks"
+            )
+        if source.divide_factor_set:
+            raise ValueError(
+                "distmon: the gradient noise scale needs the reduced gradient to be the mean of "
+                "the ranks' gradients; an FSDP gradient divide factor changes that"
+            )
+        size = cfg.batch_size
+        batch_of_step = size if callable(size) else lambda: size
+    watch = None
+    if cfg.activations:
+        watched = select_modules(source.module, cfg.activations)
+        if not watched:
+            raise ValueError(f"distmon: activations={cfg.activations!r} selects no module of the model")
+        watch = ActivationWatch(watched, device=source.device, errors=errors)
+    ratio = None
+    if cfg.update_ratio:
+        if source.shard_ranks is not None:
+            raise ValueError(
+                "distmon: update_ratio=True is not supported for FSDP models yet (a layer's "
+                "weights are sharded over ranks)"
+            )
+        ratio = UpdateRatio(
+            list(grouping.params),
+            layer_of=list(grouping.param_layer),
+            n_layers=len(grouping.layers),
+            device=source.device,
+        )
+    return Features(batch_of_step, watch, ratio)

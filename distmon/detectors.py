@@ -33,33 +33,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from enum import IntEnum
 
 import torch
 
-from .collective import RankFields
-from .ring import RowLayout
+from .rows import RowPlan, Verdict
 from .snapshot import AnomalyEvent, Snapshot
 from .sums import prefix_ema, run_lengths, stable_run
 
 __all__ = ["DetectorConfig", "DeviceDetector", "DetectorDecoder"]
-
-
-class Col(IntEnum):
-    """The detector columns of a ring row (then one rank-outlier score per rank)."""
-
-    ZSCORE = 0  # z-score of the log global norm
-    MEDIAN_RATIO = 1  # global norm / running median
-    LAYER_ZMAX = 2  # largest layer z-score
-    SPIKE_GLOBAL = 3  # 1: the global norm spiked
-    SPIKE_LAYER = 4  # index of the layer that spiked with the largest z, -1 if none
-    SPIKE_LAYER_Z = 5  # its z-score
-    VANISHING = 6  # 1: the vanishing run reached its length this step
-    BLOCK = 7  # 1: a guard must not take this step (non-finite or spiking reduced gradient)
-    # from here on: the per-rank verdicts, judged once every rank's rows are in (update_ranks)
-    OUTLIER = 8  # 1: a rank is an outlier
-    OUTLIER_RANK = 9  # the rank with the largest outlier score
-    OUTLIER_SCORE = 10  # its score
 
 
 @dataclass(frozen=True)
@@ -283,14 +264,11 @@ class DeviceDetector:
     no per-step cost on ordinary steps.
     """
 
-    def __init__(
-        self, cfg: DetectorConfig, n_layers: int, world: int, fields: RankFields, device: torch.device
-    ) -> None:
+    def __init__(self, cfg: DetectorConfig, plan: RowPlan, device: torch.device) -> None:
         self.cfg = cfg
-        self.world = world
-        self.fields = fields
-        self.n_outputs = len(Col) + world
-        n = n_layers + 1  # global norm first, then layers
+        self.step_row, self.fields = plan.step, plan.rank
+        self.world = world = plan.step.world
+        n = plan.step.n_layers + 1  # global norm first, then layers
         f32 = dict(dtype=torch.float32, device=device)
         self.mean = torch.zeros(n, **f32)
         self.var = torch.full((n,), 0.25, **f32)  # std 0.5 in log units until data arrives
@@ -307,26 +285,20 @@ class DeviceDetector:
         # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
         self._max_run = min(cfg.median_window, stable_run(cfg.ema_alpha))
 
-    @staticmethod
-    def blank(out: torch.Tensor) -> None:
-        """Write the "no verdict" detector columns of a row (an invalid step keeps these)."""
-        out.zero_()
-        out[Col.SPIKE_LAYER] = -1.0
-
-    def update(self, rows: torch.Tensor, layout: RowLayout) -> None:
+    def update(self, rows: torch.Tensor) -> None:
         """Judge a run of consecutive valid steps' reduced figures, write their columns, advance the state.
 
-        ``rows`` is ``(k, layout.width)``, rows of the device ring; device ops only.
+        ``rows`` is ``(k, width)``, step rows of the device ring; device ops only.
         """
         window = self.cfg.median_window
         if len(rows) > self._max_run:
             for i in range(0, len(rows), self._max_run):
-                self.update(rows[i : i + self._max_run], layout)
+                self.update(rows[i : i + self._max_run])
             return
         cfg = self.cfg
         k = len(rows)
         armed_from = max(0, cfg.warmup_steps - self.updates)  # first armed row of this run
-        x = 0.5 * torch.log(rows[:, 1 : layout.layers.stop])  # log-norms: global, then layers
+        x = 0.5 * torch.log(rows[:, self.step_row.total_and_layers])  # log-norms: global, then layers
         finite = torch.isfinite(x)
         a = cfg.ema_alpha
         mean0, _, live = _seed(self.mean, self.seeded, x, finite)
@@ -360,17 +332,19 @@ class DeviceDetector:
         self.below.copy_(count[-1])
 
         verdicts = {
-            Col.ZSCORE: z[:, 0],
-            Col.MEDIAN_RATIO: torch.exp(x[:, 0] - median),
-            Col.LAYER_ZMAX: z[:, 1:].max(1).values,
-            Col.SPIKE_GLOBAL: spike[:, 0],
-            Col.SPIKE_LAYER: torch.where(any_layer, best, -1),
-            Col.SPIKE_LAYER_Z: torch.where(any_layer, best_z, 0.0),
-            Col.VANISHING: count == cfg.vanishing_steps,
-            Col.BLOCK: ~finite[:, 0] | spike.any(1),
+            Verdict.ZSCORE: z[:, 0],
+            Verdict.MEDIAN_RATIO: torch.exp(x[:, 0] - median),
+            Verdict.LAYER_ZMAX: z[:, 1:].max(1).values,
+            Verdict.SPIKE_GLOBAL: spike[:, 0],
+            Verdict.SPIKE_LAYER: torch.where(any_layer, best, -1),
+            Verdict.SPIKE_LAYER_Z: torch.where(any_layer, best_z, 0.0),
+            Verdict.VANISHING: count == cfg.vanishing_steps,
+            Verdict.BLOCK: ~finite[:, 0] | spike.any(1),
         }
-        out = rows[:, layout.detector]
-        out[:, : Col.OUTLIER] = torch.stack([verdicts[c].float() for c in Col if c < Col.OUTLIER], 1)
+        out = rows[:, self.step_row.detector]
+        out[:, : Verdict.OUTLIER] = torch.stack(
+            [verdicts[c].float() for c in Verdict if c < Verdict.OUTLIER], 1
+        )
 
         self.mean.copy_(mean_after)
         self.var.copy_(var_after)
@@ -383,28 +357,28 @@ class DeviceDetector:
                 seg.copy_(torch.where(learn[run, 0], x[run, 0], seg))
         self.updates += k
 
-    def update_ranks(self, rows: torch.Tensor, layout: RowLayout) -> None:
+    def update_ranks(self, rows: torch.Tensor) -> None:
         """Judge a run of consecutive valid steps' per-rank figures (rank outliers), every rank's rows in.
 
         Writes the outlier columns and every rank's score; device ops only.
         """
         if len(rows) > self._max_run:
             for i in range(0, len(rows), self._max_run):
-                self.update_ranks(rows[i : i + self._max_run], layout)
+                self.update_ranks(rows[i : i + self._max_run])
             return
-        score, rank, top = self._rank_outliers(rows, layout)
+        score, rank, top = self._rank_outliers(rows)
         outlier = top > self.cfg.outlier_score
         outlier[: max(0, self.cfg.warmup_steps - self.rank_updates)] = False
         if self.world < 3:
             outlier.zero_()
         self.rank_updates += len(rows)
-        out = rows[:, layout.detector]
-        out[:, Col.OUTLIER : len(Col)] = torch.stack([outlier.float(), rank.float(), top], 1)
-        out[:, len(Col) :] = score
+        out = rows[:, self.step_row.detector]
+        out[:, Verdict.OUTLIER : len(Verdict)] = torch.stack([outlier.float(), rank.float(), top], 1)
+        out[:, len(Verdict) :] = score
 
-    def _rank_outliers(self, rows: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, ...]:
+    def _rank_outliers(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per row: every rank's outlier score, the top rank and its score; advances the scale."""
-        gathered = layout.ranks(rows)
+        gathered = self.step_row.rank_rows(rows)
         ok = gathered[..., self.fields.valid] == 1.0
         x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
@@ -433,7 +407,7 @@ class DetectorDecoder:
     """Host side: detector columns of a row -> events and scores added to the Snapshot.
 
     Also counts consecutive steps the ``GradScaler`` skipped (host facts, in step order on the
-    publisher thread): routine fp16 overflow is no event, a run of ``scaler_stuck_steps`` is.
+    export thread): routine fp16 overflow is no event, a run of ``scaler_stuck_steps`` is.
     """
 
     def __init__(self, cfg: DetectorConfig, layers: Sequence[str]) -> None:
@@ -447,40 +421,64 @@ class DetectorDecoder:
         self._scaler_run = self._scaler_run + 1 if snap.skip_reason == "scaler" else 0
         if self._scaler_run == cfg.scaler_stuck_steps:
             events.append(
-                AnomalyEvent("scaler_stuck", step, -1, "", self._scaler_run, cfg.scaler_stuck_steps)
+                AnomalyEvent(
+                    kind="scaler_stuck",
+                    step=step,
+                    rank=-1,
+                    layer="",
+                    value=self._scaler_run,
+                    threshold=cfg.scaler_stuck_steps,
+                )
             )
         if snap.nonfinite and snap.skip_reason != "scaler":
             rank, layer = snap.first_nonfinite or (-1, "")
-            events.append(AnomalyEvent("nonfinite", step, rank, layer, snap.grad_norm, math.inf))
-        if c[Col.SPIKE_GLOBAL] or c[Col.SPIKE_LAYER] >= 0:
-            layer = self.layers[int(c[Col.SPIKE_LAYER])] if c[Col.SPIKE_LAYER] >= 0 else ""
-            value = c[Col.SPIKE_LAYER_Z] if layer else c[Col.ZSCORE]
-            events.append(AnomalyEvent("spike", step, -1, layer, value, cfg.spike_zscore))
-        if c[Col.VANISHING]:
-            events.append(AnomalyEvent("vanishing", step, -1, "", snap.grad_norm, cfg.vanishing_norm))
-        if c[Col.OUTLIER]:
             events.append(
                 AnomalyEvent(
-                    "rank_outlier",
-                    step,
-                    int(c[Col.OUTLIER_RANK]),
-                    "",
-                    c[Col.OUTLIER_SCORE],
-                    cfg.outlier_score,
+                    kind="nonfinite",
+                    step=step,
+                    rank=rank,
+                    layer=layer,
+                    value=snap.grad_norm,
+                    threshold=math.inf,
+                )
+            )
+        if c[Verdict.SPIKE_GLOBAL] or c[Verdict.SPIKE_LAYER] >= 0:
+            layer = self.layers[int(c[Verdict.SPIKE_LAYER])] if c[Verdict.SPIKE_LAYER] >= 0 else ""
+            value = c[Verdict.SPIKE_LAYER_Z] if layer else c[Verdict.ZSCORE]
+            events.append(
+                AnomalyEvent(
+                    kind="spike", step=step, rank=-1, layer=layer, value=value, threshold=cfg.spike_zscore
+                )
+            )
+        if c[Verdict.VANISHING]:
+            events.append(
+                AnomalyEvent(
+                    kind="vanishing",
+                    step=step,
+                    rank=-1,
+                    layer="",
+                    value=snap.grad_norm,
+                    threshold=cfg.vanishing_norm,
+                )
+            )
+        if c[Verdict.OUTLIER]:
+            events.append(
+                AnomalyEvent(
+                    kind="rank_outlier",
+                    step=step,
+                    rank=int(c[Verdict.OUTLIER_RANK]),
+                    layer="",
+                    value=c[Verdict.OUTLIER_SCORE],
+                    threshold=cfg.outlier_score,
                 )
             )
         return replace(
             snap,
             events=snap.events + tuple(events),
             scores={
-                "zscore": c[Col.ZSCORE],
-                "median_ratio": c[Col.MEDIAN_RATIO],
-                "layer_zmax": c[Col.LAYER_ZMAX],
+                "zscore": c[Verdict.ZSCORE],
+                "median_ratio": c[Verdict.MEDIAN_RATIO],
+                "layer_zmax": c[Verdict.LAYER_ZMAX],
             },
-            rank_outlier_scores=c[len(Col) :],
+            rank_outlier_scores=c[len(Verdict) :],
         )
-
-
-def block_column(layout: RowLayout) -> int:
-    """Row index of the guard's verdict column (1.0 = do not take this step)."""
-    return layout.detector.start + Col.BLOCK

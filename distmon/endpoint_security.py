@@ -22,7 +22,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Union
+from types import ModuleType
+from typing import Union
 
 from .errors import logger
 
@@ -173,7 +174,7 @@ def _stamp(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _read_users(path: str, bcrypt: Any) -> _Users:
+def _read_users(path: str, bcrypt: ModuleType) -> _Users:
     """Parse an htpasswd file; ``ValueError`` naming the option, the path and the bad line."""
     where = f"{option_name('basic_auth_file')} {path!r}"
     try:
@@ -233,7 +234,7 @@ class BasicAuth:
         >>> os.unlink(users.name)
     """
 
-    def __init__(self, path: str, bcrypt: Any) -> None:
+    def __init__(self, path: str, bcrypt: ModuleType) -> None:
         self.path = path
         self._bcrypt = bcrypt
         self._users: _Users | None = _read_users(path, bcrypt)

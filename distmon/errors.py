@@ -41,6 +41,10 @@ class ErrorCounter:
                 site,
             )
 
+    def value(self) -> int:
+        """The count now (for a collector that reads it live)."""
+        return self.count
+
     def note(self, site: str, n: int, message: str) -> None:
         """Count ``n`` losses at ``site`` that are no exception (a sink fell behind); warn once per site."""
         with self._lock:

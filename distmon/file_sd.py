@@ -28,7 +28,7 @@ def target_host(addr: str) -> str:
 
 
 class TargetFile:
-    """One run's target file: reserved when the monitor starts, published, removed at a clean finish.
+    """One run's target file: reserved when the monitor starts, written, removed at a clean finish.
 
     The constructor creates the directory and a temporary file in it, so an unusable
     directory fails the monitor's start-up (on every rank) rather than after hooks are

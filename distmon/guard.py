@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
+from .config import GuardMode, Scheduler
 from .tracker import StepTracker
+
+Step = Callable[..., object]  # an optimizer's (or a scaler's, a scheduler's) step()
 
 __all__ = ["GradientAnomalyError", "StepHooks", "uncovered_parameters"]
 
@@ -70,17 +72,18 @@ class StepHooks:
     ``step`` is shadowed the same way, to see the steps it skips.
 
     Example:
-        >>> hooks = StepHooks(tracker, [opt], guard=None, schedulers=[], verdict_column=0)  # doctest: +SKIP
-        >>> hooks.install(); ...; hooks.remove()                                           # doctest: +SKIP
+        >>> hooks = StepHooks(tracker, optimizers=[opt], verdict_column=col)   # doctest: +SKIP
+        >>> hooks.install(); ...; hooks.remove()                               # doctest: +SKIP
     """
 
     def __init__(
         self,
         tracker: StepTracker,
+        *,
         optimizers: Sequence[torch.optim.Optimizer],
-        guard: str | None,
-        schedulers: Sequence[Any],
         verdict_column: int,
+        guard: GuardMode | None = None,
+        schedulers: Sequence[Scheduler] = (),
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.tracker = tracker
@@ -94,13 +97,13 @@ class StepHooks:
         self._stepped: set[int] = set()  # ids of the optimizers that stepped in this training step
         self._verdict: bool | None = None  # True: the guard refuses this training step
         self._hold: set[int] = set()  # ids of the schedulers to hold back once
-        self._undo: list[Callable[[], Any]] = []
+        self._undo: list[Callable[[], object]] = []
 
     def install(self) -> None:
         for opt in self.optimizers:
             if self.guard is None:
-                pre = opt.register_step_pre_hook(lambda o, args, kwargs: self._begin(o))
-                post = opt.register_step_post_hook(lambda o, args, kwargs: self._finish(o))
+                pre = opt.register_step_pre_hook(self._pre_hook)
+                post = opt.register_step_post_hook(self._post_hook)
                 self._undo += [pre.remove, post.remove]
             else:
                 opt.step = self._guarded(opt, opt.step)
@@ -117,6 +120,12 @@ class StepHooks:
         for undo in self._undo:
             undo()
         self._undo.clear()
+
+    def _pre_hook(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._begin(opt)
+
+    def _post_hook(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._finish(opt)
 
     def _begin(self, opt: torch.optim.Optimizer) -> None:
         if id(opt) in self._stepped:  # stepped again before the others: that training step is over
@@ -142,9 +151,9 @@ class StepHooks:
             self._verdict = row[self._column].item() != 0.0  # the one opt-in host sync per step
         return self._verdict
 
-    def _guarded(self, opt: torch.optim.Optimizer, inner_step: Callable[..., Any]) -> Callable[..., Any]:
+    def _guarded(self, opt: torch.optim.Optimizer, inner_step: Step) -> Step:
         @functools.wraps(inner_step)  # keeps e.g. the LR scheduler's marker attribute
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        def guarded_step(*args: object, **kwargs: object) -> object:
             self._begin(opt)
             if not self._refused():
                 self._hold.clear()  # a step taken: a scheduler not stepped since the skip keeps its pace
@@ -162,11 +171,11 @@ class StepHooks:
 
         return guarded_step
 
-    def _scaled(self, inner_step: Callable[..., Any]) -> Callable[..., Any]:
+    def _scaled(self, inner_step: Step) -> Step:
         monitored = {id(opt) for opt in self.optimizers}
 
         @functools.wraps(inner_step)
-        def scaler_step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        def scaler_step(optimizer: torch.optim.Optimizer, *args: object, **kwargs: object) -> object:
             finished = self._finished
             result = inner_step(optimizer, *args, **kwargs)
             if id(optimizer) in monitored and self._finished == finished:
@@ -179,9 +188,9 @@ class StepHooks:
 
         return scaler_step
 
-    def _held(self, sched: Any, inner_step: Callable[..., Any]) -> Callable[..., Any]:
+    def _held(self, sched: Scheduler, inner_step: Step) -> Step:
         @functools.wraps(inner_step)
-        def held_step(*args: Any, **kwargs: Any) -> Any:
+        def held_step(*args: object, **kwargs: object) -> object:
             if id(sched) in self._hold:
                 self._hold.discard(id(sched))
                 return None

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Generic, TypeVar
 from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -147,28 +147,32 @@ def parse_head(head: bytes) -> dict[str, str] | None:
     return env
 
 
-class _Lane:
+J = TypeVar("J")  # a lane's job
+Address = tuple[str, int] | tuple[str, int, int, int]  # a client's (IPv4 or IPv6) socket address
+
+
+class _Lane(Generic[J]):
     """Jobs run by up to ``threads`` threads, started on demand and ended when idle; ``waiting`` more queue.
 
     Example:
         >>> done = []
-        >>> lane = _Lane("demo", 1, 0, done.append, ErrorCounter())
+        >>> lane = _Lane("demo", threads=1, waiting=0, run=done.append, errors=ErrorCounter())
         >>> lane.submit(1), lane.close(), done
         (True, None, [1])
     """
 
     def __init__(
-        self, name: str, threads: int, waiting: int, run: Callable[[Any], None], errors: ErrorCounter
+        self, name: str, *, threads: int, waiting: int, run: Callable[[J], None], errors: ErrorCounter
     ) -> None:
         self._name, self._threads, self._waiting = name, threads, waiting
         self._run, self._errors = run, errors
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._running = 0
-        self._queue: deque[Any] = deque()
+        self._queue: deque[J] = deque()
         self._closed = False
 
-    def submit(self, job: Any) -> bool:
+    def submit(self, job: J) -> bool:
         """Run ``job`` or queue it; False if the lane is full (or closed)."""
         with self._lock:
             if self._closed:
@@ -195,7 +199,7 @@ class _Lane:
             self._queue.clear()
             self._idle.wait_for(lambda: self._running == 0, timeout=timeout)
 
-    def _loop(self, job: Any) -> None:
+    def _loop(self, job: J) -> None:
         while True:
             try:
                 self._run(job)
@@ -219,7 +223,9 @@ class _Stage(enum.Enum):
 class _Conn:
     """One client connection, as the serving thread holds it."""
 
-    def __init__(self, sock: socket.socket, client: Any, stage: _Stage, expires: float, deadline: float):
+    def __init__(
+        self, sock: socket.socket, *, client: Address, stage: _Stage, expires: float, deadline: float
+    ) -> None:
         self.sock, self.client, self.stage = sock, client, stage
         self.expires = expires  # closed then: the head deadline until the head is in, then ``deadline``
         self.deadline = deadline
@@ -289,6 +295,7 @@ class MetricServer:
         self,
         registry: CollectorRegistry,
         listener: socket.socket,
+        *,
         tls: ssl.SSLContext | None,
         auth: BasicAuth | None,
         max_connections: int,
@@ -304,9 +311,15 @@ class MetricServer:
         self._listener, self._tls, self._auth = listener, tls, auth
         self._errors = ErrorCounter()
         self._workers = _Lane(
-            "distmon-http-worker", max_connections, max_connections, self._answer, self._errors
+            "distmon-http-worker",
+            threads=max_connections,
+            waiting=max_connections,
+            run=self._answer,
+            errors=self._errors,
         )
-        self._bcrypt = _Lane("distmon-http-bcrypt", 1, BCRYPT_QUEUE, self._check, self._errors)
+        self._bcrypt = _Lane(
+            "distmon-http-bcrypt", threads=1, waiting=BCRYPT_QUEUE, run=self._check, errors=self._errors
+        )
         # the serving thread's own: connections it holds, oldest first, and those with a lane
         self._held: dict[_Conn, None] = {}
         self._busy: set[_Conn] = set()
@@ -359,7 +372,15 @@ class MetricServer:
                 last = e
                 continue
             registry = CollectorRegistry(auto_describe=False)
-            return cls(registry, listener, tls, auth, max_connections, timeout_s, header_timeout_s)
+            return cls(
+                registry,
+                listener,
+                tls=tls,
+                auth=auth,
+                max_connections=max_connections,
+                timeout_s=timeout_s,
+                header_timeout_s=header_timeout_s,
+            )
         hint = (
             f"ports {port}-{candidates[-1]} are all in use"
             if fallback
@@ -404,7 +425,7 @@ class MetricServer:
 
     def _respond(self, conn: _Conn, env: dict[str, str]) -> bytes:
         """Run the WSGI app on one request; the whole response, ready to send."""
-        environ: dict[str, Any] = {
+        environ: dict[str, object] = {
             **env,
             "SCRIPT_NAME": "",
             "SERVER_NAME": str(self.addr),
@@ -418,10 +439,12 @@ class MetricServer:
             "wsgi.multiprocess": False,
             "wsgi.run_once": False,
         }
-        head: list[Any] = []
+        head: list[str | list[tuple[str, str]]] = []
         body: list[bytes] = []
 
-        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable:
+        def start_response(
+            status: str, headers: list[tuple[str, str]], exc_info: object = None
+        ) -> Callable[[bytes], None]:
             head[:] = [status, headers]
             return body.append
 
@@ -495,7 +518,13 @@ class MetricServer:
                     continue
                 stage = _Stage.HANDSHAKE
             now = time.monotonic()
-            conn = _Conn(sock, client, stage, now + self.header_timeout_s, now + self.timeout_s)
+            conn = _Conn(
+                sock,
+                client=client,
+                stage=stage,
+                expires=now + self.header_timeout_s,
+                deadline=now + self.timeout_s,
+            )
             self._held[conn] = None
             self._selector.register(sock, selectors.EVENT_READ, conn)
 

@@ -21,7 +21,7 @@ class JsonlLog:
     Example:
         >>> import os, tempfile
         >>> log = JsonlLog(os.path.join(tempfile.mkdtemp(), "run.jsonl"))
-        >>> log([Snapshot(1, 0.0, 0.5, {}, [0.5], None, False, [], None)]); log.close()
+        >>> log([Snapshot(step=1, timestamp=0.0, grad_norm=0.5)]); log.close()
         >>> open(log.path).read().count("\\n")
         1
     """

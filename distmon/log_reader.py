@@ -45,7 +45,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 __all__ = [
     "read_log",
@@ -76,11 +76,11 @@ class LogError(ValueError):
     """The log cannot be reported: unreadable, empty, no valid snapshot, or no such run."""
 
 
-def _is_num(v: Any) -> bool:
+def _is_num(v: object) -> bool:
     return v is None or type(v) in (int, float) or (isinstance(v, str) and v.lower() in _NONFINITE)
 
 
-def as_float(v: Any) -> float:
+def as_float(v: object) -> float:
     """A checked JSONL figure as a float (null and the strings "nan"/"inf" included).
 
     Example:
@@ -90,20 +90,20 @@ def as_float(v: Any) -> float:
     return math.nan if v is None else float(v)
 
 
-def _short(v: Any) -> Any:
+def _short(v: object) -> object:
     return v[:MAX_NAME] if isinstance(v, str) else v
 
 
-def _is_int(v: Any, low: int = 0) -> bool:
+def _is_int(v: object, low: int = 0) -> bool:
     return type(v) is int and low <= v < 2**53
 
 
-def _is_nums(v: Any) -> bool:
+def _is_nums(v: object) -> bool:
     return isinstance(v, list) and all(map(_is_num, v))
 
 
 # field -> (check, what it must be); a field may be absent, but if present must pass
-_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "run_id": (lambda v: isinstance(v, str), "a string"),
     "world_size": (lambda v: _is_int(v, 1), "an integer >= 1"),
     "grad_norm": (_is_num, "a number"),
@@ -129,7 +129,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "events": (lambda v: isinstance(v, list), "a list"),
 }
-_EVENT_FIELDS: dict[str, Callable[[Any], bool]] = {
+_EVENT_FIELDS: dict[str, Callable[[object], bool]] = {
     "kind": lambda v: isinstance(v, str),
     "step": _is_int,
     "rank": lambda v: _is_int(v, -1),
@@ -139,7 +139,7 @@ _EVENT_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def check_snapshot(obj: Any) -> str | None:
+def check_snapshot(obj: object) -> str | None:
     """Why ``obj`` (a parsed line) is not a snapshot the report can read, or None when it is.
 
     Example:
@@ -209,10 +209,10 @@ class Run:
     most_layers: int = 0  # the most layers one line had
     world_size: int = 1
     most_ranks: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_EVENTS
+    events: list[dict[str, object]] = field(default_factory=list)  # the first MAX_EVENTS
     event_count: int = 0
     event_steps: dict[str, list[int]] = field(default_factory=dict)  # kind -> steps with it
-    first_nonfinite: tuple[int, Any, Any] | None = None  # step, rank, layer
+    first_nonfinite: tuple[int, object, object] | None = None  # step, rank, layer
     guard_skips: int = 0
     scaler_skips: int = 0
     invalid: int = 0
@@ -248,7 +248,7 @@ class Run:
             slots.append(slot)
         return slots
 
-    def _fold(self, values: list[Any], slots: list[int]) -> array:
+    def _fold(self, values: list[object], slots: list[int]) -> array:
         row = array("d", [math.nan]) * (len(self.columns) + 1)
         rest = [as_float(v) for v, slot in zip(values, slots) if slot == 0]
         for v, slot in zip(values, slots):
@@ -259,7 +259,7 @@ class Run:
             self.folded = True
         return row
 
-    def add(self, snap: dict[str, Any]) -> None:
+    def add(self, snap: dict[str, object]) -> None:
         """Take one checked snapshot of this run."""
         step = snap["step"]
         layers = snap.get("layer_grad_norms", {})
@@ -340,7 +340,7 @@ def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, bool]]:
         line = after
 
 
-def _parse(raw: bytes, last: bool) -> tuple[Any, str | None, bool]:
+def _parse(raw: bytes, last: bool) -> tuple[object, str | None, bool]:
     """(the parsed line, the reason it is skipped or None, whether a cut head was dropped)."""
     try:
         text = raw.decode("utf-8")
@@ -410,7 +410,14 @@ def read_log(
     if kept is None:
         wanted = f"no run {run_id!r}" if run_index is None else f"no run #{run_index}"
         raise LogError(f"{wanted} in {path}; it holds {describe_runs(runs, span.index)}")
-    return LogRead(kept, runs, span.index, skipped, first_skipped, max_line_bytes)
+    return LogRead(
+        run=kept,
+        runs=runs,
+        run_count=span.index,
+        skipped=skipped,
+        first_skipped=first_skipped,
+        max_line_bytes=max_line_bytes,
+    )
 
 
 def describe_skips(skipped: Counter[str], first: dict[str, int]) -> str:

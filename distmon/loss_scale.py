@@ -11,7 +11,6 @@ were taken.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -71,5 +70,5 @@ class LossScale:
         if self.scaler is None or not self.scaler.is_enabled():
             return None
         # GradScaler keeps no public record of this; its per-optimizer stage is the record
-        states: dict[int, dict[str, Any]] = getattr(self.scaler, "_per_optimizer_states", {})
+        states: dict[int, dict[str, object]] = getattr(self.scaler, "_per_optimizer_states", {})
         return all(states.get(id(opt), {}).get("stage") is OptState.UNSCALED for opt in self.optimizers)

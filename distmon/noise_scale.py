@@ -22,8 +22,7 @@ import math
 
 import torch
 
-from .collective import RankFields
-from .ring import RowLayout
+from .rows import Head, Noise, RowPlan
 from .sums import ema_after
 
 __all__ = ["NoiseScale"]
@@ -38,37 +37,36 @@ class NoiseScale:
     ones (sum of EMA |G_l|^2 = EMA |G|^2, sum of B_l * EMA |G_l|^2 = EMA tr(S)).
 
     Example:
-        >>> ns = NoiseScale(n_layers=2, world=2, fields=RankFields(2, True, batch=True),
-        ...                 alpha=0.5, device=torch.device("cpu"))
-        >>> ns.n_outputs
+        >>> plan = RowPlan.build(n_layers=2, world=2, batch=True)
+        >>> ns = NoiseScale(plan, alpha=0.5, device=torch.device("cpu"))
+        >>> plan.step.noise.stop - plan.step.noise.start   # 3 global figures, 2 per layer
         7
     """
 
-    def __init__(self, n_layers: int, world: int, fields: RankFields, alpha: float, device: torch.device):
-        self.n = n_layers + 1  # global, then layers
-        self.world = world
-        self.fields = fields
+    def __init__(self, plan: RowPlan, *, alpha: float, device: torch.device):
+        self.step_row, self.fields = plan.step, plan.rank
+        self.n = plan.step.n_layers + 1  # global, then layers
+        self.world = plan.step.world
         self.alpha = alpha
-        self.n_outputs = 3 + 2 * n_layers
         self.tr = torch.zeros(self.n, dtype=torch.float32, device=device)
         self.g2 = torch.zeros(self.n, dtype=torch.float32, device=device)
         self.count = torch.zeros(self.n, dtype=torch.float32, device=device)
         self.min_count = math.ceil(1 / alpha)
 
-    def update(self, rows: torch.Tensor, layout: RowLayout) -> None:
+    def update(self, rows: torch.Tensor) -> None:
         """Fold a run of finished rows (in step order) in; write their noise columns."""
-        f, w = self.fields, self.world
-        gathered = layout.ranks(rows)
-        big = rows[:, 1 : layout.layers.stop].double()  # reduced: total, then layers
+        f, w, step_row = self.fields, self.world, self.step_row
+        gathered = step_row.rank_rows(rows)
+        big = rows[:, step_row.total_and_layers].double()  # reduced: total, then layers
         small_total = f.device_totals(gathered).double().mean(1, keepdim=True)
         if f.n_layer_cols:
-            small_layers = gathered[..., : f.n_layer_cols].double().mean(1)
+            small_layers = gathered[..., f.layers].double().mean(1)
         else:
             small_layers = torch.full_like(big[:, 1:], math.nan)
         small = torch.cat([small_total, small_layers], 1)
         b = gathered[..., f.batch].double()  # (k, world)
         ok = (
-            (rows[:, 0] == 1.0)
+            (rows[:, Head.VALID] == 1.0)
             & (gathered[..., f.valid] == 1.0).all(1)
             & (b == b[:, :1]).all(1)
             & (b[:, 0] > 0)
@@ -90,10 +88,10 @@ class NoiseScale:
         tr_c = torch.where(meaningful, tr_ema / correction, math.nan)
         g2_c = torch.where(meaningful, g2_ema / correction, math.nan)
         gns = tr_c / g2_c
-        out = rows[:, layout.noise]
-        out[:, 0] = gns[:, 0].float()
-        out[:, 1] = tr_c[:, 0].float()
-        out[:, 2] = g2_c[:, 0].float()
-        n = self.n - 1
-        out[:, 3 : 3 + n] = gns[:, 1:].float()
-        out[:, 3 + n :] = g2_c[:, 1:].float()
+        out = rows[:, step_row.noise]
+        out[:, Noise.SCALE] = gns[:, 0].float()
+        out[:, Noise.TRACE] = tr_c[:, 0].float()
+        out[:, Noise.SIGNAL] = g2_c[:, 0].float()
+        n, k = self.n - 1, len(Noise)
+        out[:, k : k + n] = gns[:, 1:].float()
+        out[:, k + n :] = g2_c[:, 1:].float()

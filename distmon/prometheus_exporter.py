@@ -1,6 +1,6 @@
 """Prometheus export: a custom Collector over the latest snapshots, in its own registry.
 
-The publisher thread folds every snapshot into :class:`MetricsAggregate` (counters, the
+The export thread folds every snapshot into :class:`MetricsAggregate` (counters, the
 histogram of every step's norm, the window maximum) and swaps in a new immutable view;
 ``collect()`` only reads that view, so a scrape never touches torch or blocks training.
 Gauges show the latest step whose figures were measured: a step that measured nothing (no
@@ -15,18 +15,17 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .hostinfo import RankInfo
-from .snapshot import Snapshot
+from .snapshot import ANOMALY_KINDS, Snapshot
 
 __all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS", "METRICS", "MetricSpec"]
 
-ANOMALY_KINDS = ("nonfinite", "spike", "vanishing", "rank_outlier", "scaler_stuck", "activation_nonfinite")
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
 NORM_BUCKETS = tuple(m * 10.0**k for k in range(-4, 5) for m in (1.0, 2.5, 5.0))
 RANK_LABELS = ("rank", "local_rank", "hostname", "gpu_uuid")
@@ -35,7 +34,7 @@ RANK_LABELS = ("rank", "local_rank", "hostname", "gpu_uuid")
 class MetricSpec(NamedTuple):
     """One metric: its type, its labels besides ``run_id``, its help text."""
 
-    kind: str  # "gauge" | "counter" | "histogram"
+    kind: Literal["gauge", "counter", "histogram"]
     labels: tuple[str, ...]
     help: str
 
@@ -143,14 +142,14 @@ class _View:
     finished: bool = False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MetricsAggregate:
     """Host-side accumulation of snapshots into what the collector serves.
 
     ``cluster`` says whether this process serves the cluster-wide families; ``ranks`` are the
     ranks whose per-rank series it serves. ``own_errors`` reads this process's live error
-    count, so errors it counts after its last published step (a full disk under the JSONL
-    log during the final publication, say) still reach the served total.
+    count, so errors it counts after its last exported step (a full disk under the JSONL
+    log during the final export, say) still reach the served total.
     """
 
     run_id: str
@@ -182,7 +181,7 @@ class MetricsAggregate:
         self._scaler_skipped = 0
 
     def add(self, snaps: Sequence[Snapshot]) -> None:
-        """Fold snapshots (in step order) in and publish a new view."""
+        """Fold snapshots (in step order) in and swap in a new view."""
         with self._lock:
             measured = self.view.measured
             activations, updates = self.view.activations, self.view.updates
@@ -248,7 +247,8 @@ class GradCollector(Collector):
 
     Example:
         >>> from prometheus_client import CollectorRegistry
-        >>> agg = MetricsAggregate("run-1", 1, "0.1.0", "rank0", True, ())
+        >>> agg = MetricsAggregate(run_id="run-1", world_size=1, version="0.1.0", serve="rank0",
+        ...                        cluster=True, ranks=())
         >>> registry = CollectorRegistry()
         >>> registry.register(GradCollector(agg))
         >>> registry.get_sample_value("distmon_optimizer_steps_total", {"run_id": "run-1"})
@@ -267,7 +267,7 @@ class GradCollector(Collector):
         run = [agg.run_id]
         gpu = bool(agg.ranks and agg.ranks[0].gpu_uuid)
         if agg.cluster:
-            yield self._one("distmon_run_info", 1.0, str(agg.world_size), agg.version, agg.serve)
+            yield self._one("distmon_run_info", 1.0, labels=(str(agg.world_size), agg.version, agg.serve))
             yield self._one("distmon_run_finished", 1.0 if v.finished else 0.0)
             yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)
             yield self._one("distmon_nonfinite_steps_total", v.nonfinite_steps)
@@ -336,7 +336,7 @@ class GradCollector(Collector):
                 if m.rank_outlier_scores:
                     yield per_rank("distmon_rank_outlier_score", m.rank_outlier_scores.__getitem__)
 
-    def _one(self, name: str, value: float, *labels: str) -> Metric:
+    def _one(self, name: str, value: float, labels: tuple[str, ...] = ()) -> Metric:
         family = _family(name)
         family.add_metric([self.agg.run_id, *labels], value)
         return family

@@ -26,8 +26,9 @@ import importlib.util
 import math
 import os
 import sys
+from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .log_reader import (
     MAX_LAYERS,
@@ -43,13 +44,17 @@ from .log_reader import (
     read_log,
 )
 
+if TYPE_CHECKING:  # numpy and matplotlib are imported when a report is drawn, not with the module
+    import numpy as np
+    from matplotlib.figure import Figure
+
 __all__ = ["write_report", "summary", "main"]
 
 HEATMAP_COLUMNS = 2000  # steps per heatmap row before steps are binned
 MARKED_CELLS = 200  # non-finite cells of the rank x layer picture labelled "NaN"/"Inf"
 
 
-def _grid(rows: Sequence[Any], width: int) -> Any:
+def _grid(rows: Sequence[array], width: int) -> np.ndarray:
     """Rows of varying length (array('d')) as one NaN-padded float matrix."""
     import numpy as np
 
@@ -132,7 +137,7 @@ def write_report(log: LogRead, out_dir: str) -> list[str]:
     steps = np.array(run.steps, dtype=np.int64)
     written: list[str] = []
 
-    def save(fig: Any, name: str) -> None:
+    def save(fig: Figure, name: str) -> None:
         fig.tight_layout()
         try:
             fig.savefig(os.path.join(out_dir, name), dpi=110)

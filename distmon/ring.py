@@ -11,69 +11,19 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["RowLayout", "DeviceRing", "HostCopy", "HOST_WAIT_S"]
+from .rows import StepRow
+from .snapshot import SkipReason
 
-# The longest an export step waits for a host buffer. The publisher thread frees one as soon
+__all__ = ["DeviceRing", "HostCopy", "StepInfo", "ExportBatch", "HOST_WAIT_S"]
+
+# The longest an export step waits for a host buffer. The export thread frees one as soon
 # as it has read it (sinks that write files or run callbacks have threads of their own), so
 # this is reached only if decoding falls two exports behind.
 HOST_WAIT_S = 1.0
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Column ranges of one step's row, in this order:
-
-    ``[valid, total_sq, layers (n_layers), gathered (world x rank_width), detector (n_detector),
-    noise (n_noise), act (n_act), upd (n_upd)]``
-
-    Example:
-        >>> lay = RowLayout(n_layers=3, world=2, rank_width=5, n_detector=4)
-        >>> lay.layers, lay.gathered, lay.detector, lay.width
-        (slice(2, 5, None), slice(5, 15, None), slice(15, 19, None), 19)
-    """
-
-    n_layers: int
-    world: int
-    rank_width: int
-    n_detector: int
-    n_noise: int = 0
-    n_act: int = 0
-    n_upd: int = 0
-
-    def _region(self, name: str) -> slice:
-        sizes = (
-            ("head", 2),
-            ("layers", self.n_layers),
-            ("gathered", self.world * self.rank_width),
-            ("detector", self.n_detector),
-            ("noise", self.n_noise),
-            ("act", self.n_act),
-            ("upd", self.n_upd),
-        )
-        start = 0
-        for region, n in sizes:
-            if region == name:
-                return slice(start, start + n)
-            start += n
-        return slice(start, start)  # "end": the width
-
-    layers = property(lambda self: self._region("layers"))
-    gathered = property(lambda self: self._region("gathered"))
-    detector = property(lambda self: self._region("detector"))
-    noise = property(lambda self: self._region("noise"))
-    act = property(lambda self: self._region("act"))
-    upd = property(lambda self: self._region("upd"))
-
-    @property
-    def width(self) -> int:
-        return self._region("end").stop
-
-    def ranks(self, rows: torch.Tensor) -> torch.Tensor:
-        """The gathered region of ``rows`` (k, width) as ``(k, world, rank_width)``: each rank's floats."""
-        return rows[:, self.gathered].view(len(rows), self.world, self.rank_width)
 
 
 @dataclass
@@ -94,11 +44,36 @@ class HostCopy:
         self._free.set()
 
 
-class DeviceRing:
-    """``n_rows`` rows of ``layout.width`` fp32 on ``device``; row of step s is ``(s - 1) % n_rows``."""
+class StepInfo(NamedTuple):
+    """What the host knows of a finished step besides its ring row."""
 
-    def __init__(self, n_rows: int, layout: RowLayout, device: torch.device) -> None:
-        self.layout = layout
+    step: int
+    slot: int  # its row in the ring (and in the host copy)
+    timestamp: float
+    skip: SkipReason  # who kept the optimizer from taking it ("": taken)
+
+
+@dataclass(frozen=True)
+class ExportBatch:
+    """Rows to export: the host copy and the steps whose rows it holds."""
+
+    copy: HostCopy
+    steps: tuple[StepInfo, ...]
+
+
+class DeviceRing:
+    """``n_rows`` step rows (:class:`~distmon.rows.StepRow`) of fp32 on ``device``.
+
+    Step s has row ``(s - 1) % n_rows``.
+
+    Example:
+        >>> from distmon.rows import RowPlan
+        >>> ring = DeviceRing(4, RowPlan.build(n_layers=1, world=1).step, torch.device("cpu"))
+        >>> ring.slot(1), ring.slot(5), tuple(ring.data.shape)
+        (0, 0, (4, 6))
+    """
+
+    def __init__(self, n_rows: int, layout: StepRow, device: torch.device) -> None:
         self.n_rows = n_rows
         self.data = torch.zeros(n_rows, layout.width, dtype=torch.float32, device=device)
         # views made once: the hooks index rows every step

@@ -1,8 +1,8 @@
 """Exporters that may be slow or stuck (the JSONL log, ``on_anomaly`` callbacks), each on a thread of its own.
 
-The publisher thread decodes exported rows and must never wait on a file system or on user
+The export thread decodes exported rows and must never wait on a file system or on user
 code: a JSONL log on a hung network mount or a callback that blocks would otherwise hold the
-publisher, then the host buffers it releases, then the training step that needs one. So each
+export thread, then the host buffers it releases, then the training step that needs one. So each
 such sink gets a :class:`SinkWorker`: a thread behind a queue bounded in snapshots. Offering
 never blocks; when the queue is full the batch is dropped, counted in
 ``distmon_monitor_errors_total`` and logged once. :meth:`SinkWorker.drain` and
@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from .errors import ErrorCounter
-from .snapshot import Snapshot
+from .snapshot import AnomalyEvent, Snapshot
 
-__all__ = ["SinkWorker", "Sink", "SINK_CAPACITY"]
+__all__ = ["SinkWorker", "Sink", "SINK_CAPACITY", "AnomalyCallbacks"]
 
 Sink = Callable[[Sequence[Snapshot]], None]
 
@@ -121,3 +121,28 @@ class SinkWorker:
                 with self._cond:
                     self._held -= len(snaps)
                     self._cond.notify_all()
+
+
+class AnomalyCallbacks:
+    """The ``on_anomaly`` callbacks, called for every event of the snapshots handed over (a sink).
+
+    Example:
+        >>> calls = AnomalyCallbacks(ErrorCounter()); calls.add(print)
+        >>> calls([Snapshot(step=1, timestamp=0.0, grad_norm=1.0)])   # no event: no call
+    """
+
+    def __init__(self, errors: ErrorCounter) -> None:
+        self._fns: list[Callable[[AnomalyEvent, Snapshot], None]] = []
+        self._errors = errors
+
+    def add(self, fn: Callable[[AnomalyEvent, Snapshot], None]) -> None:
+        self._fns.append(fn)
+
+    def __call__(self, snaps: Sequence[Snapshot]) -> None:
+        for snap in snaps:
+            for event in snap.events:
+                for fn in self._fns:
+                    try:
+                        fn(event, snap)
+                    except Exception:
+                        self._errors.record(f"on_anomaly callback {getattr(fn, '__qualname__', fn)}")

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Literal, get_args
 
-__all__ = ["Snapshot", "AnomalyEvent", "to_jsonable"]
+__all__ = ["Snapshot", "AnomalyEvent", "to_jsonable", "AnomalyKind", "SkipReason", "ANOMALY_KINDS"]
+
+AnomalyKind = Literal[
+    "nonfinite", "spike", "vanishing", "rank_outlier", "scaler_stuck", "activation_nonfinite"
+]
+ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
+# who kept the optimizer from taking a step: "" (nobody), a guard, or the GradScaler (Inf/NaN)
+SkipReason = Literal["", "guard", "scaler"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AnomalyEvent:
     """One detection: what, when, where, and the value against its threshold.
 
@@ -17,8 +24,7 @@ class AnomalyEvent:
     when the event is about the whole model.
     """
 
-    # "nonfinite" | "spike" | "vanishing" | "rank_outlier" | "scaler_stuck" | "activation_nonfinite"
-    kind: str
+    kind: AnomalyKind
     step: int
     rank: int
     layer: str
@@ -26,7 +32,7 @@ class AnomalyEvent:
     threshold: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Snapshot:
     """Gradient statistics of one optimizer step, combined over all ranks.
 
@@ -82,12 +88,12 @@ class Snapshot:
     step: int
     timestamp: float
     grad_norm: float
-    layer_grad_norms: dict[str, float]
-    rank_grad_norms: list[float]
-    rank_layer_grad_norms: list[list[float]] | None
-    nonfinite: bool
-    nonfinite_ranks: list[int]
-    first_nonfinite: tuple[int, str] | None
+    layer_grad_norms: dict[str, float] = field(default_factory=dict)
+    rank_grad_norms: list[float] = field(default_factory=list)
+    rank_layer_grad_norms: list[list[float]] | None = None
+    nonfinite: bool = False
+    nonfinite_ranks: list[int] = field(default_factory=list)
+    first_nonfinite: tuple[int, str] | None = None
     events: tuple[AnomalyEvent, ...] = ()
     monitor_errors: int = 0
     valid: bool = True
@@ -97,7 +103,7 @@ class Snapshot:
     rank_outlier_scores: list[float] = field(default_factory=list)
     skipped: bool = False
     rank_monitor_errors: list[int] = field(default_factory=list)
-    skip_reason: str = ""
+    skip_reason: SkipReason = ""
     gradient_noise_scale: float = math.nan
     layer_gradient_noise_scale: dict[str, float] = field(default_factory=dict)
     layer_noise_signal: dict[str, float] = field(default_factory=dict)
@@ -110,7 +116,7 @@ class Snapshot:
     rank_valid: list[bool] = field(default_factory=list)
 
 
-def _clean(value: Any) -> Any:
+def _clean(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
@@ -120,11 +126,11 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def to_jsonable(snap: Snapshot) -> dict[str, Any]:
+def to_jsonable(snap: Snapshot) -> dict[str, object]:
     """The snapshot as strict-JSON data: non-finite floats become the strings "nan"/"inf"/"-inf".
 
     Example:
-        >>> s = Snapshot(1, 0.0, float("nan"), {}, [1.0], None, True, [0], None)
+        >>> s = Snapshot(step=1, timestamp=0.0, grad_norm=float("nan"), nonfinite=True)
         >>> to_jsonable(s)["grad_norm"]
         'nan'
     """

@@ -59,6 +59,7 @@ def sparse_sq_sum(grad: torch.Tensor) -> torch.Tensor:
 def fold_layers(
     sums: Sequence[torch.Tensor],
     layer_of: torch.Tensor,
+    *,
     stage: torch.Tensor,
     zeros: torch.Tensor,
     out: torch.Tensor,
@@ -72,7 +73,7 @@ def fold_layers(
     Example:
         >>> out = torch.empty(2)
         >>> fold_layers([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(4.0)],
-        ...             torch.tensor([1, 0, 1]), torch.empty(3), torch.zeros(2), out)
+        ...             torch.tensor([1, 0, 1]), stage=torch.empty(3), zeros=torch.zeros(2), out=out)
         >>> out.tolist()
         [2.0, 5.0]
     """
@@ -229,7 +230,7 @@ class LayerFold:
         if plan.order is not None:
             torch.stack([sums[i] for i in plan.order], out=out)
         else:
-            fold_layers(sums, plan.layer_of, plan.stage, self._zeros, out)
+            fold_layers(sums, plan.layer_of, stage=plan.stage, zeros=self._zeros, out=out)
 
     def _plan(self, key: tuple[int, ...], pending: list[tuple[Runs, list[torch.Tensor]]]) -> _FoldPlan:
         ids = [layer for runs, _ in pending for layer in runs.layer_ids]

@@ -24,7 +24,7 @@ class UpdateRatio:
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(4))
-        >>> ur = UpdateRatio([w], [0], 1, torch.device("cpu"))
+        >>> ur = UpdateRatio([w], layer_of=[0], n_layers=1, device=torch.device("cpu"))
         >>> ur.begin()
         >>> with torch.no_grad():
         ...     _ = w.sub_(0.5)   # the optimizer's update
@@ -33,10 +33,9 @@ class UpdateRatio:
     """
 
     def __init__(
-        self, params: list[torch.nn.Parameter], layer_of: list[int], n_layers: int, device: torch.device
+        self, params: list[torch.nn.Parameter], *, layer_of: list[int], n_layers: int, device: torch.device
     ):
         self.params = params
-        self.columns = n_layers
         self._copy = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
         self._runs = Runs(tuple(layer_of), torch.tensor(layer_of, dtype=torch.int64, device=device), seq=0)
         self._fold = LayerFold(n_layers, device)

@@ -14,9 +14,8 @@ import os
 import pytest
 import torch
 
-from distmon.collective import RankFields
 from distmon.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
-from distmon.ring import RowLayout
+from distmon.rows import Head, RowPlan, RowWriter
 from distmon.snapshot import Snapshot
 
 DEFAULTS = DetectorConfig()
@@ -27,34 +26,30 @@ BLOCKS = [1, 10]  # a guard judges every step alone; without one, a run of expor
 class Feeder:
     """Feeds (layer norms, rank norms) per step through the device detector, ``block`` steps at a time.
 
-    Rows are filled the way the tracker fills them; every ``block`` steps the buffered rows go
-    to the detector as one run and are decoded. Returns each step's events once its block
-    has been judged (``flush`` judges a partial block).
+    Rows are filled by name (``RowWriter``), as the tracker fills them; every ``block`` steps the
+    buffered rows go to the detector as one run and are decoded. Returns each step's events once
+    its block has been judged (``flush`` judges a partial block).
     """
 
     def __init__(self, world: int = 4, cfg: DetectorConfig = DEFAULTS, block: int = 1) -> None:
-        self.fields = RankFields(len(LAYERS), rank_layers=False)
-        self.det = DeviceDetector(cfg, len(LAYERS), world, self.fields, torch.device("cpu"))
-        self.layout = RowLayout(len(LAYERS), world, self.fields.width, self.det.n_outputs)
+        self.plan = RowPlan.build(n_layers=len(LAYERS), world=world, rank_layers=False, detector=True)
+        self.det = DeviceDetector(cfg, self.plan, torch.device("cpu"))
         self.dec = DetectorDecoder(cfg, LAYERS)
         self.world = world
         self.block = block
         self.step = 0
-        self.rows = torch.zeros(block, self.layout.width)
+        self.rows = torch.zeros(block, self.plan.step.width)
+        self.write = RowWriter(self.plan, self.rows)
         self.pending: list[tuple[int, list[float]]] = []
         self.scores: list[tuple[dict, list[float]]] = []  # per step, once judged
 
     def __call__(self, layer_norms: list[float], rank_norms: list[float]) -> list:
         self.step += 1
-        row = self.rows[len(self.pending)]
-        row.zero_()
-        sq = torch.tensor(layer_norms, dtype=torch.float64) ** 2
-        row[self.layout.layers] = sq.float()
-        row[1] = sq.sum().float()
-        g = row[self.layout.gathered].view(self.world, self.fields.width)
+        i = len(self.pending)
+        self.rows[i].zero_()
+        self.write.reduced(i, [n * n for n in layer_norms])
         for r, n in enumerate(rank_norms):
-            g[r, self.fields.total_sq] = n * n
-            g[r, self.fields.valid] = 1.0
+            self.write.rank(i, r, total_sq=n * n)
         self.pending.append((self.step, list(rank_norms)))
         return self.flush() if len(self.pending) == self.block else []
 
@@ -62,13 +57,20 @@ class Feeder:
         k = len(self.pending)
         if not k:
             return []
-        self.det.update(self.rows[:k], self.layout)
-        self.det.update_ranks(self.rows[:k], self.layout)  # the export: every rank's rows are in
+        self.det.update(self.rows[:k])
+        self.det.update_ranks(self.rows[:k])  # the export: every rank's rows are in
         events = []
         for (step, ranks), vals in zip(self.pending, self.rows[:k].tolist()):
-            norm = math.sqrt(vals[1]) if math.isfinite(vals[1]) else math.nan
-            snap = Snapshot(step, 0.0, norm, {}, ranks, None, not math.isfinite(norm), [], None)
-            judged = self.dec(step, vals[self.layout.detector], snap)
+            total = vals[Head.TOTAL_SQ]
+            norm = math.sqrt(total) if math.isfinite(total) else math.nan
+            snap = Snapshot(
+                step=step,
+                timestamp=0.0,
+                grad_norm=norm,
+                rank_grad_norms=ranks,
+                nonfinite=not math.isfinite(norm),
+            )
+            judged = self.dec(step, vals[self.plan.step.detector], snap)
             self.scores.append((judged.scores, judged.rank_outlier_scores))
             events += judged.events
         self.pending = []

@@ -12,10 +12,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
 
-def test_every_option_is_documented():
-    params = inspect.signature(distmon.GradMonitor).parameters
-    missing = [name for name in params if name not in ("model", "optimizer") and f"`{name}`" not in README]
-    assert missing == []
+def test_every_option_is_declared_once_and_the_readme_table_is_rendered_from_it():
+    """GradMonitor's signature, MonitorConfig's fields and the README table all follow distmon.options."""
+    import dataclasses
+
+    from distmon.config import MonitorConfig
+    from distmon.options import OPTIONS, options_table
+
+    declared = [o.name for o in OPTIONS]
+    params = [n for n in inspect.signature(distmon.GradMonitor).parameters if n not in ("model", "optimizer")]
+    assert params == declared
+    assert [f.name for f in dataclasses.fields(MonitorConfig)] == declared
+    assert options_table() in README, "README's option table is stale: python -m distmon.options"
+
+
+def test_every_environment_variable_is_read_through_the_declaration(monkeypatch):
+    from distmon.config import MonitorConfig
+    from distmon.options import OPTIONS
+
+    for o in OPTIONS:
+        if o.env is None or o.name.startswith("tls") or o.name == "basic_auth_file":
+            continue  # the TLS/auth files must pair up and exist: tests/test_http_server.py
+        text = {int: "7", float: "0.5", bool: "1", str: "rank0" if o.name == "serve" else "x"}[o.env_type]
+        monkeypatch.setenv(o.env, text)
+        assert getattr(MonitorConfig.from_options(**{o.name: None}), o.name) == o.parse(text), o.name
+        monkeypatch.delenv(o.env)
 
 
 def test_every_metric_is_documented_with_its_type():

@@ -62,7 +62,17 @@ def snap(
 def registry(
     cluster: bool = True, ranks: tuple = RANKS, own_errors: int = 0, window_s: float = 60.0
 ) -> tuple[MetricsAggregate, CollectorRegistry]:
-    agg = MetricsAggregate("r1", 2, "9.9", "rank0", cluster, ranks, window_s, 0, lambda: own_errors)
+    agg = MetricsAggregate(
+        run_id="r1",
+        world_size=2,
+        version="9.9",
+        serve="rank0",
+        cluster=cluster,
+        ranks=ranks,
+        window_s=window_s,
+        rank=0,
+        own_errors=lambda: own_errors,
+    )
     reg = CollectorRegistry()
     reg.register(GradCollector(agg))
     return agg, reg
@@ -84,7 +94,8 @@ def test_before_any_step_only_counters_and_metadata_are_served():
 
 def test_gauges_counters_and_per_rank_series():
     agg, reg = registry()
-    agg.add([snap(1, 0.5), snap(2, 4.0, events=(AnomalyEvent("spike", 2, -1, "b.c", 9.0, 6.0),))])
+    spike = AnomalyEvent(kind="spike", step=2, rank=-1, layer="b.c", value=9.0, threshold=6.0)
+    agg.add([snap(1, 0.5), snap(2, 4.0, events=(spike,))])
     assert value(reg, "distmon_optimizer_steps_total") == 2
     assert value(reg, "distmon_grad_norm") == 4.0
     assert value(reg, "distmon_last_step_timestamp_seconds") == 1002.0
@@ -127,7 +138,7 @@ def test_an_unmeasured_step_advances_the_count_but_leaves_the_gauges():
 def test_a_scaler_skipped_step_is_counted_apart_and_leaves_the_gauges():
     agg, reg = registry()
     agg.add([snap(1, 0.5)])
-    stuck = AnomalyEvent("scaler_stuck", 3, -1, "", 2, 2)
+    stuck = AnomalyEvent(kind="scaler_stuck", step=3, rank=-1, layer="", value=2, threshold=2)
     agg.add(
         [
             snap(2, math.inf, nonfinite=True, bad_ranks=(1,), ranks=(1.0, math.inf), skip="scaler"),

@@ -107,7 +107,15 @@ def _snap(step, run_id="r", layers=None, ranks=1, nonfinite=False):
     norm = math.hypot(*layers.values())
     matrix = [list(layers.values())] * ranks
     return Snapshot(
-        step, 0.0, norm, layers, [norm] * ranks, matrix, nonfinite, [], None, run_id=run_id, world_size=ranks
+        step=step,
+        timestamp=0.0,
+        grad_norm=norm,
+        layer_grad_norms=layers,
+        rank_grad_norms=[norm] * ranks,
+        rank_layer_grad_norms=matrix,
+        nonfinite=nonfinite,
+        run_id=run_id,
+        world_size=ranks,
     )
 
 

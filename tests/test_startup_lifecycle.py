@@ -314,6 +314,7 @@ def _dying_job(rank: int, world: int) -> dict:
         "closed_after": closed_after,
         "step": snap.step,
         "valid": snap.valid,
+        "rank_valid": snap.rank_valid,
         "rank_grad_norms": snap.rank_grad_norms,
         "own": own,
     }
@@ -321,10 +322,12 @@ def _dying_job(rank: int, world: int) -> dict:
 
 def test_a_rank_that_raises_closes_at_once_with_its_own_figures_only():
     """close(finished=False) issues no collective (the other ranks may be anywhere): the steps
-    since the last export are published with this rank's figures, the others' NaN."""
+    since the last export are exported with this rank's figures, the others' NaN (the global
+    figures are this rank's own reduced ones: measured, valid)."""
     for rank, out in enumerate(run_ranks(_dying_job, 2, timeout=120)):
         assert out["closed_after"] < (10.0 if rank == 1 else 12.0), out
-        assert out["step"] == 5 and not out["valid"], out
+        assert out["step"] == 5 and out["valid"], out
+        assert out["rank_valid"] == [r == rank for r in range(2)], out
         other = out["rank_grad_norms"][1 - rank]
         mine = out["rank_grad_norms"][rank]
         assert math.isnan(other), out

@@ -20,12 +20,12 @@ def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[st
     at call time. Sites: ``distmon::local_sums`` / ``distmon::reduced_sums`` (the comm hook's
     sums of the local bucket and, in its future callback, of the reduced one),
     ``distmon::before_step`` / ``distmon::after_step`` (the optimizer step hooks),
-    ``periodic::distmon::export`` (the publication, nested in ``after_step``; each call's CPU
-    seconds also go to ``export_times``), ``background::publisher`` (the host thread).
+    ``periodic::distmon::export`` (the export, nested in ``after_step``; each call's CPU
+    seconds also go to ``export_times``), ``background::publisher`` (the export thread).
     """
     uninstrumented: list[str] = []
     tr = getattr(mon, "_tracker", None)
-    source = getattr(mon, "_source", None)
+    source = getattr(tr, "source", None)
     if hasattr(source, "measure_local"):
         local = timed(source.measure_local, timer, "distmon::local_sums")
 
@@ -40,20 +40,20 @@ def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[st
         source.measure_local = measure_local
     else:
         uninstrumented.append("local_sums")
-    # The publication (every export_every steps: totals and detectors over the rows since the
-    # last one, host copy) runs inside after_step on few of the timed steps, so a median step
-    # hides it: every publication outside the profiler is timed here, and its mean is amortized.
-    if hasattr(tr, "publish"):
-        tr.publish = timed(tr.publish, timer, "periodic::distmon::export", export_times)
+    # The export (every export_every steps: totals and detectors over the rows since the last
+    # one, host copy) runs inside after_step on few of the timed steps, so a median step hides
+    # it: every export outside the profiler is timed here, and its mean is amortized.
+    if hasattr(tr, "export"):
+        tr.export = timed(tr.export, timer, "periodic::distmon::export", export_times)
     for attr, site in (("before_step", "distmon::before_step"), ("after_step", "distmon::after_step")):
         if hasattr(tr, attr):
             setattr(tr, attr, timed(getattr(tr, attr), timer, site))
         else:
             uninstrumented.append(site.split("::")[1])
     # host thread: decode + exporters (not on the training thread; reported apart)
-    pub = getattr(mon, "_publisher", None)
-    if hasattr(pub, "_publish"):
-        pub._publish = timed(pub._publish, timer, "background::publisher")
+    thread = getattr(mon, "_export", None)
+    if hasattr(thread, "_export"):
+        thread._export = timed(thread._export, timer, "background::publisher")
     else:
         uninstrumented.append("publisher")
     return uninstrumented

@@ -1,35 +1,90 @@
 """Sources of measurements: where distmon reads each rank's local and reduced gradients.
 
-A source (:class:`~distmon.sources.base.Source`) is built (and checked) before anything is
-installed, bound to the step tracker that receives its sums (``begin_backward``,
-``add_local``, ``add_reduced``, ``end_backward``, ``fail``), then installed and, at close,
-removed. It names the process group its ranks
-reduce over (None for a single process), which is where the monitor's own collective runs,
-that group's size, ``shard_ranks`` (the ranks whose shards make up one reduced gradient, for
-a sharded model; None when every rank holds all of it), ``reads_in_backward`` (whether
-what it reads still carries a loss scale) and ``divide_factor_set`` (the reduction is not
-the ranks' mean).
+A source (:class:`~distmon.sources.base.Source`) is built with the
+:class:`~distmon.sources.base.Receiver` its hooks hand their sums to, and refuses in its
+constructor what it cannot measure; nothing is installed until :meth:`install`. DDP is
+measured in its comm hook (``ddp.py``), FSDP2 around its reduce-scatters and in its sharded
+gradients (``fsdp.py``), a single process's module when the optimizer steps (``local.py``).
+
+``fsdp.py`` imports FSDP2 and DTensor (about 2 s): it is imported only for a model that is an
+FSDP2 model, which means the job imported FSDP2 itself already.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import DDPSource
-from .fsdp import FSDPSource, is_fsdp
+from ..grouping import Grouping
+from .base import Receiver, Source, first_device
+from .ddp import CommHook, DDPSource
 from .local import LocalSource
 
-__all__ = ["DDPSource", "FSDPSource", "LocalSource", "source_for"]
+__all__ = [
+    "Source",
+    "Receiver",
+    "CommHook",
+    "source_for",
+    "process_group",
+    "trained_module",
+    "is_fsdp",
+    "first_device",
+]
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or a submodule was passed to FSDP2's ``fully_shard`` (never imports FSDP).
+
+    Example:
+        >>> is_fsdp(torch.nn.Linear(2, 2))
+        False
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module can be an FSDPModule
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
+
+
+def trained_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose parameters the optimizer steps: DDP's ``.module``, else the model itself.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2); trained_module(net) is net
+        True
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model.module
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The group the ranks of ``model``'s job agree over: DDP's own, else the job's (None in one process).
+
+    Known from the model's type alone, before any option is read, so that a rank whose options
+    fail still meets the others there.
+
+    Example:
+        >>> process_group(torch.nn.Linear(2, 2)) is None   # no torch.distributed here
+        True
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model.process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
 
 
 def source_for(
-    model: torch.nn.Module, comm_hook: Callable | None, comm_state: Any
-) -> DDPSource | FSDPSource | LocalSource:
+    model: torch.nn.Module,
+    *,
+    receiver: Receiver,
+    grouping: Grouping,
+    comm_hook: CommHook | None = None,
+    comm_state: object = None,
+) -> Source:
     """The source that measures ``model``, or a ``TypeError`` saying what is supported.
 
     A DDP model is measured in its comm hook, an FSDP2 model (``fully_shard``) around its
@@ -38,17 +93,22 @@ def source_for(
     sees.
 
     Example:
-        >>> type(source_for(torch.nn.Linear(2, 2), None, None)).__name__
+        >>> net = torch.nn.Linear(2, 2)
+        >>> from distmon.grouping import build_grouping
+        >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
     if isinstance(model, DistributedDataParallel):
-        return DDPSource(model, comm_hook, comm_state)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
+        return DDPSource(
+            model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+        )
+    trained_module(model)  # a TypeError for what is no module
     if is_fsdp(model):
         if comm_hook is not None:
             raise TypeError("distmon: comm_hook is a DDP option; an FSDP model has no DDP comm hook")
-        return FSDPSource(model)
+        from .fsdp import FSDPSource
+
+        return FSDPSource(model, receiver=receiver, grouping=grouping)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world > 1:
         raise TypeError(
@@ -58,4 +118,4 @@ def source_for(
         )
     if comm_hook is not None:
         raise TypeError("distmon: comm_hook is a DDP option; a single-process module has no comm hook")
-    return LocalSource(model)
+    return LocalSource(model, receiver=receiver, grouping=grouping)

@@ -14,7 +14,6 @@ Python comm hook when it is registered, and a string annotation fails that check
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
-from .base import Source, backward_positions
+from .base import Receiver, backward_positions, first_device
 
 __all__ = [
     "DDPSource",
@@ -32,7 +31,11 @@ __all__ = [
     "monitor_hook",
     "ddp_allreduce_hook",
     "RUN_SLACK",
+    "CommHook",
 ]
+
+# A DDP comm hook: ``hook(state, bucket) -> Future`` (``state``: whatever its author chose)
+CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
 
 # A run may grow to its largest parameter plus this many elements. Fused norms accumulate in
 # fp32 along a view (on CPU sequentially: 4e-5 relative error over 1.5M elements, against 5e-8
@@ -198,7 +201,7 @@ class BucketLayouts:
         )
 
     def _note_positions(self, bucket: dist.GradBucket, slots: list[int | None]) -> None:
-        """Record where the bucket's parameters sit and publish each layer's backward position."""
+        """Record where the bucket's parameters sit and tell each layer's backward position."""
         for pos, slot in enumerate(slots):
             if slot is not None:
                 self._param_pos[slot] = (bucket.index(), pos)
@@ -220,7 +223,7 @@ class HookSlot:
 
     __slots__ = ("source", "inner_hook", "inner_state")
 
-    def __init__(self, source: Any, inner_hook: Callable, inner_state: Any) -> None:
+    def __init__(self, source: "DDPSource | None", inner_hook: CommHook, inner_state: object) -> None:
         self.source = source
         self.inner_hook = inner_hook
         self.inner_state = inner_state
@@ -262,40 +265,43 @@ def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
     )
 
 
-class DDPSource(Source):
+class DDPSource:
     """Measurements of a ``DistributedDataParallel`` model, taken in its comm hook.
 
-    Checked and bound to the tracker before anything is installed; :meth:`install` registers
-    the hook, or takes over the slot a closed monitor left on the model; :meth:`remove` leaves
-    the slot.
+    The constructor checks that the model's comm hook can be wrapped (raises for someone
+    else's hook or an open monitor); :meth:`install` registers the hook, or takes over the slot
+    a closed monitor left on the model; :meth:`remove` leaves the slot.
 
     Example:
-        >>> source = DDPSource(ddp, comm_hook=None, comm_state=None)       # doctest: +SKIP
-        >>> source.check(); source.bind(tracker, grouping); source.install()  # doctest: +SKIP
+        >>> source = DDPSource(ddp, receiver=sums, grouping=grouping)   # doctest: +SKIP
+        >>> source.install(); ...; source.remove()                      # doctest: +SKIP
     """
 
-    def __init__(self, model: DistributedDataParallel, comm_hook: Callable | None, comm_state: Any) -> None:
+    reads_in_backward = True
+    shard_ranks = None
+    divide_factor_set = False
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        *,
+        receiver: Receiver,
+        grouping: Grouping,
+        comm_hook: CommHook | None = None,
+        comm_state: object = None,
+    ) -> None:
         self.model = model
         self.module = model.module
         self.group: dist.ProcessGroup = model.process_group
         self.world_size = self.group.size()
-        self.device = next(p.device for p in model.module.parameters())
-        self._existing: HookSlot | None = None
+        self.device = first_device(model.module)
+        self.receiver = receiver
+        self._existing = _registered_slot(model)  # raises for someone else's hook or an open monitor
         # No hook given: DDP's own arithmetic, over DDP's own group (not WORLD: a DDP replica on
         # a subgroup must stay one). A hook given is called exactly as the user wrote it.
         self.inner_hook = comm_hook or ddp_allreduce_hook
         self.inner_state = comm_state if comm_hook is not None else self.group
-        self.tracker: Any = None
-        self.layouts: BucketLayouts | None = None
-
-    def check(self) -> None:
-        """Raise if the model's comm hook cannot be wrapped (someone else's hook, an open monitor)."""
-        self._existing = _registered_slot(self.model)
-
-    def bind(self, tracker: Any, grouping: Grouping) -> None:
-        """Attach the step tracker that receives the measurements (nothing is registered yet)."""
-        self.tracker = tracker
-        self.layouts = BucketLayouts(grouping, tracker.device, tracker.set_layer_order)
+        self.layouts = BucketLayouts(grouping, self.device, receiver.set_layer_order)
 
     def install(self) -> None:
         slot = self._existing
@@ -309,34 +315,37 @@ class DDPSource(Source):
         if hooks and isinstance(hooks[0][1], HookSlot) and hooks[0][1].source is self:
             hooks[0][1].source = None
 
+    def read_at_step(self) -> None:
+        """Nothing: DDP's buckets were measured in backward."""
+
     def measure_local(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future], object] | None:
         """Measure the bucket's local gradients; returns the callback that measures the reduced ones.
 
         None when inactive, on failure or for a bucket with nothing tracked (the hook then passes
         the user's future through).
         """
-        tracker = self.tracker
-        if not tracker.active:
+        receiver = self.receiver
+        if not receiver.active:
             return None
         try:
-            tracker.begin_backward()
+            receiver.begin_backward()
             layout, views, buffer = self.layouts.layout(bucket)
             if not layout.layer_ids:
                 return None  # no tracked parameter in this bucket: nothing to measure either side
-            tracker.add_local(layout, layout.measure(buffer, views))
+            receiver.add_local(layout, layout.measure(buffer, views))
             return self._reduced_side(layout, views, buffer)
         except Exception:
-            tracker.fail("comm hook (local gradients)")
+            receiver.fail("comm hook (local gradients)")
             return None
         finally:
             if bucket.is_last():
                 self.layouts.end_backward()
-                tracker.end_backward()
+                receiver.end_backward()
 
     def _reduced_side(
         self, layout: BucketLayout, views: list[torch.Tensor] | None, buffer: torch.Tensor
     ) -> Callable[[torch.futures.Future], object]:
-        tracker = self.tracker
+        receiver = self.receiver
 
         def measure_reduced(fut: torch.futures.Future) -> object:
             result = fut.value()  # the user's hook failing is the user's error: let it raise
@@ -346,9 +355,9 @@ class DDPSource(Source):
                 same = (
                     views is not None and flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
                 )
-                tracker.add_reduced(layout, layout.measure(flat, views if same else None))
+                receiver.add_reduced(layout, layout.measure(flat, views if same else None))
             except Exception:
-                tracker.fail("comm hook (reduced gradients)", local=False)
+                receiver.fail("comm hook (reduced gradients)", local=False)
             return result
 
         return measure_reduced

@@ -27,20 +27,21 @@ local figures are NaN (``rank_valid`` False), not an error; the reduced ones are
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 
 from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sq_sums
-from .base import Source, backward_positions
+from .base import Receiver, backward_positions
 from .local import GradSums
 
 __all__ = ["FSDPSource", "is_fsdp"]
@@ -75,21 +76,29 @@ class _UnitLayout(Runs):
 class _MeasuringReduceScatter(ReduceScatter):
     """A unit's reduce-scatter comm that measures its input, then calls the inner comm (which allocates)."""
 
-    def __init__(self, inner: Any, source: FSDPSource, unit: int) -> None:
+    def __init__(self, inner: ReduceScatter, source: FSDPSource, unit: int) -> None:
         self.inner = inner
         self.source = source
         self.unit = unit
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]
-        self.source.measure_local(self.unit, flat)
-        return self.inner(*args, **kwargs)
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: ReduceOp | ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.source.measure_local(self.unit, input_tensor)
+        return self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
 
 
-def _present(pgroup: Any) -> tuple[bool, ...]:
+def _present(pgroup: FSDPParamGroup) -> tuple[bool, ...]:
     """Which of the unit's trainable parameters its next reduce-scatter holds (FSDP's own test).
 
     As ``FSDPParamGroup.post_backward`` picks them: an accumulated or a fresh unsharded
@@ -111,29 +120,31 @@ def _present(pgroup: Any) -> tuple[bool, ...]:
 class _NotingPostBackward:
     """A unit's ``post_backward`` that first notes which parameters its reduce-scatter will hold."""
 
-    def __init__(self, inner: Callable[..., Any], source: FSDPSource, unit: int) -> None:
+    def __init__(self, inner: Callable[..., None], source: FSDPSource, unit: int) -> None:
         self.inner = inner
         self.source = source
         self.unit = unit
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> None:  # FSDP's own arguments, passed on
         self.source.note_present(self.unit)
         return self.inner(*args, **kwargs)
 
 
-class FSDPSource(Source):
+class FSDPSource:
     """Measurements of a model sharded with FSDP2's ``fully_shard``.
 
+    The constructor refuses, naming the way out, what it cannot measure exactly.
+
     Example:
-        >>> source = FSDPSource(model)                                       # doctest: +SKIP
-        >>> source.check(); source.bind(tracker, grouping); source.install()  # doctest: +SKIP
+        >>> source = FSDPSource(model, receiver=sums, grouping=grouping)   # doctest: +SKIP
+        >>> source.install(); ...; source.remove()                         # doctest: +SKIP
     """
 
     reads_in_backward = False  # the reduced shards are read at the step, possibly unscaled already
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping) -> None:
         self.module = model
-        self.units: list[tuple[FSDPModule, Any]] = []
+        self.units: list[tuple[FSDPModule, FSDPParamGroup]] = []
         for name, m in model.named_modules():
             if not isinstance(m, FSDPModule):
                 continue
@@ -170,9 +181,9 @@ class FSDPSource(Source):
         self.group = dist.group.WORLD
         self.world_size = world
         self.shard_world = shard_pg.size()
-        self.shard_ranks: list[int] = dist.get_process_group_ranks(shard_pg)
+        self.shard_ranks: list[int] | None = dist.get_process_group_ranks(shard_pg)
         self.device = pgroup.device
-        self.tracker: Any = None
+        self.receiver = receiver
         self._seqs = itertools.count()  # the run sets' seq numbers, local and reduced alike
         self._layouts: list[_UnitLayout] = []
         # (unit, present parameters) -> layout, for a reduce-scatter without every parameter
@@ -180,34 +191,27 @@ class FSDPSource(Source):
         self._present: dict[int, tuple[bool, ...]] = {}  # per unit, noted as its post_backward began
         self._repeated = False  # a unit reduce-scattered twice this step: no local figures
         self._told_repeated = False
-        self._inner: list[Any] = []
-        self._post_backward: list[Callable[..., Any]] = []
+        self._inner: list[ReduceScatter] = []
+        self._post_backward: list[_NotingPostBackward] = []
         self._seen: dict[int, None] = {}  # units reduce-scattered in this step, in that order
         self._order: tuple[int, ...] = ()  # the backward order of the units, as last told to the tracker
         self._grads: GradSums | None = None
         self._pre: dict[tuple[int, torch.dtype], float | None] = {}
-
-    def check(self) -> None:
         for _, g in self.units:
             if isinstance(g._reduce_scatter_comm, _MeasuringReduceScatter):  # removed at close
                 raise RuntimeError(
                     "distmon: this FSDP model is already measured by an open GradMonitor; close() it "
                     "before building another"
                 )
-
-    def bind(self, tracker: Any, grouping: Grouping) -> None:
-        self.tracker = tracker
-        slot_of = {id(p): i for i, p in enumerate(grouping.params)}
-        self._slot_of, self._param_layer = slot_of, grouping.param_layer
+        self._slot_of = {id(p): i for i, p in enumerate(grouping.params)}
+        self._param_layer = grouping.param_layer
         self._layouts = [self._layout(g) for _, g in self.units]
         self._grads = GradSums(
             list(grouping.params), list(grouping.param_layer), self.device, _local, seqs=self._seqs
         )
         self._n_layers = len(grouping.layers)
-        # until a backward shows the order of the units' reduce-scatters: model order
-        tracker.set_layer_order([float(i) for i in range(self._n_layers)])
 
-    def _layout(self, pgroup: Any, present: tuple[bool, ...] | None = None) -> _UnitLayout:
+    def _layout(self, pgroup: FSDPParamGroup, present: tuple[bool, ...] | None = None) -> _UnitLayout:
         """The reduce-scatter input's runs, with every trainable parameter or those ``present``."""
         trainable = [fp for fp in pgroup.fsdp_params if fp.sharded_param.requires_grad]
         columns: list[list[int]] = []  # [start, stop, layer]
@@ -247,13 +251,15 @@ class FSDPSource(Source):
                 g._reduce_scatter_process_group,
                 g._all_reduce_process_group if hsdp else None,
                 reduce_dtype,
-                self.device.type,
-                g.gradient_divide_factor,
-                g.force_sum_reduction_for_comms,
+                device_type=self.device.type,
+                factor=g.gradient_divide_factor,
+                force_sum_reduction_for_comms=g.force_sum_reduction_for_comms,
             )[0]
         return self._pre[key]
 
     def install(self) -> None:
+        # until a backward shows the order of the units' reduce-scatters: model order
+        self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
         self._inner, self._post_backward = [], []
         for i, (m, g) in enumerate(self.units):
             self._inner.append(g._reduce_scatter_comm)
@@ -261,7 +267,6 @@ class FSDPSource(Source):
             # FSDP calls it on the instance (its autograd function, its final callback)
             g.post_backward = _NotingPostBackward(g.post_backward, self, i)
             self._post_backward.append(g.post_backward)
-        self.tracker.pull = self.measure_reduced
 
     def remove(self) -> None:
         for (m, g), inner, noting in zip(self.units, self._inner, self._post_backward):
@@ -270,8 +275,6 @@ class FSDPSource(Source):
                 m.set_custom_reduce_scatter(inner)
             if vars(g).get("post_backward") is noting:
                 del g.post_backward
-        if self.tracker is not None and self.tracker.pull == self.measure_reduced:
-            self.tracker.pull = None
 
     def note_present(self, unit: int) -> None:
         """Note which parameters the unit's coming reduce-scatter holds (its post_backward begins)."""
@@ -279,15 +282,15 @@ class FSDPSource(Source):
             self._present[unit] = _present(self.units[unit][1])
         except Exception:
             self._present.pop(unit, None)  # unknown: a short input is then not measured
-            self.tracker.errors.record("FSDP post_backward (parameters with gradients)")
+            self.receiver.fail("FSDP post_backward (parameters with gradients)", reduced=False)
 
     def measure_local(self, unit: int, flat: torch.Tensor) -> None:
         """Sums of squares of one unit's local gradients, from its reduce-scatter input."""
-        tracker = self.tracker
-        if not tracker.active:
+        receiver = self.receiver
+        if not receiver.active:
             return
         try:
-            tracker.begin_backward()
+            receiver.begin_backward()
             if unit in self._seen:  # reduce-scatter on every micro-batch: see measure_reduced
                 self._repeated = True
                 return
@@ -310,9 +313,9 @@ class FSDPSource(Source):
             pre = self._pre_factor(unit, flat.dtype)
             if pre not in (None, 1):
                 torch._foreach_mul_(sums, float(pre) ** 2)
-            tracker.add_local(layout, sums)
+            receiver.add_local(layout, sums)
         except Exception:
-            tracker.fail("FSDP reduce-scatter (local gradients)", reduced=False)
+            receiver.fail("FSDP reduce-scatter (local gradients)", reduced=False)
 
     def _tell_order(self, units: tuple[int, ...]) -> None:
         """Each layer's position in backward order: its unit's reduce-scatter, then reverse model order."""
@@ -321,16 +324,16 @@ class FSDPSource(Source):
             for layer in self._layouts[unit].layer_ids:
                 # inside one unit, later layers first: backward reaches them first
                 first.setdefault(layer, (pos, -layer))
-        self.tracker.set_layer_order(backward_positions(first, self._n_layers))
+        self.receiver.set_layer_order(backward_positions(first, self._n_layers))
 
-    def measure_reduced(self) -> None:
+    def read_at_step(self) -> None:
         """This rank's shard of the reduced gradient, per layer, when the step begins."""
-        tracker = self.tracker
+        receiver = self.receiver
         try:
             seen, self._seen = tuple(self._seen), {}
             if self._repeated:
                 self._repeated = False
-                tracker.local_unmeasured()
+                receiver.local_unmeasured()
                 if not self._told_repeated:
                     self._told_repeated = True
                     logger.warning(
@@ -347,7 +350,7 @@ class FSDPSource(Source):
             read = self._grads.read()
             if read is None:
                 return
-            tracker.add_reduced(*read)
-            tracker.end_backward(scaled=True, reduced_scaled=tracker.loss_scale.scaler_unscaled() is not True)
+            receiver.add_reduced(*read)
+            receiver.end_backward(scaled=True, reduced_scaled=receiver.grads_unscaled() is not True)
         except Exception:
-            tracker.fail("FSDP sharded gradients (reduced)", local=False)
+            receiver.fail("FSDP sharded gradients (reduced)", local=False)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
-from .base import Source
+from .base import Receiver, first_device
 
 __all__ = ["LocalSource", "GradSums"]
 
@@ -76,53 +75,49 @@ class GradSums:
         return runs, sums
 
 
-class LocalSource(Source):
+class LocalSource:
     """Measurements of a plain ``nn.Module`` trained by one process (no ``torch.distributed`` needed).
 
     Example:
-        >>> source = LocalSource(torch.nn.Linear(2, 2))
+        >>> from distmon.grouping import build_grouping
+        >>> net = torch.nn.Linear(2, 2)
+        >>> source = LocalSource(net, receiver=None, grouping=build_grouping(net, None, 8))
         >>> source.world_size, source.group
         (1, None)
     """
 
     reads_in_backward = False  # gradients are read at the step, possibly already unscaled
+    shard_ranks = None
+    divide_factor_set = False
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, *, receiver: Receiver, grouping: Grouping) -> None:
         self.module = module
         self.group = None  # one process: the monitor's "collective" is a local copy
         self.world_size = 1
-        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.tracker: Any = None
-        self._grads: GradSums | None = None
-
-    def check(self) -> None:
-        """Nothing to check: a plain module has no communication hook to share."""
-
-    def bind(self, tracker: Any, grouping: Grouping) -> None:
-        self.tracker = tracker
+        self.device = first_device(module)
+        self.receiver = receiver
         self._grads = GradSums(list(grouping.params), list(grouping.param_layer), self.device)
-        # model order is the only order there is without a backward hook: NaN attribution
-        # names the first non-finite layer in model order
-        tracker.set_layer_order([float(i) for i in range(len(grouping.layers))])
+        self._n_layers = len(grouping.layers)
 
     def install(self) -> None:
-        self.tracker.pull = self.measure
+        # model order is the only order there is without a backward hook: NaN attribution
+        # names the first non-finite layer in model order
+        self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
 
     def remove(self) -> None:
-        if self.tracker is not None and self.tracker.pull == self.measure:
-            self.tracker.pull = None
+        """Nothing was registered: the gradients are read when the step begins."""
 
-    def measure(self) -> None:
+    def read_at_step(self) -> None:
         """One fused pass over the tracked gradients, handed over as both local and reduced sums."""
-        tracker = self.tracker
+        receiver = self.receiver
         try:
             read = self._grads.read()
             if read is None:
                 return  # no gradient at all: nothing measured, the step is invalid
             runs, sums = read
-            tracker.begin_backward()
-            tracker.add_local(runs, sums)
-            tracker.add_reduced(runs, sums)
-            tracker.end_backward(scaled=tracker.loss_scale.scaler_unscaled() is not True)
+            receiver.begin_backward()
+            receiver.add_local(runs, sums)
+            receiver.add_reduced(runs, sums)
+            receiver.end_backward(scaled=receiver.grads_unscaled() is not True)
         except Exception:
-            tracker.fail("gradient read (single process)")
+            receiver.fail("gradient read (single process)")

@@ -1,4 +1,6 @@
-"""All-or-nothing start-up: every rank prepares what can fail, all ranks agree, then all go on or none.
+"""A monitor's start and end: all-or-nothing start-up on every rank, and a shutdown that never raises.
+
+Start-up: every rank prepares what can fail, all ranks agree, then all go on or none.
 
 A monitor that starts on some ranks and not on others hangs the job at its first collective;
 one that fails after its hooks are installed leaves them running. So the constructor
@@ -11,20 +13,37 @@ releases what it prepared and raises the same error, naming the rank, the option
 from __future__ import annotations
 
 import errno
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from . import hostinfo
-from .config import MonitorConfig, option_label
+from .config import MonitorConfig
+from .errors import ErrorCounter, logger
+from .export_thread import ExportThread
 from .file_sd import TargetFile, target_host
 from .hostinfo import RankInfo
 from .http_server import MetricServer
 from .jsonl_log import JsonlLog
+from .options import option_label
+from .prometheus_exporter import MetricsAggregate
 
-__all__ = ["Peer", "Prepared", "prepare", "agree", "differences", "serves", "served_ranks"]
+T = TypeVar("T")
+
+__all__ = [
+    "Peer",
+    "Prepared",
+    "prepare",
+    "agree",
+    "differences",
+    "serves",
+    "served_ranks",
+    "announce",
+    "shut_down",
+]
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,7 @@ class Prepared:
         self.server = self.log = self.target = None
 
 
-def _usable(option: str, path: str, make: Any) -> Any:
+def _usable(option: str, path: str, make: Callable[[str], T]) -> T:
     try:
         return make(path)
     except OSError as e:
@@ -156,6 +175,7 @@ def differences(everyone: Sequence[Peer]) -> str | None:
 def agree(
     me: RankInfo,
     run_id: str | None,
+    *,
     endpoint: str | None,
     failure: BaseException | None,
     group: dist.ProcessGroup | None,
@@ -169,7 +189,7 @@ def agree(
     with each value's ranks. The caller releases what it prepared before the error propagates.
     """
     everyone: list[Peer] = hostinfo.exchange(
-        Peer(me, run_id, endpoint, failure and _describe(failure), agreed), group
+        Peer(me, run_id, endpoint, failure=failure and _describe(failure), agreed=agreed), group
     )
     failed = [p for p in everyone if p.failure is not None]
     if not failed:
@@ -191,3 +211,62 @@ def agree(
     if failure is not None:
         raise error from failure
     raise error
+
+
+# Prometheus needs a moment to notice a withdrawn file_sd target; closing at once would show it
+# as down (up == 0) in between
+WITHDRAW_GRACE_S = 5.0
+STOP_S = 2.0  # the sinks had SINK_WAIT_S to drain at the last export: a stuck one gets this much more
+
+
+def announce(
+    prepared: Prepared, *, peers: Sequence[Peer], run_id: str, url: str | None, errors: ErrorCounter
+) -> None:
+    """Started: write the file_sd target file (rank 0), say where metrics are served (if this rank serves)."""
+    if prepared.target is not None:
+        try:
+            prepared.target.write(
+                [(p.endpoint, {"run_id": run_id, "node": p.info.node}) for p in peers if p.endpoint]
+            )
+        except OSError:
+            errors.record("file_sd target file")
+    if prepared.server is not None:
+        logger.info("distmon: serving metrics at %s (run_id=%s)", url, run_id)
+
+
+def shut_down(
+    prepared: Prepared,
+    *,
+    export: ExportThread,
+    aggregate: MetricsAggregate | None,
+    linger_s: float,
+    finished: bool,
+    errors: ErrorCounter,
+) -> None:
+    """Stop the export thread and the sinks, linger, withdraw the target, stop serving. Never raises.
+
+    Each part on its own: one failing (a full disk under the log, say) is counted and logged,
+    and the rest still shuts down. ``finished`` (a clean close): the clean-finish mark, the
+    linger and the withdrawal of the file_sd target; without it the run reads as having died.
+    """
+
+    def quietly(site: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception:
+            errors.record(site)
+
+    quietly("export thread shutdown", lambda: export.stop(STOP_S))
+    if aggregate is not None and finished:
+        aggregate.mark_finished()
+    server, target = prepared.server, prepared.target
+    if server is not None and finished and linger_s > 0:
+        # Prometheus must scrape distmon_run_finished=1 before the target goes away, or the
+        # vanished-metrics alert cannot tell a clean finish from a crash.
+        logger.info("distmon: run finished; serving final metrics for %.0f s (DISTMON_LINGER_S)", linger_s)
+        time.sleep(linger_s)
+    if target is not None and finished:
+        quietly("file_sd target file", target.remove)
+        time.sleep(min(WITHDRAW_GRACE_S, linger_s))
+    if server is not None:
+        quietly("metrics server shutdown", server.close)

@@ -1,0 +1,211 @@
+"""What a monitor is made of, built in order: on every rank before the ranks agree, and after.
+
+:func:`build_rank` builds everything that can fail on one rank, nothing installed: the options
+(``config.py``), the layer groups, the sums the source hands over (``backward.py``), the
+source (``sources/``), the row plan (``rows.py``), the opt-in features, the detector and the
+noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
+:func:`build_exports` builds the exporters and the export thread that feeds them.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from ._version import __version__
+from .backward import BackwardSums
+from .config import MonitorConfig, features
+from .decode import RowDecoder
+from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector
+from .errors import ErrorCounter
+from .export_thread import ExportThread
+from .grouping import Grouping, build_grouping
+from .guard import StepHooks
+from .hostinfo import RankInfo
+from .lifecycle import Prepared, served_ranks
+from .loss_scale import LossScale
+from .noise_scale import NoiseScale
+from .prometheus_exporter import GradCollector, MetricsAggregate
+from .ring import ExportBatch
+from .rows import RowPlan
+from .sinks import Sink, SinkWorker
+from .snapshot import Snapshot
+from .sources import first_device, source_for, trained_module
+from .tracker import StepTracker
+
+__all__ = ["Built", "Hooks", "build_rank", "build_exports", "install_hooks", "as_tuple"]
+
+ExportQueue = queue.Queue[ExportBatch | None]
+
+
+def as_tuple(value: object) -> tuple:
+    """A list or tuple as a tuple, anything else as a tuple of one."""
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _check_optimizers(optimizers: Sequence[object]) -> None:
+    if not optimizers:
+        raise ValueError("distmon: pass the optimizer (or a list of optimizers) that steps the model")
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"distmon: optimizer must be a torch.optim.Optimizer (or a list of them), "
+                f"got {type(opt).__name__}"
+            )
+
+
+class Built(NamedTuple):
+    """What one rank builds before the ranks agree: everything that can fail, nothing installed."""
+
+    cfg: MonitorConfig
+    grouping: Grouping
+    plan: RowPlan
+    tracker: StepTracker
+    loss_scale: LossScale
+    agreed: dict[str, str]
+
+
+def build_rank(
+    model: torch.nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    options: dict[str, object],
+    *,
+    errors: ErrorCounter,
+    exports: ExportQueue,
+) -> Built:
+    """The options, the source and the step tracker of one rank (raises what is wrong, naming the option).
+
+    The tracker hands its exports to ``exports``; the export thread that reads it is built later.
+    """
+    cfg = MonitorConfig.from_options(**options)
+    _check_optimizers(optimizers)
+    module = trained_module(model)
+    grouping = build_grouping(module, cfg.groups, cfg.max_layers)
+    n_layers, device = len(grouping.layers), first_device(module)
+    loss_scale = LossScale(cfg.scaler, cfg.loss_scale, device, optimizers)
+    sums = BackwardSums(n_layers=n_layers, device=device, loss_scale=loss_scale, errors=errors)
+    source = source_for(
+        model, receiver=sums, grouping=grouping, comm_hook=cfg.comm_hook, comm_state=cfg.comm_state
+    )
+    extra = features(cfg, source, grouping, errors)
+    watched = tuple(extra.watch.names) if extra.watch else ()
+    plan = RowPlan.build(
+        n_layers=n_layers,
+        world=source.world_size,
+        rank_layers=cfg.rank_layers,
+        sharded=source.shard_ranks is not None,
+        vote=source.group is not None and cfg.export_interval_s > 0,
+        batch=extra.batch_of_step is not None,
+        watched=len(watched),
+        detector=cfg.detect is not False,
+        update_ratio=extra.ratio is not None,
+    )
+    det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
+    tracker = StepTracker(
+        plan,
+        sums=sums,
+        source=source,
+        group=source.group,
+        export_every=cfg.export_every,
+        export_interval_s=cfg.export_interval_s,
+        errors=errors,
+        export=exports.put,
+        shard_ranks=source.shard_ranks,
+        detector=DeviceDetector(det_cfg, plan, device) if cfg.detect is not False else None,
+        noise=NoiseScale(plan, alpha=cfg.gns_alpha, device=device) if extra.batch_of_step else None,
+        batch_size=extra.batch_of_step,
+        activations=extra.watch,
+        activation_every=cfg.activation_every or cfg.export_every,
+        update_ratio=extra.ratio,
+    )
+    agreed = cfg.agreed(grouping.layers, watched)
+    return Built(cfg=cfg, grouping=grouping, plan=plan, tracker=tracker, loss_scale=loss_scale, agreed=agreed)
+
+
+def build_exports(
+    built: Built,
+    *,
+    prepared: Prepared,
+    me: RankInfo,
+    peers_info: tuple[RankInfo, ...],
+    run_id: str,
+    exports: ExportQueue,
+    callbacks: Callable[[Sequence[Snapshot]], None],
+    errors: ErrorCounter,
+) -> tuple[ExportThread, MetricsAggregate | None]:
+    """The exporters of this rank (its endpoint's collector, its JSONL log, the ``on_anomaly``
+    ``callbacks``) and the export thread that decodes rows for them; the aggregate, if it serves."""
+    cfg, tracker = built.cfg, built.tracker
+    inline: list[Sink] = []
+    aggregate = None
+    if prepared.server is not None:
+        cluster, served = served_ranks(cfg.serve, me, peers_info)
+        aggregate = MetricsAggregate(
+            run_id=run_id,
+            world_size=len(peers_info),
+            version=__version__,
+            serve=cfg.serve,
+            cluster=cluster,
+            ranks=served,
+            window_s=cfg.window_s,
+            rank=me.rank,
+            own_errors=errors.value,
+        )
+        prepared.server.attach(GradCollector(aggregate))
+        inline.append(aggregate.add)
+    workers = [SinkWorker("on_anomaly callbacks", callbacks, errors, want=_has_events)]
+    if prepared.log is not None:
+        workers.append(SinkWorker("JSONL log", prepared.log, errors, close=prepared.log.close))
+    detect = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
+    decoder = RowDecoder(
+        built.plan,
+        layers=built.grouping.layers,
+        run_id=run_id,
+        order=tracker.sums.order,
+        detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
+        watched=tracker.activations.names if tracker.activations else (),
+    )
+    thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
+    return thread, aggregate
+
+
+class Hooks:
+    """Everything a monitor hooks into training: the source's hooks, the optimizers' step hooks
+    (and the guard), the activation hooks; installed together, removed together."""
+
+    def __init__(self, built: Built, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        cfg, self.tracker = built.cfg, built.tracker
+        self.steps = StepHooks(
+            self.tracker,
+            optimizers=optimizers,
+            verdict_column=built.plan.verdict_column,
+            guard=cfg.guard,
+            schedulers=as_tuple(cfg.lr_scheduler or ()),
+            scaler=cfg.scaler,
+        )
+
+    def install(self) -> None:
+        self.tracker.source.install()
+        self.steps.install()
+        if self.tracker.activations is not None:
+            self.tracker.activations.install()
+
+    def remove(self) -> None:
+        self.tracker.source.remove()
+        self.steps.remove()
+        if self.tracker.activations is not None:
+            self.tracker.activations.remove()
+
+
+def install_hooks(built: Built, optimizers: tuple[torch.optim.Optimizer, ...]) -> Hooks:
+    """Install every hook of the monitor (nothing here raises: all was checked at build time)."""
+    hooks = Hooks(built, optimizers)
+    hooks.install()
+    return hooks
+
+
+def _has_events(snap: Snapshot) -> bool:
+    return bool(snap.events)

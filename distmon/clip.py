@@ -1,0 +1,125 @@
+"""``clip_grad_norm_`` with the global norm the monitor already measured: no pass over the gradients.
+
+The loss scale is the one thing distmon cannot see in the gradients, so the first finite norm
+is checked once against a direct one (one pass, one host sync): a scale applied by hand and not
+passed in would make every clip wrong by that factor, and raises instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .loss_scale import LossScale
+from .tracker import StepTracker
+
+__all__ = ["Clipper"]
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-3 * max(abs(a), abs(b), 1e-30)
+
+
+class Clipper:
+    """Clips the monitored parameters' gradients by the step's measured global norm.
+
+    Example:
+        >>> clip = Clipper(tracker, params=params, loss_scale=loss_scale)   # doctest: +SKIP
+        >>> norm = clip(1.0)                                                 # doctest: +SKIP
+    """
+
+    def __init__(
+        self, tracker: StepTracker, *, params: Sequence[torch.nn.Parameter], loss_scale: LossScale
+    ) -> None:
+        self.tracker, self.params, self.loss_scale = tracker, list(params), loss_scale
+        self.checked = False  # the first finite norm was compared with a direct one
+        self.fixed_scale_in_grads: bool | None = None  # loss_scale=: did the user unscale by clip time?
+
+    def __call__(
+        self,
+        max_norm: float | torch.Tensor,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_``'s result and effect, by the norm already measured."""
+        if not (
+            isinstance(max_norm, torch.Tensor)
+            and max_norm.numel() == 1
+            or isinstance(max_norm, (int, float))
+            and not isinstance(max_norm, bool)
+            and max_norm > 0
+        ):
+            raise ValueError(
+                f"distmon: max_norm must be a positive number (or a 1-element tensor), got {max_norm!r}"
+            )
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"distmon: clip_grad_norm_ clips by the L2 norm distmon measures; norm_type "
+                f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_"
+            )
+        tracker = self.tracker
+        sq = tracker.total_sq()  # in gradient units: the loss scale divided out
+        if not tracker.row_valid():
+            return torch.nn.utils.clip_grad_norm_(
+                self.params, max_norm, norm_type=2.0, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+            )
+        total = sq.sqrt()
+        if self._grads_scaled():
+            total = total * self.loss_scale.scale()  # the gradients as they are now: still scaled
+        if not self.checked:
+            self._check(total)
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total, foreach)
+        return total
+
+    def _grads_scaled(self) -> bool:
+        """Whether the gradients are still multiplied by the loss scale now."""
+        unscaled = self.loss_scale.scaler_unscaled()
+        if unscaled is not None:
+            return not unscaled
+        return bool(self.fixed_scale_in_grads)
+
+    def _check(self, total: torch.Tensor) -> None:
+        """Compare the norm distmon would clip by with a direct one, once (one pass, one host sync).
+
+        With ``loss_scale=`` this also learns whether the user divides it out before clipping.
+        Sparse gradients have no direct norm to compare with: they skip the check.
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            self.checked = True
+            return
+        direct = float(torch.nn.utils.get_total_norm(grads, 2.0))
+        measured = float(total)
+        if not (math.isfinite(direct) and math.isfinite(measured)):
+            return  # an overflowed step says nothing: check the next one
+        fixed = self.loss_scale.fixed
+        if fixed is not None and self.fixed_scale_in_grads is None:
+            if _close(direct, measured):
+                self.fixed_scale_in_grads = False
+            elif _close(direct, measured * fixed):
+                self.fixed_scale_in_grads = True
+                measured *= fixed
+        if not _close(direct, measured):
+            told = (
+                f"scaler= (scale {float(self.loss_scale.scale()):g})"
+                if self.loss_scale.scaler is not None
+                else f"loss_scale={fixed:g}"
+                if fixed is not None
+                else "no loss scale"
+            )
+            raise RuntimeError(
+                f"distmon: clip_grad_norm_ refuses to clip: the gradients' norm is {direct:.6g} but "
+                f"distmon's figure, with {told}, is {measured:.6g} (ratio {direct / measured:.6g}). "
+                "The loss was scaled by a factor distmon was not told: pass GradMonitor(..., "
+                "scaler=your_GradScaler) or loss_scale=S, or clip with torch.nn.utils.clip_grad_norm_."
+            )
+        self.checked = True

@@ -1,0 +1,165 @@
+"""Host side: one exported step row (a list of floats) -> a :class:`~distmon.snapshot.Snapshot`.
+
+Every figure is read by name from the row plan (``rows.py``). A figure that was not measured
+is NaN, never a real-looking number: the global ones when the step's reduced gradient was not
+measured (``valid`` False), a rank's own ones when its local gradient was not (``rank_valid``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from .backward import LayerOrder
+from .detectors import DetectorDecoder
+from .ring import StepInfo
+from .rows import Head, Noise, RowPlan, earliest_nonfinite
+from .snapshot import AnomalyEvent, Snapshot
+
+__all__ = ["RowDecoder"]
+
+
+def _sqrt(x: float) -> float:
+    return math.sqrt(x) if x >= 0 else math.nan  # NaN stays NaN, inf stays inf
+
+
+class RowDecoder:
+    """Decodes step rows of one monitor into snapshots (on the export thread).
+
+    ``order`` holds each layer's position in backward order (known once the source saw a
+    backward); ``detector`` turns the detector columns into events and scores.
+
+    Example:
+        >>> import torch
+        >>> plan = RowPlan.build(n_layers=1, world=1)
+        >>> dec = RowDecoder(plan, layers=["fc"], run_id="r", order=LayerOrder(1, torch.device("cpu")))
+        >>> row = [1.0, 4.0, 4.0] + [4.0, 0.0, 1.0]   # head, layers, rank 0: layer sums, errors, valid
+        >>> snap = dec.decode(StepInfo(1, 0, 0.0, ""), row)
+        >>> snap.grad_norm, snap.rank_grad_norms, snap.valid
+        (2.0, [2.0], True)
+    """
+
+    def __init__(
+        self,
+        plan: RowPlan,
+        *,
+        layers: Sequence[str],
+        run_id: str,
+        order: LayerOrder,
+        detector: DetectorDecoder | None = None,
+        watched: Sequence[str] = (),
+    ) -> None:
+        self.plan = plan
+        self.layers = tuple(layers)
+        self.run_id = run_id
+        self.order = order
+        self.detector = detector
+        self.watched = tuple(watched)  # modules whose forward outputs are watched
+
+    def decode(self, info: StepInfo, row: list[float]) -> Snapshot:
+        step, f = self.plan.step, self.plan.rank
+        layer_sq = row[step.layers]
+        gathered = row[step.ranks]
+        order = self.order.host
+        ranks = [gathered[r * f.width : (r + 1) * f.width] for r in range(step.world)]
+        rank_norms: list[float] = []
+        rank_layers: list[list[float]] = []
+        bad: list[tuple[int, int]] = []  # (rank, layer)
+        rank_errors: list[int] = []
+        measured = row[Head.VALID] == 1.0  # this rank measured the reduced gradient (what it reports)
+        if f.reduced_ok is not None:  # a sharded model's reduced figures need every rank's shard
+            measured &= all(vals[f.reduced_ok] == 1.0 for vals in ranks)
+        rank_valid: list[bool] = []
+        for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):
+            rank_errors.append(int(vals[f.errors]))
+            ok = vals[f.valid] == 1.0
+            rank_valid.append(ok)
+            rank_norms.append(_sqrt(total) if ok else math.nan)
+            if f.n_layer_cols:
+                rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[f.layers]])
+            first_bad = f.first_nonfinite_layer(vals, order) if ok else -1
+            if first_bad >= 0:
+                bad.append((r, first_bad))
+        grad_norm = _sqrt(row[Head.TOTAL_SQ]) if measured else math.nan
+        first: tuple[int, str] | None = None
+        if bad:
+            r, layer = min(bad, key=lambda rl: (order[rl[1]], rl[0]))
+            first = (r, self.layers[layer])
+        elif measured and not math.isfinite(grad_norm):
+            # finite on every rank, non-finite after reduction (e.g. fp16 overflow): rank -1
+            layer = earliest_nonfinite(layer_sq, order)
+            if layer >= 0:
+                first = (-1, self.layers[layer])
+        snap = Snapshot(
+            step=info.step,
+            timestamp=info.timestamp,
+            grad_norm=grad_norm,
+            layer_grad_norms={
+                name: _sqrt(v) if measured else math.nan for name, v in zip(self.layers, layer_sq)
+            },
+            rank_grad_norms=rank_norms,
+            rank_layer_grad_norms=rank_layers if f.n_layer_cols else None,
+            nonfinite=first is not None or (measured and not math.isfinite(grad_norm)),
+            nonfinite_ranks=[r for r, _ in bad],
+            first_nonfinite=first,
+            monitor_errors=sum(rank_errors),
+            rank_monitor_errors=rank_errors,
+            valid=measured,
+            rank_valid=rank_valid,
+            run_id=self.run_id,
+            world_size=step.world,
+            skipped=bool(info.skip),
+            skip_reason=info.skip,
+        )
+        if step.noise.stop > step.noise.start:
+            snap = self._noise(row[step.noise], snap)
+        if self.detector is not None:
+            snap = self.detector(info.step, row[step.detector], snap)
+        if step.n_watched:
+            snap = self._activations(info.step, row[step.act], ranks, snap)
+        if step.upd.stop > step.upd.start:
+            ratios = row[step.upd]
+            if not all(math.isnan(v) for v in ratios):  # an export step
+                snap = replace(snap, layer_update_ratio=dict(zip(self.layers, ratios)))
+        return snap
+
+    def _noise(self, noise: list[float], snap: Snapshot) -> Snapshot:
+        n, k = len(self.layers), len(Noise)
+        return replace(
+            snap,
+            gradient_noise_scale=noise[Noise.SCALE],
+            noise_trace=noise[Noise.TRACE],
+            noise_signal=noise[Noise.SIGNAL],
+            layer_gradient_noise_scale=dict(zip(self.layers, noise[k : k + n])),
+            layer_noise_signal=dict(zip(self.layers, noise[k + n :])),
+        )
+
+    def _activations(self, step: int, act: list[float], ranks: list[list[float]], snap: Snapshot) -> Snapshot:
+        n, at = len(self.watched), self.plan.rank.act_first
+        bad = [(int(vals[at]), r) for r, vals in enumerate(ranks)]
+        bad = [(module, r) for module, r in bad if module >= 0]
+        first = None
+        events = snap.events
+        if bad:
+            module, r = min(bad)  # earliest in forward order, lowest rank on a tie
+            first = (r, self.watched[module])
+            events += (
+                AnomalyEvent(
+                    kind="activation_nonfinite",
+                    step=step,
+                    rank=r,
+                    layer=first[1],
+                    value=math.nan,
+                    threshold=math.inf,
+                ),
+            )
+        if all(math.isnan(v) for v in act[:n]):  # not an activation step
+            return replace(snap, first_nonfinite_activation=first, events=events)
+        return replace(
+            snap,
+            activation_rms=dict(zip(self.watched, act[:n])),
+            activation_absmax=dict(zip(self.watched, act[n : 2 * n])),
+            first_nonfinite_activation=first,
+            events=events,
+        )

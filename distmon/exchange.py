@@ -1,0 +1,355 @@
+"""The monitor's one collective per step: which one each step sends, and where what it brings lands.
+
+Reduced gradients are identical on every rank, so global norms need no collective; only the
+per-rank (pre-reduction) figures do, and they are needed only when rows are exported. So a
+step sends at most one collective, on the source's process group:
+
+- an ordinary step, a SUM all-reduce of a few floats whatever the world size (rank 0's vote
+  for a time-bounded export; a sharded model's per-layer sums of its shard, from one replica
+  of each shard), or nothing at all when there is nothing to add up;
+- an export step, in its place, one all-gather of this rank's rows of every step since the
+  last export (kept in a ring of ``export_every`` rows): the same bytes as a gather per step,
+  one latency term per export instead of one per step.
+
+Each is issued by the training thread when the optimizer step begins: on every rank,
+whatever happened locally (a collective issued on some ranks only would hang the job), and
+after the gradient reduction and every collective a user's comm hook issued from its
+callbacks have completed (a collective issued while those may still start could be matched
+against one of them on another rank, and hang the job). Which steps export must be the same on
+every rank, because it decides which collective a step sends: ``export_every`` is a step
+count, and ``export_interval_s`` is rank 0's clock, whose vote rides a step's collective.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from . import sums
+from .errors import ErrorCounter
+from .ring import DeviceRing
+from .rows import RowPlan
+
+__all__ = ["Exchange", "InFlight", "RankBuffers", "LaggedVote"]
+
+
+class RankBuffers:
+    """This rank's row of each step, kept until an export, and the collectives that carry rows.
+
+    :meth:`pack` fills the send row when the step begins (the tracker folds the local per-layer
+    sums straight into :attr:`layer_sq`, its head with ``rank_layers``; ``errors`` and ``valid``
+    are written only when they change), :meth:`keep` copies it into the ring of ``n_rows`` rows
+    not yet gathered; then :meth:`reduce` (an ordinary step) or :meth:`gather` (an export: the
+    kept rows of many steps at once) starts the step's collective, completed by :meth:`wait`.
+    Without a process group (one process) nothing is ever issued: the rows are this process's own.
+
+    Example:
+        >>> plan = RowPlan.build(n_layers=2, world=1)
+        >>> buf = RankBuffers(plan, n_rows=4, group=None, device=torch.device("cpu"))
+        >>> _ = buf.layer_sq.copy_(torch.tensor([1.0, 4.0])); buf.pack(torch.zeros(2), errors=0, valid=True)
+        >>> buf.keep(0); buf.rows[0].tolist()
+        [1.0, 4.0, 0.0, 1.0]
+    """
+
+    def __init__(
+        self, plan: RowPlan, *, n_rows: int, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
+        self.fields = f = plan.rank
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        f32 = dict(dtype=torch.float32, device=device)
+        n_layers = plan.step.n_layers
+        self.send = torch.zeros(f.width, **f32)
+        self.layer_sq = self.send[f.layers] if f.n_layer_cols else torch.zeros(n_layers, **f32)
+        self.partial_sq = self.send[f.partial]  # a sharded model's reduced sums of its shard
+        self.rows = torch.zeros(n_rows, f.width, **f32)  # kept rows, by ring slot
+        self.summed = torch.zeros(f.reduced.stop - f.reduced.start, **f32)  # the all-reduce's buffer
+        self._gathered = torch.zeros(self.world * n_rows * f.width, **f32)
+        # (errors, valid, reduced_ok, batch) as written in the send row
+        self._sent_meta: tuple[int, bool, bool, float] | None = None
+        self._work: dist.Work | None = None
+
+    def pack(
+        self,
+        layer_order: torch.Tensor,
+        *,
+        errors: int,
+        valid: bool,
+        reduced_ok: bool = True,
+        batch: float = 0.0,
+    ) -> None:
+        """Fill the send row's per-rank fields (device ops only).
+
+        ``valid``: the local figures were measured; ``reduced_ok``: this rank's shard sums were.
+        """
+        f = self.fields
+        if f.total_sq is not None and f.first_nonfinite is not None:
+            torch.sum(self.layer_sq, 0, keepdim=True, out=self.send[f.total_sq : f.total_sq + 1])
+            sums.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
+        if self._sent_meta != (errors, valid, reduced_ok, batch):
+            self.send[f.errors].fill_(errors)
+            self.send[f.valid].fill_(1.0 if valid else 0.0)
+            if f.reduced_ok is not None:
+                self.send[f.reduced_ok].fill_(1.0 if reduced_ok else 0.0)
+            if f.batch is not None:
+                self.send[f.batch].fill_(batch)
+            self._sent_meta = (errors, valid, reduced_ok, batch)
+
+    def invalidate(self, errors: int) -> None:
+        """Send a row that says "no figures from this rank this step" (after a local failure)."""
+        self.send.zero_()
+        for index in (self.fields.first_nonfinite, self.fields.act_first):  # -1: none
+            if index is not None:
+                self.send[index].fill_(-1.0)
+        self.send[self.fields.errors].fill_(errors)
+        self._sent_meta = (errors, False, False, 0.0)
+
+    def keep(self, slot: int) -> None:
+        """Keep the send row as ring row ``slot`` until its export's gather."""
+        self.rows[slot].copy_(self.send)
+
+    def reduce(self) -> None:
+        """Start the SUM all-reduce of the send row's :attr:`RankRow.reduced` floats, in :attr:`summed`."""
+        self.summed.copy_(self.send[self.fields.reduced])
+        self._start(dist.all_reduce(self.summed, group=self.group, async_op=True))
+
+    def gather(self, first: int, last: int) -> torch.Tensor:
+        """Start the all-gather of kept rows ``first..last`` (ring slots); ``(world, k, width)`` out."""
+        k, width = last - first + 1, self.fields.width
+        out = self._gathered[: self.world * k * width]
+        rows = self.rows[first : last + 1].view(-1)
+        self._start(dist.all_gather_single(out, rows, group=self.group, async_op=True))
+        return out.view(self.world, k, width)
+
+    def _start(self, work: dist.Work) -> None:
+        """Hold the work for :meth:`wait`; under ``torch.profiler`` complete it at once.
+
+        A collective issued inside a profiler window and completed after the window closed
+        crashes the process (SIGSEGV in torch 2.13 on gloo: the work's profiling callback runs
+        on profiler state being torn down; 6 of 10 two-rank runs of 200 one-step windows
+        crashed, 0 of 10 with the wait inside), and a user's profiler window may close at any
+        step end.
+        """
+        self.wait()
+        self._work = work
+        if torch._C._autograd._profiler_enabled():
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete the pending collective, if any (a stream wait on NCCL)."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
+
+class LaggedVote:
+    """Rank 0's vote, agreed by a collective, read on the host ``lag`` steps later without a sync.
+
+    Every rank must decide alike whether a step exports (its collective is then a gather, not
+    the all-reduce). The vote travels in the step's collective, so its sum is the same on
+    every rank; on a CPU device it is readable once the collective completed (``lag`` 1: the
+    next step reads it), on a GPU it reaches the host through a non-blocking copy into pinned
+    memory with an event behind it, read two steps later: the host waits for that event only
+    if the GPU is more than a step behind it.
+
+    Example:
+        >>> vote = LaggedVote(torch.device("cpu"))
+        >>> vote.post(7, torch.tensor([1.0])); vote.read(7 + vote.lag), vote.read(8 + vote.lag)
+        (True, False)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.lag = 2 if device.type == "cuda" else 1
+        self._host = torch.zeros(self.lag, dtype=torch.float32, pin_memory=device.type == "cuda")
+        # read through ctypes: plain host memory once its event completed, not a tensor read
+        self._values = (ctypes.c_float * self.lag).from_address(self._host.data_ptr())
+        self._events = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(self.lag)]
+        self._posted = [0] * self.lag  # the step whose vote each slot holds (0: none)
+
+    def post(self, step: int, value: torch.Tensor) -> None:
+        """Start the copy of ``step``'s agreed vote (a 1-element device tensor) to the host."""
+        i = step % self.lag
+        self._host[i : i + 1].copy_(value.view(1), non_blocking=True)
+        event = self._events[i]
+        if event is not None:
+            event.record()
+        self._posted[i] = step
+
+    def read(self, step: int) -> bool:
+        """Whether the vote ``lag`` steps before ``step`` said "export at ``step``" (False if none)."""
+        i = (step - self.lag) % self.lag
+        if self._posted[i] != step - self.lag:
+            return False
+        self._posted[i] = 0
+        event = self._events[i]
+        if event is not None and not event.query():
+            event.synchronize()  # the GPU is more than a step behind the host
+        return self._values[i] > 0
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The collective a step started; completed when the next one starts, or at an export."""
+
+    # "reduce": an ordinary step's all-reduce; "export": an export step's gather; "flush": the
+    # gather of rows not yet gathered, at flush() or close() (its steps had their own collectives)
+    kind: Literal["reduce", "export", "flush"]
+    first: int  # the steps whose rows (a gather) or sums (the all-reduce) it carries
+    last: int
+    out: torch.Tensor | None = None  # a gather's ``(world, k, width)`` output
+
+
+class Exchange:
+    """The per-step collective's schedule: export votes, issue, completion, where every rank's rows land.
+
+    ``shard_ranks``: a sharded model's ranks whose shards make up one reduced gradient (the
+    shard groups partition the ranks; the one holding rank 0 adds up every shard once, the
+    other replicas send zeros); None when every rank holds the whole reduced gradient.
+
+    Example:
+        >>> plan = RowPlan.build(n_layers=1, world=1)
+        >>> ex = Exchange(plan, ring=DeviceRing(4, plan.step, torch.device("cpu")), group=None,
+        ...               export_every=4, export_interval_s=0.0, errors=ErrorCounter())
+        >>> [ex.exports(step) for step in (1, 4)]   # one process decides alone
+        [False, True]
+    """
+
+    def __init__(
+        self,
+        plan: RowPlan,
+        *,
+        ring: DeviceRing,
+        group: dist.ProcessGroup | None,
+        export_every: int,
+        export_interval_s: float,
+        errors: ErrorCounter,
+        shard_ranks: list[int] | None = None,
+    ) -> None:
+        self.plan, self.ring, self.errors = plan, ring, errors
+        self.export_every, self.export_interval_s = export_every, export_interval_s
+        # several ranks agree on export steps through their collectives; one process decides alone
+        self.collective = group is not None
+        self.buffers = RankBuffers(plan, n_rows=export_every, group=group, device=ring.data.device)
+        self.rank = self.buffers.rank
+        f = plan.rank
+        self.sharded = shard_ranks is not None
+        self.adds_shard = self.sharded and 0 in (shard_ranks or ())
+        self.votes = LaggedVote(ring.data.device) if f.vote is not None else None
+        self._voter = self.votes is not None and self.rank == 0
+        self._vote_sent = 0.0  # rank 0's vote as written in its send row
+        self._quiet_until = 0  # rank 0 voted: no new vote before the export it asked for
+        self._reduces = self.collective and f.reduced.stop > f.reduced.start
+        self._in_flight: InFlight | None = None
+        self.gathered_through = 0  # every rank's rows of the steps up to here are in the ring
+        self._export_at = 0  # the step whose collective was its export's gather
+        self.last_export = time.monotonic()
+
+    # -- a step begins ----------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Rank 0's vote, this rank's row kept for the export, the step's collective issued."""
+        self._vote(step)
+        self.buffers.keep(self.ring.slot(step))
+        if not self.collective:
+            return
+        voted = self.votes is not None and self.votes.read(step)  # the same on every rank
+        if step % self.export_every == 0 or voted:
+            first = self.gathered_through + 1
+            self.gathered_through = self._export_at = step
+            out = self.buffers.gather(self.ring.slot(first), self.ring.slot(step))
+            self._in_flight = InFlight("export", first, step, out)
+        elif self._reduces:
+            self._in_flight = InFlight("reduce", step, step)
+            self.buffers.reduce()
+
+    def invalidate(self) -> None:
+        """This rank sends "no figures" this step (its row could not be packed)."""
+        self.buffers.invalidate(self.errors.count)
+        self._vote_sent = 0.0
+
+    def _vote(self, step: int) -> None:
+        """Rank 0: ask for an export once ``export_interval_s`` passed since the last one.
+
+        Not on a step that exports anyway, nor before the export it already asked for.
+        """
+        if not self._voter:
+            return
+        due = time.monotonic() - self.last_export >= self.export_interval_s
+        vote = 1.0 if due and step > self._quiet_until and step % self.export_every else 0.0
+        if vote:
+            assert self.votes is not None
+            self._quiet_until = step + self.votes.lag  # the step whose export this asks for
+        if vote != self._vote_sent:
+            self.buffers.send[self.plan.rank.vote].fill_(vote)
+            self._vote_sent = vote
+
+    # -- what the collective brings ---------------------------------------------------------
+    def complete(self) -> None:
+        """Wait for the collective in flight and put what it brought where it belongs.
+
+        Every rank's rows into the ring rows of their steps; a sharded model's reduced sums
+        into the step's row (from the all-reduce, or added up from the export's gathered
+        shard sums); rank 0's vote on its way to the host.
+        """
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        buf, f = self.buffers, self.plan.rank
+        try:
+            buf.wait()
+            vote = None
+            if flight.out is None:  # the all-reduce
+                if self.sharded:
+                    self.ring.layers(flight.last).copy_(buf.summed[len(buf.summed) - f.n_partial :])
+                if f.vote is not None:
+                    vote = buf.summed[:1]
+            else:
+                self._store(flight.first, flight.last, flight.out)
+                if flight.kind == "export" and self.sharded:
+                    self.ring.layers(flight.last).copy_(flight.out[:, -1, f.partial].sum(0))
+                if flight.kind == "export" and f.vote is not None:
+                    vote = flight.out[0, -1, f.vote : f.vote + 1]
+            if vote is not None and self.votes is not None:
+                self.votes.post(flight.last, vote)
+        except Exception:
+            self.errors.record("rank exchange (wait)")
+
+    def _store(self, first: int, last: int, out: torch.Tensor, ranks: slice = slice(None)) -> None:
+        """Write ``out`` (``(ranks, k, width)``: each rank's rows of steps ``first..last``) into the ring."""
+        self.plan.step.rank_rows(self.ring.span(first, last))[:, ranks].copy_(out.transpose(0, 1))
+
+    # -- exports ----------------------------------------------------------------------------
+    def exports(self, step: int) -> bool:
+        """Whether the finished ``step`` is an export step (the same answer on every rank)."""
+        if self.collective:
+            return self._export_at == step
+        return step % self.export_every == 0 or bool(
+            self.export_interval_s and time.monotonic() - self.last_export >= self.export_interval_s
+        )
+
+    def gather_rest(self, last: int, gather: bool) -> None:
+        """Every rank's rows of the steps up to ``last`` not gathered yet, into the ring (a collective).
+
+        ``gather=False`` (a rank closing on an exception, which the others may not share) stores
+        this rank's own rows only; the other ranks' stay "not measured".
+        """
+        self.complete()  # whatever is exported, no collective of distmon's is left in flight
+        if self.gathered_through >= last:
+            return
+        first, self.gathered_through = self.gathered_through + 1, last
+        try:
+            if gather and self.collective:
+                out = self.buffers.gather(self.ring.slot(first), self.ring.slot(last))
+                self._in_flight = InFlight("flush", first, last, out)
+                self.complete()
+            else:
+                s, r = self.ring.slot(first), self.rank
+                own = self.buffers.rows[s : s + last - first + 1].unsqueeze(0)
+                self._store(first, last, own, slice(r, r + 1))
+        except Exception:
+            self.errors.record("rank exchange (flush)")

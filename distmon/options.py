@@ -1,0 +1,275 @@
+"""Every option of :class:`distmon.GradMonitor`, declared once: its variable, its default, its meaning.
+
+The README's option table is rendered from :data:`OPTIONS` (``python -m distmon.options``
+prints it; a test compares it with the README), the ``DISTMON_*`` variables are read through
+it, and :class:`distmon.config.MonitorConfig` and ``GradMonitor``'s signature are tested
+against it. ``agreed`` marks the options every rank must set alike (compared at start-up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+
+__all__ = ["Option", "OPTIONS", "BY_NAME", "AGREED", "option_label", "options_table"]
+
+
+def _bool(name: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"distmon: {name}={text!r} is not a boolean (use 1/0, true/false)")
+
+
+_PARSE: dict[type, Callable[[str, str], object]] = {
+    int: lambda name, text: int(text),
+    float: lambda name, text: float(text),
+    str: lambda name, text: text,
+    bool: _bool,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its name, its ``DISTMON_*`` variable (and the type it is read as), its documentation."""
+
+    name: str
+    default: str  # as the README states it
+    meaning: str
+    _: KW_ONLY
+    env: str | None = None
+    env_type: type = str
+    agreed: bool = False  # every rank must set it alike: it shapes the rows or the guard's verdict
+
+    def parse(self, text: str) -> object:
+        """The variable's text as the option's value (``ValueError`` if it is not one)."""
+        assert self.env is not None
+        return _PARSE[self.env_type](self.env, text)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "comm_hook",
+        "DDP's own reduction",
+        "the DDP comm hook distmon wraps, called exactly as given (DDP accepts one hook: pass yours here)",
+    ),
+    Option("comm_state", "DDP's process group", "the state `comm_hook` is called with"),
+    Option(
+        "export_every",
+        "10",
+        "steps between host copies of the device ring (snapshots of every step arrive in batches)",
+        env="DISTMON_EXPORT_EVERY",
+        env_type=int,
+        agreed=True,
+    ),
+    Option(
+        "export_interval_s",
+        "5",
+        "also export once this many seconds passed since the last export, so slow steps reach "
+        "Prometheus within one scrape interval plus this plus a step (two on a GPU): rank 0 reads "
+        "its clock when a step begins and its vote rides that step's all-reduce (one float), so "
+        "every rank exports at the same next step; 0: by step count only (a DDP step then sends "
+        "no collective between exports)",
+        env="DISTMON_EXPORT_INTERVAL_S",
+        env_type=float,
+        agreed=True,
+    ),
+    Option(
+        "groups",
+        "owning module",
+        "how parameters fold into layers: None (module qualified name, e.g. `blocks.3.mlp.fc1`), a "
+        "callable `(name, param) -> group`, or `[(regex, group), ...]` rules (first match wins, "
+        "`\\1` allowed)",
+        agreed=True,
+    ),
+    Option(
+        "max_layers",
+        "128",
+        "cap on layer groups (Prometheus cardinality); later groups fold into `other`",
+        agreed=True,
+    ),
+    Option(
+        "rank_layers",
+        "True",
+        "also gather the rank x layer matrix at exports (else per-rank totals only)",
+        agreed=True,
+    ),
+    Option(
+        "serve",
+        "`rank0`",
+        "`rank0`: global rank 0 serves everything; `node`: local rank 0 of each node serves its "
+        "node's per-rank series, global rank 0 alone the cluster-wide ones; `all`: every rank "
+        "serves its own; `none`",
+        env="DISTMON_SERVE",
+        agreed=True,
+    ),
+    Option(
+        "port",
+        "9290",
+        'HTTP port; 0 = ephemeral; with `serve="all"` local rank i uses port + i; bound port in `mon.port`',
+        env="DISTMON_PORT",
+        env_type=int,
+    ),
+    Option(
+        "addr",
+        "`127.0.0.1`",
+        "bind address; `0.0.0.0` to be scraped from other hosts (the Slurm/Kubernetes launchers set it)",
+        env="DISTMON_ADDR",
+    ),
+    Option(
+        "port_fallback",
+        "False",
+        "take the next free port instead of failing when the port is in use",
+        env="DISTMON_PORT_FALLBACK",
+        env_type=bool,
+    ),
+    Option(
+        "tls_cert",
+        "None",
+        "PEM certificate (chain): the endpoint speaks HTTPS only (TLS 1.2+); needs `tls_key` "
+        "([Securing the endpoint](#securing-the-endpoint))",
+        env="DISTMON_TLS_CERT",
+    ),
+    Option(
+        "tls_key",
+        "None",
+        "the certificate's unencrypted PEM private key; needs `tls_cert`",
+        env="DISTMON_TLS_KEY",
+    ),
+    Option(
+        "tls_client_ca",
+        "None",
+        "PEM CA certificate(s): clients must present a certificate signed by one of them (mutual "
+        "TLS); needs `tls_cert`",
+        env="DISTMON_TLS_CLIENT_CA",
+    ),
+    Option(
+        "basic_auth_file",
+        "None",
+        "htpasswd file of `user:bcrypt-hash` lines (`htpasswd -nbB user password`): requests need "
+        "HTTP basic auth as one of those users (needs `pip install bcrypt`); use with TLS",
+        env="DISTMON_BASIC_AUTH_FILE",
+    ),
+    Option(
+        "run_id",
+        "torchrun's `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else generated",
+        "the `run_id` label; rank 0's value wins",
+        env="DISTMON_RUN_ID",
+    ),
+    Option(
+        "log_path",
+        "None",
+        'JSONL file of every step\'s snapshot, written by rank 0 (non-finite floats as `"nan"`/`"inf"`)',
+        env="DISTMON_LOG_PATH",
+    ),
+    Option(
+        "file_sd_dir",
+        "None",
+        "Prometheus `file_sd` directory: rank 0 writes `{run_id}.json` listing every serving "
+        "endpoint, removes it after a clean finish",
+        env="DISTMON_FILE_SD_DIR",
+    ),
+    Option(
+        "linger_s",
+        "30",
+        "seconds to keep serving after a clean `close()`, so Prometheus scrapes the final state and "
+        "`distmon_run_finished=1`",
+        env="DISTMON_LINGER_S",
+        env_type=float,
+    ),
+    Option("window_s", "60", "window of `distmon_grad_norm_window_max`, seconds"),
+    Option(
+        "detect",
+        "True",
+        "detectors on (True), off (False), or a `distmon.DetectorConfig` with thresholds",
+        agreed=True,
+    ),
+    Option(
+        "guard",
+        "None",
+        '`"skip"`: do not take an optimizer step whose reduced gradient is non-finite or spiked '
+        '(parameters, optimizer state and `lr_scheduler` untouched on every rank); `"raise"`: '
+        "raise `distmon.GradientAnomalyError` from `optimizer.step()` on every rank. Costs one small "
+        "host sync per step",
+        agreed=True,
+    ),
+    Option("lr_scheduler", "None", "the scheduler (or list of schedulers) to hold back on skipped steps"),
+    Option(
+        "scaler",
+        "None",
+        "the `torch.amp.GradScaler` the loss goes through: figures are divided by its scale, its "
+        "skipped steps recorded ([Mixed precision](#usage))",
+        agreed=True,
+    ),
+    Option(
+        "loss_scale",
+        "None",
+        "DDP only: a fixed factor your loss is multiplied by before `backward()` (not with `scaler`); "
+        "figures are divided by it",
+        agreed=True,
+    ),
+    Option(
+        "batch_size",
+        "None",
+        "this rank's batch per optimizer step, in your units (sequences or tokens, accumulation "
+        "included), or a callable returning it: turns on the gradient noise scale "
+        "([below](#gradient-noise-scale)); needs 2+ ranks",
+        agreed=True,
+    ),
+    Option(
+        "gns_alpha",
+        "0.05",
+        "EMA weight of the noise scale's two terms; figures are NaN until `1/gns_alpha` steps went in",
+        agreed=True,
+    ),
+    Option(
+        "activations",
+        "None",
+        "watch forward outputs: `True` (each block of the model's first `ModuleList`, else each "
+        "top-level child), or a list of module types and/or name regexes; per module output RMS and "
+        "max-abs, and the first module whose output went non-finite ([below](#forward-activations))",
+        agreed=True,
+    ),
+    Option("activation_every", "`export_every`", "steps between watched forwards", agreed=True),
+    Option(
+        "update_ratio",
+        "False",
+        "per-layer update-to-weight ratio `\\|Δθ\\|/\\|θ\\|` on export steps (one copy of the "
+        "parameters is kept for it; not with FSDP)",
+        agreed=True,
+    ),
+)
+
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+AGREED: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.agreed)
+
+
+def option_label(name: str) -> str:
+    """An option as a user may have set it: ``export_every (DISTMON_EXPORT_EVERY)``.
+
+    Example:
+        >>> option_label("export_every"), option_label("guard")
+        ('export_every (DISTMON_EXPORT_EVERY)', 'guard')
+    """
+    env = BY_NAME[name].env if name in BY_NAME else None
+    return f"{name} ({env})" if env else name
+
+
+def options_table() -> str:
+    """The README's option table (Markdown), from :data:`OPTIONS`.
+
+    Example:
+        >>> options_table().splitlines()[2].startswith("| `comm_hook` |")
+        True
+    """
+    rows = ["| option | env | default | meaning |", "|---|---|---|---|"]
+    for o in OPTIONS:
+        env = f"`{o.env}`" if o.env else ""
+        rows.append(f"| `{o.name}` | {env} | {o.default} | {o.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_table(), end="")

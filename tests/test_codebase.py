@@ -1,0 +1,77 @@
+"""The shape of the code that reviews hold distmon to (issue #21), checked on every run.
+
+Calls pass at most four arguments by position (more is wiring nobody can read: name them);
+no parameter or attribute is typed ``Any``; the composition root stays wiring only; no source
+file of the benchmarks or the deployment grows past a size one can read; ``import distmon``
+pulls in no FSDP (a single process must not pay ~2 s for it).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sources(folder: str) -> list[str]:
+    out = []
+    for top, _, files in os.walk(os.path.join(ROOT, folder)):
+        out += [os.path.join(top, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+def test_no_call_in_distmon_passes_more_than_four_positional_arguments():
+    crowded = []
+    for path in _sources("distmon"):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                n = sum(not isinstance(a, ast.Starred) for a in node.args)
+                if n > 4:
+                    crowded.append(f"{_rel(path)}:{node.lineno}: {ast.unparse(node.func)} with {n}")
+    assert crowded == []
+
+
+def test_nothing_in_distmon_is_typed_any():
+    typed_any = []
+    for path in _sources("distmon"):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "Any":
+                typed_any.append(f"{_rel(path)}:{node.lineno}")
+    assert typed_any == []
+
+
+def test_the_composition_root_is_wiring_only_and_files_stay_readable():
+    with open(os.path.join(ROOT, "distmon", "monitor.py"), encoding="utf-8") as f:
+        assert len(f.readlines()) < 300
+    # source files; generated data (the dashboard JSON, benchmark results) is not read by people
+    for path in _sources("benchmarks") + _sources("deploy"):
+        with open(path, encoding="utf-8") as f:
+            assert len(f.readlines()) <= 800, _rel(path)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import distmon",
+        "import distmon; distmon.GradMonitor, distmon.Snapshot, distmon.DetectorConfig",
+        "import distmon.report, distmon.log_reader",
+    ],
+)
+def test_import_distmon_pulls_in_no_fsdp(code):
+    fsdp = "sorted(m for m in sys.modules if m.startswith('torch.distributed.fsdp'))"
+    probe = f"import sys; {code}; print({fsdp})"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
