@@ -21,6 +21,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .errors import ErrorCounter
+from .grouping import plain_name
 from .sums import sq_sums
 
 __all__ = ["ActivationWatch", "select_modules"]
@@ -42,7 +43,8 @@ def select_modules(model: torch.nn.Module, spec: ActivationSpec) -> list[tuple[s
         >>> [name for name, _ in select_modules(net, [torch.nn.Linear])]
         ['0']
     """
-    named = list(model.named_modules())
+    # the model's own names: wrappers (torch.compile, checkpointing) never rename a module
+    named = [(plain_name(name), m) for name, m in model.named_modules() if not _is_wrapper(m)]
     if spec is True:
         for name, m in named:
             if isinstance(m, torch.nn.ModuleList) and len(m):
@@ -55,6 +57,11 @@ def select_modules(model: torch.nn.Module, spec: ActivationSpec) -> list[tuple[s
         return bool(types) and isinstance(m, types) or any(p.search(name) for p in patterns)
 
     return [(name, m) for name, m in named if name and watched(name, m)]
+
+
+def _is_wrapper(m: torch.nn.Module) -> bool:
+    """A wrapper module (torch.compile's, a checkpoint's): its wrapped module is watched instead."""
+    return type(m).__name__ in ("OptimizedModule", "CheckpointWrapper", "FullyShardedDataParallel")
 
 
 def validate_activations(spec: object) -> None:

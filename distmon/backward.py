@@ -68,15 +68,26 @@ class BackwardSums:
         self.errors = errors
         self.loss_scale = loss_scale
         self.fold = LayerFold(n_layers, device)
-        self.active = True  # False once the monitor closed: the sources' hooks pass through
+        self.enabled = True  # False once the monitor closed
         self.order = LayerOrder(n_layers, device)
         self._collecting = False  # between a backward's first set of runs and its last
         self._local: Pending = []
         self._reduced: Pending = []
         self.new_step()
 
+    @property
+    def active(self) -> bool:
+        """Whether the sources measure now: not once the monitor closed, nor between the step's
+        start and its end (a closure's later calls, LBFGS's line search, are no new step)."""
+        return self.enabled and not self._frozen
+
+    def freeze(self) -> None:
+        """The step began: its figures are taken; backwards until it ends are not measured."""
+        self._frozen = True
+
     def new_step(self) -> None:
         """Forget the finished step's flags (its sums were folded or dropped)."""
+        self._frozen = False
         self.measured = False  # a backward handed this step its sums
         self.local_ok = True  # no failure where the local figures are measured
         self.reduced_ok = True  # ... where the reduced ones are

@@ -36,7 +36,7 @@ from .snapshot import Snapshot
 from .sources import first_device, source_for, trained_module
 from .tracker import StepTracker
 
-__all__ = ["Built", "Hooks", "build_rank", "build_exports", "install_hooks", "as_tuple"]
+__all__ = ["Built", "Hooks", "build_rank", "build_exports", "as_tuple", "unwrap_optimizer"]
 
 ExportQueue = queue.Queue[ExportBatch | None]
 
@@ -46,21 +46,52 @@ def as_tuple(value: object) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def _check_optimizers(optimizers: Sequence[object]) -> None:
+def unwrap_optimizer(opt: object) -> torch.optim.Optimizer:
+    """The torch optimizer that steps, under a framework's wrapper (``.optimizer``, ``._optimizer``).
+
+    accelerate's ``AcceleratedOptimizer`` (what the HF Trainer hands out) subclasses
+    ``torch.optim.Optimizer`` without calling its ``__init__`` (it has no step hooks) and steps
+    its ``.optimizer``; Lightning's ``LightningOptimizer`` steps its ``._optimizer``.
+
+    Example:
+        >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> class Wrapper:
+        ...     optimizer = sgd
+        >>> unwrap_optimizer(Wrapper()) is sgd
+        True
+    """
+    seen = opt
+    for _ in range(8):  # wrappers of wrappers, but never a cycle
+        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+            return opt
+        inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    raise TypeError(
+        f"distmon: optimizer must be a torch.optim.Optimizer (or a list of them), or a wrapper of one "
+        f"with .optimizer; got {type(seen).__name__}, which is "
+        + (
+            "an Optimizer whose __init__ was not called (no step hooks) and that wraps none: pass the "
+            "optimizer it steps"
+            if isinstance(seen, torch.optim.Optimizer)
+            else "neither"
+        )
+    )
+
+
+def _optimizers(given: object) -> tuple[torch.optim.Optimizer, ...]:
+    optimizers = as_tuple(given)
     if not optimizers:
         raise ValueError("distmon: pass the optimizer (or a list of optimizers) that steps the model")
-    for opt in optimizers:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"distmon: optimizer must be a torch.optim.Optimizer (or a list of them), "
-                f"got {type(opt).__name__}"
-            )
+    return tuple(unwrap_optimizer(opt) for opt in optimizers)
 
 
 class Built(NamedTuple):
     """What one rank builds before the ranks agree: everything that can fail, nothing installed."""
 
     cfg: MonitorConfig
+    optimizers: tuple[torch.optim.Optimizer, ...]  # the torch optimizers that step (unwrapped)
     grouping: Grouping
     plan: RowPlan
     tracker: StepTracker
@@ -70,7 +101,7 @@ class Built(NamedTuple):
 
 def build_rank(
     model: torch.nn.Module,
-    optimizers: tuple[torch.optim.Optimizer, ...],
+    optimizer: object,
     options: dict[str, object],
     *,
     errors: ErrorCounter,
@@ -81,7 +112,7 @@ def build_rank(
     The tracker hands its exports to ``exports``; the export thread that reads it is built later.
     """
     cfg = MonitorConfig.from_options(**options)
-    _check_optimizers(optimizers)
+    optimizers = _optimizers(optimizer)
     module = trained_module(model)
     grouping = build_grouping(module, cfg.groups, cfg.max_layers)
     n_layers, device = len(grouping.layers), first_device(module)
@@ -122,7 +153,15 @@ def build_rank(
         update_ratio=extra.ratio,
     )
     agreed = cfg.agreed(grouping.layers, watched)
-    return Built(cfg=cfg, grouping=grouping, plan=plan, tracker=tracker, loss_scale=loss_scale, agreed=agreed)
+    return Built(
+        cfg=cfg,
+        optimizers=optimizers,
+        grouping=grouping,
+        plan=plan,
+        tracker=tracker,
+        loss_scale=loss_scale,
+        agreed=agreed,
+    )
 
 
 def build_exports(
@@ -173,14 +212,19 @@ def build_exports(
 
 
 class Hooks:
-    """Everything a monitor hooks into training: the source's hooks, the optimizers' step hooks
-    (and the guard), the activation hooks; installed together, removed together."""
+    """Everything a monitor hooks into training: the optimizers' step hooks (and the guard), the
+    activation hooks, the source's hooks; removed together.
 
-    def __init__(self, built: Built, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    :meth:`install` (before the ranks agree: all or nothing, what it installed is removed if it
+    fails) installs what can be removed again; :meth:`commit` (once every rank started) the
+    source, whose DDP comm hook cannot be unregistered.
+    """
+
+    def __init__(self, built: Built) -> None:
         cfg, self.tracker = built.cfg, built.tracker
         self.steps = StepHooks(
             self.tracker,
-            optimizers=optimizers,
+            optimizers=built.optimizers,
             verdict_column=built.plan.verdict_column,
             guard=cfg.guard,
             schedulers=as_tuple(cfg.lr_scheduler or ()),
@@ -188,23 +232,22 @@ class Hooks:
         )
 
     def install(self) -> None:
-        self.tracker.source.install()
         self.steps.install()
-        if self.tracker.activations is not None:
-            self.tracker.activations.install()
+        try:
+            if self.tracker.activations is not None:
+                self.tracker.activations.install()
+        except BaseException:
+            self.remove()
+            raise
+
+    def commit(self) -> None:
+        self.tracker.source.install()
 
     def remove(self) -> None:
         self.tracker.source.remove()
         self.steps.remove()
         if self.tracker.activations is not None:
             self.tracker.activations.remove()
-
-
-def install_hooks(built: Built, optimizers: tuple[torch.optim.Optimizer, ...]) -> Hooks:
-    """Install every hook of the monitor (nothing here raises: all was checked at build time)."""
-    hooks = Hooks(built, optimizers)
-    hooks.install()
-    return hooks
 
 
 def _has_events(snap: Snapshot) -> bool:

@@ -69,8 +69,8 @@ class Clipper:
         total = sq.sqrt()
         if self._grads_scaled():
             total = total * self.loss_scale.scale()  # the gradients as they are now: still scaled
-        if not self.checked:
-            self._check(total)
+        if not self.checked and not self._check(total):
+            total = total * self.loss_scale.scale()  # learned just now: the scale is still in the gradients
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is "
@@ -87,20 +87,22 @@ class Clipper:
             return not unscaled
         return bool(self.fixed_scale_in_grads)
 
-    def _check(self, total: torch.Tensor) -> None:
+    def _check(self, total: torch.Tensor) -> bool:
         """Compare the norm distmon would clip by with a direct one, once (one pass, one host sync).
 
-        With ``loss_scale=`` this also learns whether the user divides it out before clipping.
-        Sparse gradients have no direct norm to compare with: they skip the check.
+        With ``loss_scale=`` this also learns whether the user divides it out before clipping;
+        returns False when it learned just now that ``total`` lacks the scale still in the
+        gradients. Sparse gradients have no direct norm to compare with: they skip the check.
         """
         grads = [p.grad for p in self.params if p.grad is not None]
         if any(g.is_sparse for g in grads):
             self.checked = True
-            return
+            return True
         direct = float(torch.nn.utils.get_total_norm(grads, 2.0))
         measured = float(total)
         if not (math.isfinite(direct) and math.isfinite(measured)):
-            return  # an overflowed step says nothing: check the next one
+            return True  # an overflowed step says nothing: check the next one
+        consistent = True
         fixed = self.loss_scale.fixed
         if fixed is not None and self.fixed_scale_in_grads is None:
             if _close(direct, measured):
@@ -108,6 +110,7 @@ class Clipper:
             elif _close(direct, measured * fixed):
                 self.fixed_scale_in_grads = True
                 measured *= fixed
+                consistent = False
         if not _close(direct, measured):
             told = (
                 f"scaler= (scale {float(self.loss_scale.scale()):g})"
@@ -123,3 +126,4 @@ class Clipper:
                 "scaler=your_GradScaler) or loss_scale=S, or clip with torch.nn.utils.clip_grad_norm_."
             )
         self.checked = True
+        return consistent

@@ -302,18 +302,12 @@ class Features(NamedTuple):
 
 
 def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: ErrorCounter) -> Features:
-    """The loss-scale, noise-scale, activation and update-ratio parts, or the error naming the option.
+    """The noise-scale, activation and update-ratio parts, or the error naming the option.
 
-    What each needs of the source: a fixed ``loss_scale`` gradients read in backward (DDP);
-    ``batch_size`` 2+ data-parallel ranks and a reduction that is the ranks' mean;
+    What each needs of the source: ``batch_size`` 2+ data-parallel ranks and a reduction that
+    is the ranks' mean;
     ``activations`` modules to watch; ``update_ratio`` unsharded weights.
     """
-    if cfg.loss_scale is not None and not source.reads_in_backward:
-        raise ValueError(
-            "distmon: loss_scale= needs a DDP model: a single process's (or an FSDP model's "
-            "sharded) gradients are read at the optimizer step, when distmon cannot tell "
-            "whether you divided the scale out; use torch.amp.GradScaler and pass scaler="
-        )
     batch_of_step = None
     if cfg.batch_size is not None:
         if source.world_size < 2:

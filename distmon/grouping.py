@@ -20,8 +20,21 @@ GroupSpec = GroupFn | GroupRules | None
 
 OTHER = "other"
 ROOT = "root"  # parameters owned directly by the top module
+# Name segments wrappers put between a module and its parameters: torch.compile's OptimizedModule,
+# activation checkpointing, FSDP1's wrapper. Turning one on must not rename a layer series.
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
-__all__ = ["Grouping", "build_grouping", "validate_groups", "GroupSpec", "OTHER"]
+__all__ = ["Grouping", "build_grouping", "validate_groups", "plain_name", "GroupSpec", "OTHER"]
+
+
+def plain_name(name: str) -> str:
+    """A parameter's qualified name without the segments wrappers add (:data:`WRAPPER_SEGMENTS`).
+
+    Example:
+        >>> plain_name("_orig_mod.blocks.0._checkpoint_wrapped_module.attn._orig_mod.weight")
+        'blocks.0.attn.weight'
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,9 @@ def validate_groups(groups: GroupSpec) -> GroupFn:
 def build_grouping(module: torch.nn.Module, groups: GroupSpec, max_layers: int) -> Grouping:
     """Group the trainable parameters of ``module`` (tied parameters counted once).
 
+    Names are the model's own (:func:`plain_name`): ``torch.compile``, activation checkpointing
+    and FSDP wrappers never change a label.
+
     Example:
         >>> g = build_grouping(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(),
         ...                                        torch.nn.Linear(2, 1)), None, 128)
@@ -95,9 +111,10 @@ def build_grouping(module: torch.nn.Module, groups: GroupSpec, max_layers: int) 
     """
     fn = validate_groups(groups)
     params, names, labels = [], [], []
-    for name, p in module.named_parameters():  # deduplicates tied parameters
+    for wrapped_name, p in module.named_parameters():  # deduplicates tied parameters
         if not p.requires_grad:
             continue
+        name = plain_name(wrapped_name)
         label = fn(name, p)
         if not isinstance(label, str) or not label:
             raise TypeError(f"distmon: groups returned {label!r} for {name}; expected a non-empty str")

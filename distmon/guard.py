@@ -62,6 +62,34 @@ def warn_uncovered(
         )
 
 
+def _closure(args: tuple[object, ...], kwargs: dict[str, object]) -> Callable[[], object] | None:
+    """The closure an ``optimizer.step(...)`` call was given (positionally first, or by name), or None."""
+    closure = kwargs.get("closure", args[0] if args else None)
+    return closure if callable(closure) else None
+
+
+def _with_closure(
+    args: tuple[object, ...], kwargs: dict[str, object], closure: Callable[[], object], *, at: int
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """``(args, kwargs)`` with the closure (by name, or positional at ``at``) replaced."""
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (*args[:at], closure, *args[at + 1 :]), kwargs
+
+
+class _Replay:
+    """A closure already called once: its first call returns that result, later ones call it again."""
+
+    def __init__(self, result: object, closure: Callable[[], object]) -> None:
+        self._result, self._closure, self._fresh = result, closure, True
+
+    def __call__(self) -> object:
+        if self._fresh:
+            self._fresh = False
+            return self._result
+        return self._closure()
+
+
 class StepHooks:
     """Begins and ends the tracker's steps from the monitored optimizers' ``step()`` calls.
 
@@ -70,6 +98,17 @@ class StepHooks:
     take a step (hooks cannot cancel one); whatever ``step`` was (a scheduler's wrapper, say)
     stays inside. ``schedulers`` are held back once after every skipped step. A ``scaler``'s
     ``step`` is shadowed the same way, to see the steps it skips.
+
+    A step taken as ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS)
+    runs its backward inside the closure: the step begins when the closure's first call
+    returns (the pre-hook hands the optimizer a closure that calls the user's, then begins
+    it). With a guard, the closure is called first (under ``torch.enable_grad()``, as the
+    optimizer would), the step judged, and the optimizer handed a closure whose first call
+    returns that result: the closure still runs once, as without distmon. Later calls of the
+    closure in the same step (LBFGS's line search) run it as usual and are not measured.
+
+    Nothing raised in distmon's code here reaches the training loop: it is counted, logged
+    once, and the step goes on (a guard that cannot judge a step lets it be taken).
 
     Example:
         >>> hooks = StepHooks(tracker, optimizers=[opt], verdict_column=col)   # doctest: +SKIP
@@ -100,6 +139,14 @@ class StepHooks:
         self._undo: list[Callable[[], object]] = []
 
     def install(self) -> None:
+        """Install every hook; all or nothing (a failure removes what was installed, then raises)."""
+        try:
+            self._install()
+        except BaseException:
+            self.remove()
+            raise
+
+    def _install(self) -> None:
         for opt in self.optimizers:
             if self.guard is None:
                 pre = opt.register_step_pre_hook(self._pre_hook)
@@ -121,22 +168,40 @@ class StepHooks:
             undo()
         self._undo.clear()
 
-    def _pre_hook(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self._begin(opt)
+    def _pre_hook(
+        self, opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]] | None:
+        closure = _closure(args[1:], kwargs)  # args[0] is the optimizer
+        if closure is None:
+            self._begin(opt)
+            return None
+
+        def then_begin() -> object:  # the closure runs the step's backward: the step begins after it
+            result = closure()
+            self._begin(opt)
+            return result
+
+        return _with_closure(args, kwargs, then_begin, at=1)
 
     def _post_hook(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         self._finish(opt)
 
     def _begin(self, opt: torch.optim.Optimizer) -> None:
-        if id(opt) in self._stepped:  # stepped again before the others: that training step is over
-            self._end()
-        self.tracker.before_step()
+        try:
+            if id(opt) in self._stepped:  # stepped again before the others: that training step is over
+                self._end()
+            self.tracker.before_step()
+        except Exception:
+            self.tracker.errors.record("optimizer step pre-hook")
 
     def _finish(self, opt: torch.optim.Optimizer) -> None:
-        self._finished += 1
-        self._stepped.add(id(opt))
-        if len(self._stepped) == len(self.optimizers):
-            self._end()
+        try:
+            self._finished += 1
+            self._stepped.add(id(opt))
+            if len(self._stepped) == len(self.optimizers):
+                self._end()
+        except Exception:
+            self.tracker.errors.record("optimizer step post-hook")
 
     def _end(self) -> None:
         skip = "guard" if self._verdict else "scaler" if self._scaler_skip else ""
@@ -147,13 +212,23 @@ class StepHooks:
 
     def _refused(self) -> bool:
         if self._verdict is None:
-            row = self.tracker.judge_now()
-            self._verdict = row[self._column].item() != 0.0  # the one opt-in host sync per step
+            try:
+                row = self.tracker.judge_now()
+                self._verdict = row[self._column].item() != 0.0  # the one opt-in host sync per step
+            except Exception:
+                self.tracker.errors.record("guard verdict")
+                self._verdict = False  # no verdict: the step is taken, as without distmon
         return self._verdict
 
     def _guarded(self, opt: torch.optim.Optimizer, inner_step: Step) -> Step:
         @functools.wraps(inner_step)  # keeps e.g. the LR scheduler's marker attribute
         def guarded_step(*args: object, **kwargs: object) -> object:
+            closure = _closure(args, kwargs)
+            loss = None
+            if closure is not None:  # its backward must run before the step can be judged
+                with torch.enable_grad():
+                    loss = closure()
+                args, kwargs = _with_closure(args, kwargs, _Replay(loss, closure), at=0)
             self._begin(opt)
             if not self._refused():
                 self._hold.clear()  # a step taken: a scheduler not stepped since the skip keeps its pace
@@ -167,7 +242,7 @@ class StepHooks:
                 raise GradientAnomalyError(
                     f"distmon: non-finite or spiking gradient at step {step}; optimizer step not taken"
                 )
-            return None
+            return loss
 
         return guarded_step
 

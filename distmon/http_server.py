@@ -310,6 +310,8 @@ class MetricServer:
         self._app = make_wsgi_app(registry)
         self._listener, self._tls, self._auth = listener, tls, auth
         self._errors = ErrorCounter()
+        self.scrapes = 0  # metrics answered with 200 (the linger waits for the final state's)
+        self._scraped = threading.Condition()
         self._workers = _Lane(
             "distmon-http-worker",
             threads=max_connections,
@@ -453,7 +455,16 @@ class MetricServer:
             body.extend(result)
         finally:
             getattr(result, "close", lambda: None)()
+        if str(head[0]).startswith("200"):
+            with self._scraped:
+                self.scrapes += 1
+                self._scraped.notify_all()
         return http_response(head[0], head[1], b"".join(body))
+
+    def wait_for_scrapes(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` scrapes were answered (at most ``timeout`` s); whether they were."""
+        with self._scraped:
+            return self._scraped.wait_for(lambda: self.scrapes >= count, timeout)
 
     def _deliver(self, conn: _Conn, response: bytes) -> None:
         with self._lock:

@@ -217,6 +217,7 @@ def agree(
 # as down (up == 0) in between
 WITHDRAW_GRACE_S = 5.0
 STOP_S = 2.0  # the sinks had SINK_WAIT_S to drain at the last export: a stuck one gets this much more
+LINGER_SCRAPES = 2  # scrapes of the final state a clean finish waits for (at most linger_s)
 
 
 def announce(
@@ -230,8 +231,8 @@ def announce(
             )
         except OSError:
             errors.record("file_sd target file")
-    if prepared.server is not None:
-        logger.info("distmon: serving metrics at %s (run_id=%s)", url, run_id)
+    if prepared.server is not None:  # a warning: frameworks show no INFO lines, and this must be seen
+        logger.warning("distmon: serving metrics at %s (run_id=%s)", url, run_id)
 
 
 def shut_down(
@@ -262,9 +263,17 @@ def shut_down(
     server, target = prepared.server, prepared.target
     if server is not None and finished and linger_s > 0:
         # Prometheus must scrape distmon_run_finished=1 before the target goes away, or the
-        # vanished-metrics alert cannot tell a clean finish from a crash.
-        logger.info("distmon: run finished; serving final metrics for %.0f s (DISTMON_LINGER_S)", linger_s)
-        time.sleep(linger_s)
+        # vanished-metrics alert cannot tell a clean finish from a crash: serve until two scrapes
+        # took the final state, at most linger_s; nobody scraped during the run, nobody waits.
+        if server.scrapes == 0:
+            logger.warning("distmon: run finished; /metrics was never scraped, so not serving on")
+        else:
+            logger.warning(
+                "distmon: run finished; serving the final metrics until Prometheus scraped them twice, "
+                "at most %.0f s more (linger_s, DISTMON_LINGER_S; 0: stop at once)",
+                linger_s,
+            )
+            server.wait_for_scrapes(server.scrapes + LINGER_SCRAPES, linger_s)
     if target is not None and finished:
         quietly("file_sd target file", target.remove)
         time.sleep(min(WITHDRAW_GRACE_S, linger_s))

@@ -15,7 +15,7 @@ import torch
 
 from . import hostinfo
 from .activations import ActivationSpec
-from .build import Built, as_tuple, build_exports, build_rank, install_hooks
+from .build import Built, Hooks, build_exports, build_rank
 from .clip import Clipper
 from .config import GuardMode, Scheduler, ServeMode
 from .detectors import DetectorConfig
@@ -109,21 +109,24 @@ class GradMonitor:
         # every keyword option, as given (None: not given); read before any other local exists
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
         self._closed = True  # until every rank has started
-        optimizers = as_tuple(optimizer)
         group = process_group(model)  # where the ranks agree: the model's type is the same on every rank
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
-        # Everything that can fail, on this rank; nothing is installed yet.
+        # Everything that can fail, on this rank: built, bound, hooked where it can be undone.
         built: Built | None = None
+        hooks: Hooks | None = None
         proposal: str | None = None  # this rank's run id; rank 0's wins
         prepared, failure = Prepared(), None
         try:
-            built = build_rank(model, optimizers, options, errors=self._errors, exports=exports)
+            built = build_rank(model, optimizer, options, errors=self._errors, exports=exports)
             proposal = hostinfo.resolve_run_id(built.cfg.run_id)
             prepared = prepare(built.cfg, me, proposal)
+            hooks = Hooks(built)
+            hooks.install()  # all or nothing
         except Exception as e:
             failure = e
+            hooks = None
         try:
             peers = agree(
                 me,
@@ -134,9 +137,11 @@ class GradMonitor:
                 agreed=built and built.agreed,
             )
         except BaseException:
+            if hooks is not None:
+                hooks.remove()
             prepared.release()
             raise
-        assert built is not None  # agree() raised on every rank if any failed
+        assert built is not None and hooks is not None  # agree() raised on every rank if any failed
 
         # Every rank is ready: the exporters, the export thread, the hooks. Nothing below raises.
         self.config, tracker = built.cfg, built.tracker
@@ -158,9 +163,10 @@ class GradMonitor:
             callbacks=self._callbacks,
             errors=self._errors,
         )
-        self._hooks = install_hooks(built, optimizers)
+        self._hooks = hooks
+        hooks.commit()
         self._closed = False
-        warn_uncovered(list(zip(built.grouping.param_names, built.grouping.params)), optimizers)
+        warn_uncovered(list(zip(built.grouping.param_names, built.grouping.params)), built.optimizers)
         announce(prepared, peers=peers, run_id=self.run_id, url=self.metrics_url, errors=self._errors)
 
     # -- public API -------------------------------------------------------------------------

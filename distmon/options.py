@@ -174,8 +174,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "linger_s",
         "30",
-        "seconds to keep serving after a clean `close()`, so Prometheus scrapes the final state and "
-        "`distmon_run_finished=1`",
+        "after a clean `close()`, keep serving until Prometheus scraped the final state "
+        "(`distmon_run_finished=1`) twice, at most this many seconds; no wait when `/metrics` was "
+        "never scraped during the run, 0: stop at once. Announced on stderr (a warning)",
         env="DISTMON_LINGER_S",
         env_type=float,
     ),

@@ -17,21 +17,25 @@ A step goes through four points, each called on every rank in the same program o
 Every method catches its own failures, counts them and degrades (the step's figures are
 marked invalid); the collective is issued whatever failed locally (``exchange.py`` says why).
 
-From a DDP bucket's gradient to its Prometheus gauge (a trace with "go to definition"):
+From a DDP bucket's gradient to its Prometheus gauges (no guard; a "go to definition" trace):
 
 ====  ============================================================================  =====================
 hop   function                                                                      thread
 ====  ============================================================================  =====================
 1     ``sources.ddp.monitor_hook`` -> ``DDPSource.measure_local``                    backward (autograd)
-2     ``BucketLayout.measure`` -> ``sums.sq_sums``                                   backward
-3     ``BackwardSums.add_local`` (in the reduction's callback: ``.add_reduced``)      backward; gloo/NCCL
-4     ``StepHooks._pre_hook`` -> ``StepTracker.before_step`` -> ``.fold_local``      training (pre-hook)
-5     ``Exchange.start``: the all-reduce, or an export's all-gather                  training
+2     ``BucketLayouts.layout`` -> ``BucketLayout.measure`` -> ``sums.sq_sums``       backward
+3     ``BackwardSums.add_local``; the reduction's future: ``.add_reduced``          backward; gloo's
+4     ``StepHooks._pre_hook`` -> ``StepTracker.before_step`` -> ``_pack``            training (pre-hook)
+5     ``Exchange.start``: this rank's row kept; an export step's all-gather          training
 6     ``StepHooks._post_hook`` -> ``StepTracker.after_step`` -> ``row``              training (post-hook)
-7     ``StepTracker.export`` -> ``Judge`` -> ``DeviceRing.copy_to_host``             training (export step)
-8     ``ExportThread._export`` -> ``RowDecoder.decode``                              distmon-export
-9     ``MetricsAggregate.add``; a scrape: ``GradCollector.collect``                  distmon-export; -http
+7     ``StepTracker.export`` -> ``Exchange.complete`` (every rank's rows in)         training (export step)
+8     ``Judge.reduced`` / ``.ranks`` -> ``DeviceRing.copy_to_host`` -> the queue      training (export step)
+9     ``ExportThread._export`` -> ``RowDecoder.decode`` -> ``MetricsAggregate.add``  distmon-export
+10    a scrape: ``MetricServer`` -> ``GradCollector.collect``                        distmon-http-worker
 ====  ============================================================================  =====================
+
+With a guard (or ``clip_grad_norm_``) hops 4 and 6 happen at once, before the optimizer step
+(``judge_now``, ``total_sq``); ``flush()`` and ``close()`` run hops 7-8 on the caller's thread.
 """
 
 from __future__ import annotations
@@ -138,10 +142,10 @@ class StepTracker:
     @property
     def active(self) -> bool:
         """False once the monitor closed: nothing more is measured."""
-        return self.sums.active
+        return self.sums.enabled
 
     def close(self) -> None:
-        self.sums.active = False
+        self.sums.enabled = False
 
     def _new_step(self) -> None:
         self._begun = False
@@ -171,6 +175,7 @@ class StepTracker:
             return
         self._begun = True
         self._read_gradients()
+        self.sums.freeze()
         step = self.step + 1
         ratio = self.update_ratio
         if ratio is not None and step % self.export_every == 0:

@@ -768,8 +768,8 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
             elapsed = time.perf_counter() - t0
             if url and mon.config.linger_s:
                 say(
-                    f"training done; metrics stay up for another {mon.config.linger_s:g}s "
-                    f"(so Prometheus sees the finish; --linger 0 to skip)"
+                    f"training done; metrics stay up until Prometheus scraped the finish "
+                    f"(at most {mon.config.linger_s:g}s; --linger 0 to skip)"
                 )
         # The monitor is closed here (its final export is done).
         if mon is not None:

@@ -266,22 +266,29 @@ def _refusals(rank, world):
     net = _shard(_net(), {"mesh": (2,)})
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     messages = []
-    for kwargs in ({"loss_scale": 8.0}, {"comm_hook": lambda s, b: None}):
-        try:
-            distmon.GradMonitor(net, opt, serve="none", **kwargs)
-        except (TypeError, ValueError) as e:
-            messages.append(str(e))
+    try:
+        distmon.GradMonitor(net, opt, serve="none", comm_hook=lambda s, b: None)
+    except (TypeError, ValueError) as e:
+        messages.append(str(e))
+    # a fixed loss scale: FSDP's gradients are read in backward, still scaled, like DDP's
+    scale = 8.0
+    with distmon.GradMonitor(net, opt, serve="none", loss_scale=scale, export_every=1) as mon:
+        (_loss(net, _batch(rank, 0, 0)) * scale).backward()
+        direct = float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters()]).full_tensor())
+        opt.step()
+        opt.zero_grad()
+        measured = mon.flush().grad_norm
     # the monitor leaves nothing behind: an unmonitored step still trains
     _loss(net, _batch(rank, 0, 0)).backward()
     opt.step()
     assert dist.get_world_size() == world
-    return messages
+    return messages, measured, direct / scale
 
 
 def test_unsupported_combinations_are_refused_at_construction():
-    messages = run_ranks(_refusals, 2)[0]
-    assert "loss_scale= needs a DDP model" in messages[0]
-    assert "comm_hook is a DDP option" in messages[1]
+    messages, measured, want = run_ranks(_refusals, 2)[0]
+    assert "comm_hook is a DDP option" in messages[0]
+    assert close(measured, want, 1e-5), (measured, want)
 
 
 def _unchanged(rank, world):

@@ -277,13 +277,16 @@ def test_error_if_nonfinite_raises_like_torch():
 
 
 def test_a_loss_scale_distmon_was_not_told_is_refused_not_clipped():
+    # gradients are read when backward ends, still scaled: a scale divided out by hand before
+    # the clip, and not told, would make distmon's norm wrong by its factor; the clip refuses
     net = make_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     with distmon.GradMonitor(net, opt, serve="none") as mon:
         (loss_of(net, 1) * 1024.0).backward()
         for p in net.parameters():
-            p.grad.div_(1024.0)  # unscaled by hand... but the monitor read them at the step: fine
-        assert close(float(mon.clip_grad_norm_(1e9)), reference(net)[0], 1e-5)
+            p.grad.div_(1024.0)  # unscaled by hand
+        with pytest.raises(RuntimeError, match="loss_scale="):
+            mon.clip_grad_norm_(1e9)
         opt.step()
         opt.zero_grad()
     # a GradScaler that the monitor was not given: it measures scaled gradients, torch unscaled
@@ -299,10 +302,27 @@ def test_a_loss_scale_distmon_was_not_told_is_refused_not_clipped():
             torch.testing.assert_close(p.grad, g / 2.0**10)
 
 
-def test_a_fixed_loss_scale_is_a_ddp_option():
+@pytest.mark.parametrize("unscaled_by_hand", [False, True])
+def test_a_fixed_loss_scale_in_one_process_is_divided_out(unscaled_by_hand):
+    """loss_scale=S: figures in gradient units; the clip learns whether the gradients still hold it."""
     net = make_net()
-    with pytest.raises(ValueError, match="loss_scale= needs a DDP model"):
-        distmon.GradMonitor(net, torch.optim.SGD(net.parameters(), lr=0.1), serve="none", loss_scale=1024.0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with distmon.GradMonitor(net, opt, serve="none", loss_scale=1024.0, export_every=1) as mon:
+        for step in (1, 2):
+            (loss_of(net, step) * 1024.0).backward()
+            if unscaled_by_hand:
+                for p in net.parameters():
+                    p.grad.div_(1024.0)
+            direct = reference(net)[0]
+            assert close(float(mon.clip_grad_norm_(1e9)), direct, 1e-5)  # the gradients as they are now
+            truth = direct if unscaled_by_hand else direct / 1024.0
+            opt.step()
+            opt.zero_grad()
+            assert close(mon.flush().grad_norm, truth, 1e-5)
+
+
+def test_loss_scale_and_scaler_are_checked():
+    net = make_net()
     with pytest.raises(ValueError, match="not both"):
         distmon.GradMonitor(
             net,
@@ -459,3 +479,24 @@ def test_update_to_weight_ratio_on_export_steps_equals_a_float64_reference(tmp_p
         got, want = rec["layer_update_ratio"], refs[rec["step"]]
         for layer in LAYERS:
             assert close(got[layer], want[layer], 1e-5), (rec["step"], layer, got, want)
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_the_norm_served_is_the_gradient_before_a_framework_clips_it(accumulation):
+    """Frameworks clip between backward and step (Lightning, the HF Trainer, accelerate): the served
+    norm is the one before clipping, as on several ranks (issue #22: it was the post-clip norm)."""
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with distmon.GradMonitor(net, opt, serve="none", export_every=1) as mon:
+        for step in range(1, 4):
+            for micro in range(accumulation):
+                (loss_of(net, 10 * step + micro) / accumulation).backward()
+            before = reference(net)
+            clipped = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01 * before[0]))
+            assert close(clipped, before[0], 1e-5) and reference(net)[0] < 0.02 * before[0]
+            opt.step()
+            opt.zero_grad()
+            snap = mon.flush()
+            assert snap.valid and close(snap.grad_norm, before[0], 1e-5), (snap.grad_norm, before)
+            for layer, norm in before[1].items():
+                assert close(snap.layer_grad_norms[layer], norm, 1e-5)

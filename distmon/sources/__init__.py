@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..grouping import Grouping
-from .base import Receiver, Source, first_device
+from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
 from .ddp import CommHook, DDPSource
 from .local import LocalSource
 
@@ -32,6 +32,7 @@ __all__ = [
     "trained_module",
     "is_fsdp",
     "first_device",
+    "uncompiled",
 ]
 
 
@@ -47,13 +48,16 @@ def is_fsdp(model: torch.nn.Module) -> bool:
 
 
 def trained_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose parameters the optimizer steps: DDP's ``.module``, else the model itself.
+    """The module whose parameters the optimizer steps: DDP's ``.module``, else the model itself
+    (under ``torch.compile``'s wrapper).
 
     Example:
-        >>> net = torch.nn.Linear(2, 2); trained_module(net) is net
+        >>> net = torch.nn.Linear(2, 2); trained_module(torch.compile(net)) is net
         True
     """
+    model = uncompiled(model)
     if isinstance(model, DistributedDataParallel):
+        return uncompiled(model.module)
         return model.module
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
@@ -70,6 +74,7 @@ def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
         >>> process_group(torch.nn.Linear(2, 2)) is None   # no torch.distributed here
         True
     """
+    model = uncompiled(model)
     if isinstance(model, DistributedDataParallel):
         return model.process_group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -98,6 +103,9 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
+    model = uncompiled(model)  # torch.compile(model): the module it compiles is measured
+    if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
+        raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
     if isinstance(model, DistributedDataParallel):
         return DDPSource(
             model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Mapping
 from typing import Protocol
 
@@ -10,7 +11,55 @@ import torch.distributed as dist
 
 from ..sums import Runs
 
-__all__ = ["Source", "Receiver", "backward_positions", "first_device"]
+__all__ = [
+    "Source",
+    "Receiver",
+    "backward_positions",
+    "first_device",
+    "uncompiled",
+    "compiled_autograd_on",
+    "in_compiled_autograd",
+    "COMPILED_AUTOGRAD",
+]
+
+# Why a model trained with compiled autograd is refused (and a backward under it not measured).
+COMPILED_AUTOGRAD = (
+    "compiled autograd traces the backward hooks distmon measures gradients in (DDP's comm hook, "
+    "which its python_reducer calls once per parameter; FSDP2's reduce-scatters; the gradients' "
+    "accumulation hooks): distmon cannot measure them exactly there and will not serve figures it "
+    "did not measure. Keep torch.compile for the forward (its figures are exact) and leave "
+    "compiled autograd off (torch._dynamo.config.compiled_autograd = False, "
+    "torch._dynamo.config.optimize_ddp != 'python_reducer') for a monitored model"
+)
+
+
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else the model.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2); uncompiled(net) is net
+        True
+    """
+    while type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), torch.nn.Module
+    ):
+        model = model._orig_mod
+    return model
+
+
+def compiled_autograd_on() -> bool:
+    """Whether compiled autograd is switched on for ``torch.compile`` now (never imports dynamo)."""
+    config = sys.modules.get("torch._dynamo.config")
+    state = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(config, "compiled_autograd", False)) or bool(
+        getattr(state, "compiled_autograd_enabled", False)
+    )
+
+
+def in_compiled_autograd() -> bool:
+    """Whether a compiled-autograd backward is being traced now (hooks must not measure)."""
+    state = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(state, "in_compiled_autograd_region", False))
 
 
 class Receiver(Protocol):
@@ -22,7 +71,10 @@ class Receiver(Protocol):
     logged once; the side it concerns is not measured this step).
     """
 
-    active: bool  # False once the monitor closed: hooks pass through without measuring
+    @property
+    def active(self) -> bool:
+        """False once the monitor closed, and while a step is under way: hooks pass through."""
+        ...
 
     def begin_backward(self) -> None: ...
 
@@ -49,15 +101,14 @@ class Source(Protocol):
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
     (None in one process: where the monitor's own collective runs), ``shard_ranks`` the ranks
     whose shards make up one reduced gradient (a sharded model; None when every rank holds all
-    of it), ``reads_in_backward`` whether what it reads still carries a loss scale, and
-    ``divide_factor_set`` whether the reduction is not the ranks' mean.
+    of it), and ``divide_factor_set`` whether the reduction is not the ranks' mean. Every source
+    reads gradients in backward, before any loss scale was divided out or any clipping done.
     """
 
     module: torch.nn.Module
     group: dist.ProcessGroup | None
     world_size: int
     device: torch.device
-    reads_in_backward: bool
     shard_ranks: list[int] | None
     divide_factor_set: bool
 

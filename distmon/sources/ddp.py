@@ -277,7 +277,6 @@ class DDPSource:
         >>> source.install(); ...; source.remove()                      # doctest: +SKIP
     """
 
-    reads_in_backward = True
     shard_ranks = None
     divide_factor_set = False
 
@@ -338,9 +337,12 @@ class DDPSource:
             receiver.fail("comm hook (local gradients)")
             return None
         finally:
-            if bucket.is_last():
-                self.layouts.end_backward()
-                receiver.end_backward()
+            try:  # whatever failed above, nothing reaches the backward
+                if bucket.is_last():
+                    self.layouts.end_backward()
+                    receiver.end_backward()
+            except Exception:
+                receiver.fail("comm hook (end of backward)")
 
     def _reduced_side(
         self, layout: BucketLayout, views: list[torch.Tensor] | None, buffer: torch.Tensor

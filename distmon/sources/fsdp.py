@@ -8,15 +8,17 @@ Two points, read where FSDP2 itself holds the two gradients:
   ``(shard world, per-rank chunk)``, each parameter a column range of zero-padded dim-0
   chunks, so a parameter's sum of squares is that of its columns: padding adds nothing.
   A pre-division FSDP applies for fp16 reductions is multiplied back in.
-- **reduced**: the sharded ``p.grad`` the optimizer steps with, read when the step begins:
-  every divide factor (``AVG``, ``PREMUL_SUM``, ``set_gradient_divide_factor``), the HSDP
-  all-reduce and any accumulation are in it. Each rank has a shard; the per-layer sums of
-  its shard ride the step's one collective, and the reduced figures are their sum over the
-  ranks of one shard group (HSDP replicas hold identical shards: counted once).
+- **reduced**: the sharded ``p.grad`` the optimizer steps with, read when the backward that
+  reduce-scattered it ends (an autograd callback queued after FSDP's own): every divide factor
+  (``AVG``, ``PREMUL_SUM``, ``set_gradient_divide_factor``), the HSDP all-reduce and any
+  accumulation are in it, and no clipping a framework does before the step. Each rank has a
+  shard; the per-layer sums of its shard ride the step's one collective, and the reduced
+  figures are their sum over the ranks of one shard group (HSDP replicas hold identical
+  shards: counted once).
 
 Refused at construction, never measured wrongly: several parameter groups in one unit
 (per-parameter meshes via ``shard_placement_fn``), a mesh that does not span the job, a
-shard group of one rank (no reduce-scatter to read: use DDP), and a fixed ``loss_scale``.
+shard group of one rank (no reduce-scatter to read: use DDP).
 A unit reduce-scatters only the parameters that have a gradient (an unused one is left out):
 which ones, distmon notes as FSDP's ``post_backward`` begins, and measures the input laid
 out for them. A unit that reduce-scatters on every micro-batch (FSDP2's default under
@@ -41,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sq_sums
-from .base import Receiver, backward_positions
+from .base import COMPILED_AUTOGRAD, Receiver, backward_positions, in_compiled_autograd
 from .local import GradSums
 
 __all__ = ["FSDPSource", "is_fsdp"]
@@ -140,8 +142,6 @@ class FSDPSource:
         >>> source.install(); ...; source.remove()                         # doctest: +SKIP
     """
 
-    reads_in_backward = False  # the reduced shards are read at the step, possibly unscaled already
-
     def __init__(self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping) -> None:
         self.module = model
         self.units: list[tuple[FSDPModule, FSDPParamGroup]] = []
@@ -190,6 +190,7 @@ class FSDPSource:
         self._partial: dict[tuple[int, tuple[bool, ...]], _UnitLayout] = {}
         self._present: dict[int, tuple[bool, ...]] = {}  # per unit, noted as its post_backward began
         self._repeated = False  # a unit reduce-scattered twice this step: no local figures
+        self._queued = False  # this backward's end is awaited
         self._told_repeated = False
         self._inner: list[ReduceScatter] = []
         self._post_backward: list[_NotingPostBackward] = []
@@ -290,8 +291,13 @@ class FSDPSource:
         if not receiver.active:
             return
         try:
+            if in_compiled_autograd():
+                raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
             receiver.begin_backward()
-            if unit in self._seen:  # reduce-scatter on every micro-batch: see measure_reduced
+            if not self._queued:  # read the reduced shards once this backward has assigned them
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                self._queued = True
+            if unit in self._seen:  # reduce-scatter on every micro-batch: see read_at_step
                 self._repeated = True
                 return
             self._seen[unit] = None
@@ -327,30 +333,38 @@ class FSDPSource:
         self.receiver.set_layer_order(backward_positions(first, self._n_layers))
 
     def read_at_step(self) -> None:
-        """This rank's shard of the reduced gradient, per layer, when the step begins."""
+        """The step begins: a unit reduce-scattered twice leaves no local figures; learn the order."""
+        receiver = self.receiver
+        seen, self._seen = tuple(self._seen), {}
+        if self._repeated:
+            self._repeated = False
+            receiver.local_unmeasured()
+            if not self._told_repeated:
+                self._told_repeated = True
+                logger.warning(
+                    "distmon: FSDP reduce-scatters gradients on every micro-batch: no single "
+                    "reduce-scatter input holds a step's local gradient, so per-rank local figures "
+                    "are NaN on such steps (the global and per-layer figures stay exact). For them, "
+                    "call set_requires_gradient_sync(False) on all micro-batches but the last"
+                )
+        if seen and seen != self._order:
+            self._order = seen
+            try:
+                self._tell_order(seen)
+            except Exception:
+                receiver.fail("FSDP backward order", local=False, reduced=False)
+
+    def _backward_done(self) -> None:
+        """This rank's shard of the reduced gradient, per layer, once the backward's reduce-scatters
+        (and HSDP's all-reduce) assigned it: the gradient the optimizer would step with, before any
+        clipping between backward and step."""
+        self._queued = False
         receiver = self.receiver
         try:
-            seen, self._seen = tuple(self._seen), {}
-            if self._repeated:
-                self._repeated = False
-                receiver.local_unmeasured()
-                if not self._told_repeated:
-                    self._told_repeated = True
-                    logger.warning(
-                        "distmon: FSDP reduce-scatters gradients on every micro-batch: no single "
-                        "reduce-scatter input holds a step's local gradient, so per-rank local figures "
-                        "are NaN on such steps (the global and per-layer figures stay exact). For them, "
-                        "call set_requires_gradient_sync(False) on all micro-batches but the last"
-                    )
-            if not seen:
-                return  # no backward reduce-scattered this step: nothing measured
-            if seen != self._order:
-                self._order = seen
-                self._tell_order(seen)
             read = self._grads.read()
             if read is None:
                 return
             receiver.add_reduced(*read)
-            receiver.end_backward(scaled=True, reduced_scaled=receiver.grads_unscaled() is not True)
+            receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
         except Exception:
             receiver.fail("FSDP sharded gradients (reduced)", local=False)

@@ -1,13 +1,14 @@
-"""One process, no data parallelism: the gradients the optimizer sees, read when it steps.
+"""One process, no data parallelism: the gradients the optimizer would step with, before clipping.
 
-Without a reduction there is nothing to hook in backward: the local gradient *is* the
-reduced one. The source reads every tracked ``p.grad`` once, when the step's figures are
-first needed (the optimizer's step pre-hook, ``clip_grad_norm_`` or a guard), in one fused
-pass on the device, after any gradient accumulation, and hands the sums to the tracker on
-both sides. One pass per step instead of DDP's two, and no hook inside backward at all.
-With a ``GradScaler`` the read may come before or after ``scaler.unscale_``: the scaler's
-own record of that tells the tracker whether to divide the scale out. A fixed
-``loss_scale`` has no such record, so it is refused for a single process.
+Without a reduction the local gradient *is* the reduced one. The source reads every tracked
+``p.grad`` in one fused pass on the device when a backward ends (an autograd callback queued
+by the first gradient accumulated in that backward), and hands the sums over as both local
+and reduced. Read then, not when the optimizer steps, because frameworks clip between the two
+(Lightning, the HF Trainer, accelerate's ``clip_grad_norm_``): the global norm means the same
+in one process as on many ranks, the gradient before clipping. With gradient accumulation
+each backward reads the gradients accumulated so far, and the last one before the step is
+what the step reports (one pass per micro-batch). The read is in loss-scaled units (before
+``scaler.unscale_``); a fixed ``loss_scale`` is refused for a single process.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import itertools
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
-from .base import Receiver, first_device
+from .base import COMPILED_AUTOGRAD, Receiver, first_device, in_compiled_autograd
 
 __all__ = ["LocalSource", "GradSums"]
 
@@ -86,7 +88,6 @@ class LocalSource:
         (1, None)
     """
 
-    reads_in_backward = False  # gradients are read at the step, possibly already unscaled
     shard_ranks = None
     divide_factor_set = False
 
@@ -96,19 +97,42 @@ class LocalSource:
         self.world_size = 1
         self.device = first_device(module)
         self.receiver = receiver
-        self._grads = GradSums(list(grouping.params), list(grouping.param_layer), self.device)
+        self._params = list(grouping.params)
+        self._grads = GradSums(self._params, list(grouping.param_layer), self.device)
         self._n_layers = len(grouping.layers)
+        self._handles: list[RemovableHandle] = []
+        self._queued = False  # this backward's end is awaited
 
     def install(self) -> None:
-        # model order is the only order there is without a backward hook: NaN attribution
-        # names the first non-finite layer in model order
+        # model order is the only order there is: NaN attribution names the first non-finite
+        # layer in model order
         self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
+        for p in self._params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def remove(self) -> None:
-        """Nothing was registered: the gradients are read when the step begins."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def read_at_step(self) -> None:
+        """Nothing: the gradients were read when the step's last backward ended."""
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        """A gradient was accumulated: the first of a backward asks to read them all at its end."""
+        if self._queued or not self.receiver.active:
+            return
+        try:
+            if in_compiled_autograd():
+                raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._queued = True
+        except Exception:
+            self.receiver.fail("gradient read (single process)")
+
+    def _backward_done(self) -> None:
         """One fused pass over the tracked gradients, handed over as both local and reduced sums."""
+        self._queued = False
         receiver = self.receiver
         try:
             read = self._grads.read()
@@ -118,6 +142,6 @@ class LocalSource:
             receiver.begin_backward()
             receiver.add_local(runs, sums)
             receiver.add_reduced(runs, sums)
-            receiver.end_backward(scaled=receiver.grads_unscaled() is not True)
+            receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
         except Exception:
             receiver.fail("gradient read (single process)")
