@@ -243,12 +243,16 @@ def shut_down(
     linger_s: float,
     finished: bool,
     errors: ErrorCounter,
+    listed: bool = False,
 ) -> None:
     """Stop the export thread and the sinks, linger, withdraw the target, stop serving. Never raises.
 
     Each part on its own: one failing (a full disk under the log, say) is counted and logged,
     and the rest still shuts down. ``finished`` (a clean close): the clean-finish mark, the
     linger and the withdrawal of the file_sd target; without it the run reads as having died.
+    ``listed``: the job's endpoints are in a file_sd target file rank 0 withdraws after the
+    linger: every one serves the whole ``linger_s`` (an endpoint that stopped early would be a
+    listed target down; one that waited for its own scrapes cannot tell when the others did).
     """
 
     def quietly(site: str, fn: Callable[[], object]) -> None:
@@ -265,7 +269,12 @@ def shut_down(
         # Prometheus must scrape distmon_run_finished=1 before the target goes away, or the
         # vanished-metrics alert cannot tell a clean finish from a crash: serve until two scrapes
         # took the final state, at most linger_s; nobody scraped during the run, nobody waits.
-        if server.scrapes == 0:
+        if listed:
+            logger.warning(
+                "distmon: run finished; serving the final metrics %.0f s more (linger_s)", linger_s
+            )
+            time.sleep(linger_s)
+        elif server.scrapes == 0:
             logger.warning("distmon: run finished; /metrics was never scraped, so not serving on")
         else:
             logger.warning(

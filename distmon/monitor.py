@@ -287,6 +287,7 @@ class GradMonitor:
                 linger_s=self.config.linger_s,
                 finished=finished,
                 errors=self._errors,
+                listed=bool(self.config.file_sd_dir),
             )
 
     def __enter__(self) -> GradMonitor:

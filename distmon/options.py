@@ -176,7 +176,8 @@ OPTIONS: tuple[Option, ...] = (
         "30",
         "after a clean `close()`, keep serving until Prometheus scraped the final state "
         "(`distmon_run_finished=1`) twice, at most this many seconds; no wait when `/metrics` was "
-        "never scraped during the run, 0: stop at once. Announced on stderr (a warning)",
+        "never scraped during the run; with `file_sd_dir`, every endpoint serves the whole time (rank "
+        "0 withdraws the target file after it); 0: stop at once. Announced on stderr (a warning)",
         env="DISTMON_LINGER_S",
         env_type=float,
     ),
