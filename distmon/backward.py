@@ -62,7 +62,13 @@ class BackwardSums:
     """
 
     def __init__(
-        self, *, n_layers: int, device: torch.device, loss_scale: LossScale, errors: ErrorCounter
+        self,
+        *,
+        n_layers: int,
+        device: torch.device,
+        loss_scale: LossScale,
+        errors: ErrorCounter,
+        fixed_order: list[float] | None = None,
     ) -> None:
         self.device = device
         self.errors = errors
@@ -70,6 +76,9 @@ class BackwardSums:
         self.fold = LayerFold(n_layers, device)
         self.enabled = True  # False once the monitor closed
         self.order = LayerOrder(n_layers, device)
+        self._fixed = fixed_order is not None  # the sources' backward orders are not the job's
+        if fixed_order is not None:
+            self.order.set(fixed_order)
         self._collecting = False  # between a backward's first set of runs and its last
         self._local: Pending = []
         self._reduced: Pending = []
@@ -131,6 +140,14 @@ class BackwardSums:
         self.local_ok &= not local
         self.reduced_ok &= not reduced
 
+    def rescale(self, factor: float) -> None:
+        """The gradients whose sums were handed over were multiplied by ``factor`` since (a pipeline
+        schedule dividing by its micro-batch count): their sums of squares follow."""
+        # a single process hands over the same sums as local and reduced: scale each tensor once
+        unique = {id(t): t for _, sums in self._local + self._reduced for t in sums}
+        if unique:
+            torch._foreach_mul_(list(unique.values()), factor * factor)
+
     def local_unmeasured(self) -> None:
         """This step's local figures cannot be measured, and that is no failure (FSDP reduce-scattering
         on every micro-batch: no single reduce-scatter input holds the step's local gradient)."""
@@ -138,7 +155,8 @@ class BackwardSums:
 
     def set_layer_order(self, positions: list[float]) -> None:
         """Each layer's position in backward order, as the source learned it (rare: new layouts)."""
-        self.order.set(positions)
+        if not self._fixed:
+            self.order.set(positions)
 
     def grads_unscaled(self) -> bool | None:
         """Whether a ``GradScaler`` has already unscaled this step's gradients (None: no scaler)."""
@@ -156,10 +174,6 @@ class BackwardSums:
         if self.measured:
             self.fold(self._reduced, out)
             self._unscale(out, self._reduced_scaled)
-        self._reduced.clear()
-
-    def drop_reduced(self) -> None:
-        """Forget the reduced sums (a sharded model's other replicas add none)."""
         self._reduced.clear()
 
     def _unscale(self, sq: torch.Tensor, scaled: bool) -> None:

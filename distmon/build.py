@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ._version import __version__
 from .backward import BackwardSums
@@ -25,7 +26,7 @@ from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
 from .hostinfo import RankInfo
-from .lifecycle import Prepared, served_ranks
+from .lifecycle import Prepared, served_ranks, stage_layers
 from .loss_scale import LossScale
 from .noise_scale import NoiseScale
 from .prometheus_exporter import GradCollector, MetricsAggregate
@@ -33,7 +34,7 @@ from .ring import ExportBatch
 from .rows import RowPlan
 from .sinks import Sink, SinkWorker
 from .snapshot import Snapshot
-from .sources import first_device, source_for, trained_module
+from .sources import first_device, pipeline_stage, source_for, trained_module
 from .tracker import StepTracker
 
 __all__ = ["Built", "Hooks", "build_rank", "build_exports", "as_tuple", "unwrap_optimizer"]
@@ -99,6 +100,31 @@ class Built(NamedTuple):
     agreed: dict[str, str]
 
 
+def pipeline_layers(
+    model: torch.nn.Module, options: dict[str, object], *, me: RankInfo, group: dist.ProcessGroup | None
+) -> tuple[str, ...] | None:
+    """A pipeline stage's job: every stage's layers, agreed by all ranks (None for other models).
+
+    Each stage holds its own layers; the rows hold every stage's, in pipeline order. Called on
+    every rank before anything else is built; a failure on any rank raises alike on every one.
+    """
+    stage = pipeline_stage(model)
+    if stage is None:
+        return None
+    names, failure = None, None
+    try:
+        cfg = MonitorConfig.from_options(**options)
+        if cfg.activations:
+            raise ValueError(
+                "distmon: activations= is not supported with pipeline stages yet (each stage watches "
+                "other modules)"
+            )
+        names = build_grouping(trained_module(model), cfg.groups, max_layers=1 << 30).layers
+    except Exception as e:
+        failure = e
+    return stage_layers(me, stage=stage.stage_index, layers=names, failure=failure, group=group)
+
+
 def build_rank(
     model: torch.nn.Module,
     optimizer: object,
@@ -106,20 +132,33 @@ def build_rank(
     *,
     errors: ErrorCounter,
     exports: ExportQueue,
+    layers: tuple[str, ...] | None = None,
 ) -> Built:
     """The options, the source and the step tracker of one rank (raises what is wrong, naming the option).
 
     The tracker hands its exports to ``exports``; the export thread that reads it is built later.
+    ``layers``: the job's layers, when this rank's module holds some of them (a pipeline stage).
     """
     cfg = MonitorConfig.from_options(**options)
     optimizers = _optimizers(optimizer)
     module = trained_module(model)
-    grouping = build_grouping(module, cfg.groups, cfg.max_layers)
+    grouping = build_grouping(module, cfg.groups, cfg.max_layers, layers=layers)
     n_layers, device = len(grouping.layers), first_device(module)
     loss_scale = LossScale(cfg.scaler, cfg.loss_scale, device, optimizers)
-    sums = BackwardSums(n_layers=n_layers, device=device, loss_scale=loss_scale, errors=errors)
+    # a pipeline's backward runs through the stages from the last: each rank knows only its
+    # own, so non-finite attribution orders the job's layers the other way round from the model
+    fixed = [float(n_layers - 1 - i) for i in range(n_layers)] if layers is not None else None
+    sums = BackwardSums(
+        n_layers=n_layers, device=device, loss_scale=loss_scale, errors=errors, fixed_order=fixed
+    )
     source = source_for(
-        model, receiver=sums, grouping=grouping, comm_hook=cfg.comm_hook, comm_state=cfg.comm_state
+        model,
+        receiver=sums,
+        grouping=grouping,
+        comm_hook=cfg.comm_hook,
+        comm_state=cfg.comm_state,
+        replicated_over=cfg.replicated_over,
+        stage=pipeline_stage(model),
     )
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
@@ -127,7 +166,7 @@ def build_rank(
         n_layers=n_layers,
         world=source.world_size,
         rank_layers=cfg.rank_layers,
-        sharded=source.shard_ranks is not None,
+        partial=source.partial,
         vote=source.group is not None and cfg.export_interval_s > 0,
         batch=extra.batch_of_step is not None,
         watched=len(watched),
@@ -144,7 +183,7 @@ def build_rank(
         export_interval_s=cfg.export_interval_s,
         errors=errors,
         export=exports.put,
-        shard_ranks=source.shard_ranks,
+        partial=source.partial,
         detector=DeviceDetector(det_cfg, plan, device) if cfg.detect is not False else None,
         noise=NoiseScale(plan, alpha=cfg.gns_alpha, device=device) if extra.batch_of_step else None,
         batch_size=extra.batch_of_step,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple, Protocol, get_args
 
 import torch
+import torch.distributed as dist
 
 from .activations import ActivationSpec, ActivationWatch, select_modules, validate_activations
 from .detectors import DetectorConfig
@@ -64,6 +66,14 @@ def _env(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
+def _is_regex(text: str) -> bool:
+    try:
+        re.compile(text)
+    except re.error:
+        return False
+    return True
+
+
 def _digest(names: tuple[str, ...]) -> str:
     return f"{len(names)} [{hashlib.sha1(chr(10).join(names).encode()).hexdigest()[:10]}]"
 
@@ -74,6 +84,7 @@ class MonitorConfig:
 
     comm_hook: CommHook | None = None
     comm_state: object = None
+    replicated_over: dict[str, dist.ProcessGroup] | None = None
     export_every: int = 10
     export_interval_s: float = 5.0
     groups: GroupSpec = None
@@ -154,6 +165,8 @@ class MonitorConfig:
                 value = "a GradScaler" if value is not None else None
             elif name == "activation_every":
                 value = value or self.export_every
+            elif name == "replicated_over":
+                value = sorted(value) if value else None  # the patterns: each rank's groups differ
             shown[name] = repr(value) if not isinstance(value, str) else value
         return shown
 
@@ -177,6 +190,15 @@ class MonitorConfig:
         need(
             self.comm_hook is None or callable(self.comm_hook),
             f"comm_hook must be a DDP comm hook function (state, bucket) -> Future, got {self.comm_hook!r}",
+            TypeError,
+        )
+        need(
+            self.replicated_over is None
+            or isinstance(self.replicated_over, dict)
+            and all(isinstance(k, str) and _is_regex(k) for k in self.replicated_over)
+            and all(isinstance(g, dist.ProcessGroup) for g in self.replicated_over.values()),
+            f"replicated_over must be a dict of name regex -> torch.distributed ProcessGroup, "
+            f"got {self.replicated_over!r}",
             TypeError,
         )
         need(
@@ -330,10 +352,10 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
         watch = ActivationWatch(watched, device=source.device, errors=errors)
     ratio = None
     if cfg.update_ratio:
-        if source.shard_ranks is not None:
+        if source.partial:
             raise ValueError(
-                "distmon: update_ratio=True is not supported for FSDP models yet (a layer's "
-                "weights are sharded over ranks)"
+                "distmon: update_ratio=True is not supported when ranks hold parts of the model "
+                "(FSDP, tensor or pipeline parallelism) yet: a layer's weights are spread over ranks"
             )
         ratio = UpdateRatio(
             list(grouping.params),

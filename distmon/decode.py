@@ -68,7 +68,7 @@ class RowDecoder:
         bad: list[tuple[int, int]] = []  # (rank, layer)
         rank_errors: list[int] = []
         measured = row[Head.VALID] == 1.0  # this rank measured the reduced gradient (what it reports)
-        if f.reduced_ok is not None:  # a sharded model's reduced figures need every rank's shard
+        if f.reduced_ok is not None:  # a partial layout's reduced figures need every rank's part
             measured &= all(vals[f.reduced_ok] == 1.0 for vals in ranks)
         rank_valid: list[bool] = []
         for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):

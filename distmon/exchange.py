@@ -5,8 +5,8 @@ per-rank (pre-reduction) figures do, and they are needed only when rows are expo
 step sends at most one collective, on the source's process group:
 
 - an ordinary step, a SUM all-reduce of a few floats whatever the world size (rank 0's vote
-  for a time-bounded export; a sharded model's per-layer sums of its shard, from one replica
-  of each shard), or nothing at all when there is nothing to add up;
+  for a time-bounded export; a partial layout's per-layer sums of every rank's counted
+  shards, each distinct shard counted on one replica), or nothing at all when there is nothing to add up;
 - an export step, in its place, one all-gather of this rank's rows of every step since the
   last export (kept in a ring of ``export_every`` rows): the same bytes as a gather per step,
   one latency term per export instead of one per step.
@@ -67,7 +67,7 @@ class RankBuffers:
         n_layers = plan.step.n_layers
         self.send = torch.zeros(f.width, **f32)
         self.layer_sq = self.send[f.layers] if f.n_layer_cols else torch.zeros(n_layers, **f32)
-        self.partial_sq = self.send[f.partial]  # a sharded model's reduced sums of its shard
+        self.partial_sq = self.send[f.partial]  # the reduced sums of the parts this rank counts
         self.rows = torch.zeros(n_rows, f.width, **f32)  # kept rows, by ring slot
         self.summed = torch.zeros(f.reduced.stop - f.reduced.start, **f32)  # the all-reduce's buffer
         self._gathered = torch.zeros(self.world * n_rows * f.width, **f32)
@@ -208,9 +208,9 @@ class InFlight:
 class Exchange:
     """The per-step collective's schedule: export votes, issue, completion, where every rank's rows land.
 
-    ``shard_ranks``: a sharded model's ranks whose shards make up one reduced gradient (the
-    shard groups partition the ranks; the one holding rank 0 adds up every shard once, the
-    other replicas send zeros); None when every rank holds the whole reduced gradient.
+    ``partial``: each rank holds a part of the reduced gradient (shards, a pipeline stage): the
+    step's all-reduce adds up the per-layer sums of every rank's counted parts (``layout.py``);
+    otherwise every rank holds the whole reduced gradient and measures it alone.
 
     Example:
         >>> plan = RowPlan.build(n_layers=1, world=1)
@@ -229,7 +229,7 @@ class Exchange:
         export_every: int,
         export_interval_s: float,
         errors: ErrorCounter,
-        shard_ranks: list[int] | None = None,
+        partial: bool = False,
     ) -> None:
         self.plan, self.ring, self.errors = plan, ring, errors
         self.export_every, self.export_interval_s = export_every, export_interval_s
@@ -238,8 +238,7 @@ class Exchange:
         self.buffers = RankBuffers(plan, n_rows=export_every, group=group, device=ring.data.device)
         self.rank = self.buffers.rank
         f = plan.rank
-        self.sharded = shard_ranks is not None
-        self.adds_shard = self.sharded and 0 in (shard_ranks or ())
+        self.partial = partial
         self.votes = LaggedVote(ring.data.device) if f.vote is not None else None
         self._voter = self.votes is not None and self.rank == 0
         self._vote_sent = 0.0  # rank 0's vote as written in its send row
@@ -292,7 +291,7 @@ class Exchange:
     def complete(self) -> None:
         """Wait for the collective in flight and put what it brought where it belongs.
 
-        Every rank's rows into the ring rows of their steps; a sharded model's reduced sums
+        Every rank's rows into the ring rows of their steps; a partial layout's reduced sums
         into the step's row (from the all-reduce, or added up from the export's gathered
         shard sums); rank 0's vote on its way to the host.
         """
@@ -304,13 +303,13 @@ class Exchange:
             buf.wait()
             vote = None
             if flight.out is None:  # the all-reduce
-                if self.sharded:
+                if self.partial:
                     self.ring.layers(flight.last).copy_(buf.summed[len(buf.summed) - f.n_partial :])
                 if f.vote is not None:
                     vote = buf.summed[:1]
             else:
                 self._store(flight.first, flight.last, flight.out)
-                if flight.kind == "export" and self.sharded:
+                if flight.kind == "export" and self.partial:
                     self.ring.layers(flight.last).copy_(flight.out[:, -1, f.partial].sum(0))
                 if flight.kind == "export" and f.vote is not None:
                     vote = flight.out[0, -1, f.vote : f.vote + 1]

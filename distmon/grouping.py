@@ -97,11 +97,14 @@ def validate_groups(groups: GroupSpec) -> GroupFn:
     )
 
 
-def build_grouping(module: torch.nn.Module, groups: GroupSpec, max_layers: int) -> Grouping:
+def build_grouping(
+    module: torch.nn.Module, groups: GroupSpec, max_layers: int, layers: Sequence[str] | None = None
+) -> Grouping:
     """Group the trainable parameters of ``module`` (tied parameters counted once).
 
     Names are the model's own (:func:`plain_name`): ``torch.compile``, activation checkpointing
-    and FSDP wrappers never change a label.
+    and FSDP wrappers never change a label. ``layers``: the job's layers in order, when this
+    module holds only some of them (a pipeline stage): the layer indices are the job's.
 
     Example:
         >>> g = build_grouping(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(),
@@ -124,7 +127,7 @@ def build_grouping(module: torch.nn.Module, groups: GroupSpec, max_layers: int) 
     if not params:
         raise ValueError("distmon: the model has no trainable parameters to monitor")
     order: dict[str, int] = {}
-    for label in labels:
+    for label in layers if layers is not None else labels:
         order.setdefault(label, len(order))
     if len(order) > max_layers:
         keep = [label for label, i in order.items() if i < max_layers - 1]

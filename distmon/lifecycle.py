@@ -39,6 +39,7 @@ __all__ = [
     "prepare",
     "agree",
     "differences",
+    "stage_layers",
     "serves",
     "served_ranks",
     "announce",
@@ -55,6 +56,7 @@ class Peer:
     endpoint: str | None  # "host:port" it serves metrics on, if it serves
     failure: tuple[str, int, str] | None = None  # (exception type, errno, message) if it cannot start
     agreed: Mapping[str, str] | None = None  # the options every rank must set alike (config.AGREED)
+    layers: tuple[int, tuple[str, ...] | None] | None = None  # a pipeline stage: (stage, its layers)
 
 
 def serves(serve: str, rank: int, local_rank: int) -> bool:
@@ -191,16 +193,22 @@ def agree(
     everyone: list[Peer] = hostinfo.exchange(
         Peer(me, run_id, endpoint, failure=failure and _describe(failure), agreed=agreed), group
     )
+    _raise_failures(everyone, failure)
+    differ = differences(everyone)
+    if differ is None:
+        return everyone
+    raise ValueError(
+        f"distmon: GradMonitor did not start on any rank: options differ between ranks: {differ}. "
+        "Every rank must set them alike (a difference hangs or aborts the job at the monitor's "
+        "first collective): check each node's DISTMON_* environment and the arguments"
+    )
+
+
+def _raise_failures(everyone: Sequence[Peer], failure: BaseException | None) -> None:
+    """Raise, on every rank alike, the error naming each rank that failed (nothing if none did)."""
     failed = [p for p in everyone if p.failure is not None]
     if not failed:
-        differ = differences(everyone)
-        if differ is None:
-            return everyone
-        raise ValueError(
-            f"distmon: GradMonitor did not start on any rank: options differ between ranks: {differ}. "
-            "Every rank must set them alike (a difference hangs or aborts the job at the monitor's "
-            "first collective): check each node's DISTMON_* environment and the arguments"
-        )
+        return
     kind, code, _ = failed[0].failure
     detail = "; ".join(f"rank {p.info.rank} ({p.info.hostname}): {p.failure[2]}" for p in failed)
     message = f"distmon: GradMonitor did not start on any rank: {detail}"
@@ -211,6 +219,38 @@ def agree(
     if failure is not None:
         raise error from failure
     raise error
+
+
+def stage_layers(
+    me: RankInfo,
+    *,
+    stage: int,
+    layers: tuple[str, ...] | None,
+    failure: BaseException | None,
+    group: dist.ProcessGroup | None,
+) -> tuple[str, ...]:
+    """The job's layers in pipeline order: every stage's, first stage first (one collective).
+
+    Each rank tells its stage and that stage's layers (the model's qualified names); call on
+    every rank whatever happened locally: a failure anywhere raises the same error everywhere.
+
+    Example:
+        >>> stage_layers(RankInfo(0, 0, "h", ""), stage=0, layers=("emb", "b0"), failure=None, group=None)
+        ('emb', 'b0')
+    """
+    told = (stage, layers)
+    everyone: list[Peer] = hostinfo.exchange(
+        Peer(me, None, None, failure=failure and _describe(failure), layers=told), group
+    )
+    _raise_failures(everyone, failure)
+    by_stage: dict[int, tuple[str, ...]] = {}
+    for p in everyone:
+        s, names = p.layers or (0, ())
+        by_stage.setdefault(s, names or ())
+    union: dict[str, None] = {}
+    for s in sorted(by_stage):
+        union.update(dict.fromkeys(by_stage[s]))
+    return tuple(union)
 
 
 # Prometheus needs a moment to notice a withdrawn file_sd target; closing at once would show it

@@ -12,10 +12,11 @@ import queue
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 from . import hostinfo
 from .activations import ActivationSpec
-from .build import Built, Hooks, build_exports, build_rank
+from .build import Built, Hooks, build_exports, build_rank, pipeline_layers
 from .clip import Clipper
 from .config import GuardMode, Scheduler, ServeMode
 from .detectors import DetectorConfig
@@ -77,6 +78,7 @@ class GradMonitor:
         *,
         comm_hook: CommHook | None = None,
         comm_state: object = None,
+        replicated_over: dict[str, ProcessGroup] | None = None,
         export_every: int | None = None,
         export_interval_s: float | None = None,
         groups: GroupSpec = None,
@@ -113,13 +115,13 @@ class GradMonitor:
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
+        layers = pipeline_layers(model, options, me=me, group=group)  # a pipeline stage's job
         # Everything that can fail, on this rank: built, bound, hooked where it can be undone.
-        built: Built | None = None
-        hooks: Hooks | None = None
-        proposal: str | None = None  # this rank's run id; rank 0's wins
-        prepared, failure = Prepared(), None
+        built: Built | None
+        hooks: Hooks | None
+        built, hooks, proposal, prepared, failure = None, None, None, Prepared(), None  # rank 0's run id wins
         try:
-            built = build_rank(model, optimizer, options, errors=self._errors, exports=exports)
+            built = build_rank(model, optimizer, options, errors=self._errors, exports=exports, layers=layers)
             proposal = hostinfo.resolve_run_id(built.cfg.run_id)
             prepared = prepare(built.cfg, me, proposal)
             hooks = Hooks(built)

@@ -57,6 +57,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("comm_state", "DDP's process group", "the state `comm_hook` is called with"),
     Option(
+        "replicated_over",
+        "None",
+        "`{regex: process_group}`: parameters (qualified names matching) that no DDP/FSDP wrapper "
+        "reduces, whose gradient the model's own code makes identical over that group (experts "
+        "reduced over their expert-data-parallel group, say): each distinct copy counts once "
+        "([Parallel layouts](#parallel-layouts)); such a parameter undeclared is refused",
+        agreed=True,
+    ),
+    Option(
         "export_every",
         "10",
         "steps between host copies of the device ring (snapshots of every step arrive in batches)",

@@ -10,7 +10,7 @@ and writes them through these names:
                | vote | partial      (the last two: what the ordinary step's all-reduce adds up)
 
 A region of size 0 is absent (its slice is empty, its index None): ``noise`` without
-``batch_size``, ``partial`` without a sharded model, and so on.
+``batch_size``, ``partial`` when every rank holds the whole reduced gradient, and so on.
 
 Example:
     >>> plan = RowPlan.build(n_layers=3, world=2, rank_layers=True)
@@ -118,11 +118,11 @@ class RankRow:
     non-finite layer follow from them where read); without, ``total_sq`` and
     ``first_nonfinite`` (layer index, -1 if none): two floats whatever the number of layers.
     Then ``errors`` (its monitor error count) and ``valid`` (its local figures were measured);
-    ``reduced_ok`` (a sharded model: its shard of the reduced gradient was measured), ``batch``
+    ``reduced_ok`` (a partial layout: its counted parts of the reduced gradient were measured), ``batch``
     (the noise scale: its batch this step), ``act_first`` (activations: its first non-finite
     module, -1 if none). The row ends with :attr:`reduced`, what an ordinary step's all-reduce
     adds up: ``vote`` (rank 0's "export now", with a time-bounded export) and ``partial`` (a
-    sharded model: the per-layer sums of squares of its shard).
+    partial layout: the per-layer sums of squares of the parts it counts).
 
     Example:
         >>> r = RankRow(n_layers=3, rank_layers=True, vote=True)
@@ -135,13 +135,13 @@ class RankRow:
         *,
         n_layers: int,
         rank_layers: bool,
-        sharded: bool = False,
+        partial: bool = False,
         batch: bool = False,
         activations: bool = False,
         vote: bool = False,
     ) -> None:
         self.n_layer_cols = n_layers if rank_layers else 0
-        self.n_partial = n_layers if sharded else 0
+        self.n_partial = n_layers if partial else 0
         self.schema = s = Schema(
             [
                 ("layers", self.n_layer_cols),
@@ -149,7 +149,7 @@ class RankRow:
                 ("first_nonfinite", 0 if rank_layers else 1),
                 ("errors", 1),
                 ("valid", 1),
-                ("reduced_ok", 1 if sharded else 0),
+                ("reduced_ok", 1 if partial else 0),
                 ("batch", 1 if batch else 0),
                 ("act_first", 1 if activations else 0),
                 ("vote", 1 if vote else 0),
@@ -254,7 +254,7 @@ class RowPlan:
         n_layers: int,
         world: int,
         rank_layers: bool = True,
-        sharded: bool = False,
+        partial: bool = False,
         vote: bool = False,
         batch: bool = False,
         watched: int = 0,
@@ -265,7 +265,7 @@ class RowPlan:
         rank = RankRow(
             n_layers=n_layers,
             rank_layers=rank_layers,
-            sharded=sharded,
+            partial=partial,
             batch=batch,
             activations=watched > 0,
             vote=vote,

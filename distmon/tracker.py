@@ -69,7 +69,7 @@ class StepTracker:
     ``step + 1``. An ordinary step costs the source's two fused passes over the gradients
     (local and reduced), one fold of each into per-layer sums, the copy of this rank's row
     into the rows kept for the next export and a fixed-size all-reduce (rank 0's export vote, a
-    sharded model's shard sums; none when there is neither), whose wait is left to the next
+    partial layout's shard sums; none when there is neither), whose wait is left to the next
     step. Judging a row waits for the export, batched over the steps since the last one,
     unless a step's figures are needed before its ``optimizer.step()`` (guard,
     ``clip_grad_norm_``). In one process (no group) nothing is issued.
@@ -101,7 +101,7 @@ class StepTracker:
         errors: ErrorCounter,
         export: Callable[[ExportBatch], None],
         export_interval_s: float = 0.0,
-        shard_ranks: list[int] | None = None,
+        partial: bool = False,
         detector: DeviceDetector | None = None,
         noise: NoiseScale | None = None,
         batch_size: Callable[[], float] | None = None,
@@ -119,7 +119,7 @@ class StepTracker:
             export_every=export_every,
             export_interval_s=export_interval_s,
             errors=errors,
-            shard_ranks=shard_ranks,
+            partial=partial,
         )
         self.judge = Judge(plan.step, detector=detector, noise=noise, errors=errors)
         self.batch_size = batch_size  # this rank's batch this step, for the gradient noise scale
@@ -200,10 +200,8 @@ class StepTracker:
         """This rank's row of the step: its local sums, its shard's reduced sums, its flags."""
         buf = ex.buffers
         sums.fold_local(buf.layer_sq)
-        if ex.adds_shard:  # this rank's shard of the reduced gradient
+        if ex.partial:  # the reduced sums of the parts this rank counts
             sums.fold_reduced(buf.partial_sq)
-        elif ex.sharded:
-            sums.drop_reduced()
         buf.pack(
             sums.order.device,
             errors=self.errors.count,
@@ -233,7 +231,7 @@ class StepTracker:
         self._read_gradients()
         sums = self.sums
         try:
-            if not self.exchange.sharded:  # a sharded model's come with the step's collective
+            if not self.exchange.partial:  # a partial layout's come with the step's collective
                 sums.fold_reduced(self.ring.layers(step))
             valid = sums.reduced_ok and sums.measured
         except Exception:
@@ -245,8 +243,8 @@ class StepTracker:
         return row
 
     def _reduced_now(self) -> torch.Tensor:
-        """The step in progress's row with its reduced sums in (a sharded model's need its collective)."""
-        if self.exchange.sharded:
+        """The step in progress's row with its reduced sums in (a partial layout's need its collective)."""
+        if self.exchange.partial:
             self.before_step()
             self.exchange.complete()  # a stream wait on NCCL; the shards' sums are needed now
         return self.row()

@@ -5,7 +5,7 @@ built from its config, ``max_grad_norm``, ``gradient_accumulation_steps=2``,
 ``DistmonCallback``; ``launch/examples/accelerate_example.py``: ``accelerator.prepare``,
 ``accelerator.accumulate``, ``accelerator.clip_grad_norm_``, ``GradMonitor`` on the prepared
 objects) run in one torchrun job of 2 gloo ranks and in one plain process
-(``tests/framework_hf_job.py``; each configuration is described there). Every figure is
+(``tests/jobs/hf_job.py``; each configuration is described there). Every figure is
 compared with references that do not come from distmon:
 
 - global and per-layer norms: float64 norms of the reduced ``p.grad`` copied just before the
@@ -36,7 +36,7 @@ from ddp_harness import free_port, sample_value
 pytestmark = pytest.mark.slow  # real ranks and frameworks
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "tests" / "framework_hf_job.py"
+JOB = ROOT / "tests" / "jobs" / "hf_job.py"
 FRAMEWORKS = ["hf", "accelerate"]
 WORLD = 2
 TOL = 1e-6  # relative, the acceptance bound

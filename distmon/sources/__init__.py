@@ -13,12 +13,14 @@ FSDP2 model, which means the job imported FSDP2 itself already.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..grouping import Grouping
+from ..layout import counts, declared_group, spec_of
 from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
 from .ddp import CommHook, DDPSource
 from .local import LocalSource
@@ -33,6 +35,8 @@ __all__ = [
     "is_fsdp",
     "first_device",
     "uncompiled",
+    "pipeline_stage",
+    "CompositeSource",
 ]
 
 
@@ -55,13 +59,20 @@ def trained_module(model: torch.nn.Module) -> torch.nn.Module:
         >>> net = torch.nn.Linear(2, 2); trained_module(torch.compile(net)) is net
         True
     """
-    model = uncompiled(model)
+    stage = pipeline_stage(model)
+    model = uncompiled(stage.submod if stage is not None else model)
     if isinstance(model, DistributedDataParallel):
         return uncompiled(model.module)
         return model.module
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def _nd(ddp: DistributedDataParallel) -> bool:
+    """Whether this DDP model is one dimension of a larger job: tensor-parallel parameters it
+    localized, or parameters it leaves to the model's own code (experts)."""
+    return bool(getattr(ddp, "parameters_to_ignore", None)) or any(map(spec_of, ddp.module.parameters()))
 
 
 def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
@@ -74,12 +85,128 @@ def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
         >>> process_group(torch.nn.Linear(2, 2)) is None   # no torch.distributed here
         True
     """
-    model = uncompiled(model)
-    if isinstance(model, DistributedDataParallel):
-        return model.process_group
+    if pipeline_stage(model) is None:
+        model = uncompiled(model)
+        if isinstance(model, DistributedDataParallel) and not _nd(model):
+            return model.process_group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def pipeline_stage(model: object) -> object | None:
+    """The ``torch.distributed.pipelining`` stage ``model`` is (its ``.submod`` is measured), or None."""
+    pipelining = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(pipelining, "_PipelineStageBase", None)
+    return model if base is not None and isinstance(model, base) else None
+
+
+class CompositeSource:
+    """A data-parallel source and a reader of the parameters it does not reduce (``alongside``)."""
+
+    def __init__(self, primary: Source, extra: Source) -> None:
+        self.primary, self.extra = primary, extra
+        self.module, self.group, self.world_size = primary.module, primary.group, primary.world_size
+        self.device, self.partial = primary.device, primary.partial
+        self.divide_factor_set = primary.divide_factor_set
+
+    def install(self) -> None:
+        self.primary.install()
+        try:
+            self.extra.install()
+        except BaseException:
+            self.primary.remove()
+            raise
+
+    def remove(self) -> None:
+        self.extra.remove()
+        self.primary.remove()
+
+    def read_at_step(self) -> None:
+        self.primary.read_at_step()
+        self.extra.read_at_step()
+
+    def read_pending(self) -> None:
+        self.primary.read_pending()
+        self.extra.read_pending()
+
+
+class PipelineSource:
+    """A pipeline stage's source: the gradients its schedule divides by the micro-batch count when
+    the step's backwards are done (``stage.scale_grads``) are what the optimizer steps with, so the
+    sums taken before are divided alike, and what is left to read is read after it."""
+
+    def __init__(self, inner: Source, stage: object, receiver: Receiver) -> None:
+        self.inner, self.stage, self.receiver = inner, stage, receiver
+        self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
+        self.device, self.partial = inner.device, inner.partial
+        self.divide_factor_set = inner.divide_factor_set
+        self._scale: Callable[[int], None] | None = None
+
+    def install(self) -> None:
+        self.inner.install()
+        inner_scale = self.stage.scale_grads
+
+        def scale_grads(grad_scale_factor: int) -> None:
+            inner_scale(grad_scale_factor)
+            try:
+                if grad_scale_factor != 1:
+                    self.receiver.rescale(1.0 / grad_scale_factor)
+                self.inner.read_pending()
+            except Exception:
+                self.receiver.fail("pipeline stage gradient scale")
+
+        self.stage.scale_grads = self._scale = scale_grads
+
+    def remove(self) -> None:
+        if self._scale is not None and vars(self.stage).get("scale_grads") is self._scale:
+            del self.stage.scale_grads
+        self.inner.remove()
+
+    def read_at_step(self) -> None:
+        self.inner.read_at_step()
+
+    def read_pending(self) -> None:
+        self.inner.read_pending()
+
+
+def _undeclared(name: str, world: int) -> ValueError:
+    return ValueError(
+        f"distmon: parameter {name!r} is reduced by no DDP or FSDP wrapper and is no DTensor, on a "
+        f"{world}-rank job: distmon cannot tell which ranks hold copies of its gradient. Declare the "
+        f"group over which the model's own code makes it identical: GradMonitor(..., "
+        f"replicated_over={{r'<name pattern>': process_group}}) (a group of one rank: its gradient "
+        f"is this rank's own)"
+    )
+
+
+def _counted(
+    grouping: Grouping,
+    *,
+    declared: dict[str, dist.ProcessGroup],
+    covered: set[int] | None,
+    replicated_rank: int | None,
+    alone: bool,
+    mesh: object | None = None,
+) -> list[bool]:
+    """Per tracked parameter: whether this rank's part of its reduced gradient counts in the job's.
+
+    ``covered``: ids of the parameters a DDP wrapper replicates over its group (``replicated_rank``
+    is this rank's rank there); a parameter outside it must be a DTensor or declared, unless
+    this rank is ``alone`` with its parameters (a pipeline stage of one rank).
+    """
+    out = []
+    for name, p in zip(grouping.param_names, grouping.params):
+        match = declared_group(name, declared)
+        if match is not None:
+            out.append(counts(p, replicated_rank=match[1].rank()))
+        elif covered is not None and id(p) in covered:
+            out.append(counts(p, replicated_rank=replicated_rank, mesh=mesh))
+        elif spec_of(p) is not None or alone:
+            out.append(counts(p))
+        else:
+            raise _undeclared(name, dist.get_world_size())
+    return out
 
 
 def source_for(
@@ -89,13 +216,17 @@ def source_for(
     grouping: Grouping,
     comm_hook: CommHook | None = None,
     comm_state: object = None,
+    replicated_over: dict[str, dist.ProcessGroup] | None = None,
+    stage: object | None = None,
 ) -> Source:
-    """The source that measures ``model``, or a ``TypeError`` saying what is supported.
+    """The source that measures ``model``, or an error saying what is supported and the way out.
 
     A DDP model is measured in its comm hook, an FSDP2 model (``fully_shard``) around its
-    reduce-scatters and in its sharded gradients; a plain module only in a single process (no
-    ``torch.distributed``, or a world of one), where its gradients are the ones the optimizer
-    sees.
+    reduce-scatters and in its sharded gradients, anything else when each backward ends: a
+    single process's module; on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
+    module, parameters declared ``replicated_over`` a group. Where a rank holds a part of the
+    reduced gradient (shards, a stage, a copy counted elsewhere) the source is *partial*; a
+    pipeline ``stage``'s follows its schedule's scaling of the gradients.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -103,27 +234,86 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
+    source = _source_for(
+        model,
+        receiver=receiver,
+        grouping=grouping,
+        comm_hook=comm_hook,
+        comm_state=comm_state,
+        replicated_over=replicated_over,
+        stage=stage,
+    )
+    return source if stage is None else PipelineSource(source, stage, receiver)
+
+
+def _source_for(
+    model: torch.nn.Module,
+    *,
+    receiver: Receiver,
+    grouping: Grouping,
+    comm_hook: CommHook | None = None,
+    comm_state: object = None,
+    replicated_over: dict[str, dist.ProcessGroup] | None = None,
+    stage: object | None = None,
+) -> Source:
     model = uncompiled(model)  # torch.compile(model): the module it compiles is measured
+    if stage is not None:
+        model = uncompiled(stage.submod)
     if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
         raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
+    declared = dict(replicated_over or {})
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        return DDPSource(
-            model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+        reduced_by_ddp = {id(p) for p in model.parameters() if p.requires_grad}
+        outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
+        nd = stage is not None or bool(declared) or bool(outside) or any(map(spec_of, grouping.params))
+        if not nd:  # DDP is the whole job: every rank holds the whole reduced gradient
+            return DDPSource(
+                model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+            )
+        counted = _counted(
+            grouping,
+            declared=declared,
+            covered=reduced_by_ddp,
+            replicated_rank=model.process_group.rank(),
+            alone=False,
+            mesh=getattr(model, "device_mesh", None),
         )
+        ddp = DDPSource(
+            model,
+            receiver=receiver,
+            grouping=grouping,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            counted=counted,
+        )
+        if not outside:
+            return ddp
+        extra = LocalSource(
+            model.module,
+            receiver=receiver,
+            grouping=grouping,
+            counted=counted,
+            params=outside,
+            alongside=True,
+        )
+        return CompositeSource(ddp, extra)
     trained_module(model)  # a TypeError for what is no module
+    if comm_hook is not None:
+        raise TypeError("distmon: comm_hook is a DDP option; only a DDP model has a DDP comm hook")
     if is_fsdp(model):
-        if comm_hook is not None:
-            raise TypeError("distmon: comm_hook is a DDP option; an FSDP model has no DDP comm hook")
         from .fsdp import FSDPSource
 
-        return FSDPSource(model, receiver=receiver, grouping=grouping)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world > 1:
+        counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=False)
+        return FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)
+    if world == 1:
+        return LocalSource(model, receiver=receiver, grouping=grouping)
+    alone = stage is not None and getattr(stage, "group_size", 0) == world  # one rank per stage
+    if stage is None and not declared and not any(map(spec_of, grouping.params)):
         raise TypeError(
-            f"distmon: GradMonitor on {world} ranks needs a DistributedDataParallel model, got "
-            f"{type(model).__name__} (or an FSDP2 fully_shard model; a plain module is measured only "
-            "in a single process)"
+            f"distmon: GradMonitor on {world} ranks needs a DistributedDataParallel or FSDP2 "
+            f"(fully_shard) model, tensor-parallel DTensor parameters, or a pipeline stage; got "
+            f"{type(model).__name__} (a plain module is measured alone only in a single process)"
         )
-    if comm_hook is not None:
-        raise TypeError("distmon: comm_hook is a DDP option; a single-process module has no comm hook")
-    return LocalSource(model, receiver=receiver, grouping=grouping)
+    counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=alone)
+    return LocalSource(model, receiver=receiver, grouping=grouping, counted=counted)

@@ -88,6 +88,8 @@ class Receiver(Protocol):
 
     def local_unmeasured(self) -> None: ...
 
+    def rescale(self, factor: float) -> None: ...
+
     def set_layer_order(self, positions: list[float]) -> None: ...
 
     def grads_unscaled(self) -> bool | None: ...
@@ -99,17 +101,18 @@ class Source(Protocol):
     Built with its :class:`Receiver` and checked by its constructor (which raises for a model
     it cannot measure) before anything is installed; :meth:`install` registers its hooks,
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
-    (None in one process: where the monitor's own collective runs), ``shard_ranks`` the ranks
-    whose shards make up one reduced gradient (a sharded model; None when every rank holds all
-    of it), and ``divide_factor_set`` whether the reduction is not the ranks' mean. Every source
-    reads gradients in backward, before any loss scale was divided out or any clipping done.
+    (None in one process: where the monitor's own collective runs), ``partial`` whether each
+    rank holds only a part of the reduced gradient (shards, a pipeline stage: the job's figures
+    are the sum of every rank's counted parts, :mod:`distmon.layout`), and ``divide_factor_set``
+    whether the reduction is not the ranks' mean. Every source reads gradients in backward,
+    before any loss scale was divided out or any clipping done.
     """
 
     module: torch.nn.Module
     group: dist.ProcessGroup | None
     world_size: int
     device: torch.device
-    shard_ranks: list[int] | None
+    partial: bool
     divide_factor_set: bool
 
     def install(self) -> None: ...
@@ -118,6 +121,10 @@ class Source(Protocol):
 
     def read_at_step(self) -> None:
         """Measure gradients that are read when the step's figures are first needed (not in backward)."""
+        ...
+
+    def read_pending(self) -> None:
+        """Read now what a backward finished outside autograd left to read (a pipeline stage's FSDP)."""
         ...
 
 

@@ -12,7 +12,8 @@ No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` anno
 Python comm hook when it is registered, and a string annotation fails that check.
 """
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,10 @@ class BucketLayout(Runs):
     split_sizes: list[int]  # chunks covering the whole flat buffer: runs, untracked parameters, gaps
     pick: list[int] | None  # chunk indices that are runs; None = all chunks
     sparse: bool = False
+    # the runs whose reduced part this rank counts (None: all, every rank holds the whole reduced
+    # gradient of a DDP model that is the whole job), as a run set of their own
+    counted: Runs | None = None
+    counted_pick: list[int] | None = None  # indices into the runs' views
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The runs' views of a flat tensor laid out like the bucket (DDP's buffer or a hook's result)."""
@@ -90,6 +95,17 @@ class BucketLayout(Runs):
         if self.sparse:
             return [sparse_sq_sum(flat)]
         return sq_sums(views if views is not None else self.views(flat))
+
+    def measure_counted(
+        self, flat: torch.Tensor, views: list[torch.Tensor] | None = None
+    ) -> tuple[Runs, list[torch.Tensor]] | None:
+        """The counted runs and their sums of squares (the reduced side's share); None if none count."""
+        if self.counted is None or self.counted_pick is None:
+            return self, self.measure(flat, views)
+        if not self.counted_pick:
+            return None
+        views = views if views is not None else self.views(flat)
+        return self.counted, sq_sums([views[i] for i in self.counted_pick])
 
 
 class BucketLayouts:
@@ -110,9 +126,15 @@ class BucketLayouts:
     """
 
     def __init__(
-        self, grouping: Grouping, device: torch.device, on_order: Callable[[list[float]], None]
+        self,
+        grouping: Grouping,
+        device: torch.device,
+        on_order: Callable[[list[float]], None],
+        counted: Sequence[bool] | None = None,
     ) -> None:
         self.device = device
+        self.counted = counted  # per tracked slot: its reduced part counts here (None: all do)
+        self._seqs = itertools.count()
         self.slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self.param_layer = grouping.param_layer
         self.n_layers = len(grouping.layers)
@@ -158,16 +180,20 @@ class BucketLayouts:
             slots = [self.slot_of.get(id(p)) for p in params]
             self._note_positions(bucket, slots)
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
+            counts = self.counted is None or all(self.counted[s] for s in slots if s is not None)
             return BucketLayout(
                 layer_ids=ids,
                 layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
-                seq=len(self._layouts),
+                seq=next(self._seqs),
                 split_sizes=[],
                 pick=None,
                 sparse=True,
+                counted=None if counts else Runs((), torch.zeros(0, dtype=torch.int64), seq=next(self._seqs)),
+                counted_pick=None if counts else [],
             )
         base, itemsize = flat.data_ptr(), flat.element_size()
-        chunks: list[list[int]] = []  # [size, layer, largest parameter]; layer -1: untracked or gap
+        # [size, layer, largest parameter, counted]; layer -1: untracked or gap
+        chunks: list[list[int]] = []
         cursor = 0
         slots: list[int | None] = []
         for p, g in zip(params, bucket.gradients()):
@@ -175,29 +201,48 @@ class BucketLayouts:
             if offset < cursor:
                 raise RuntimeError("distmon: overlapping gradient views in a DDP bucket")
             if offset > cursor:
-                chunks.append([offset - cursor, -1, 0])
+                chunks.append([offset - cursor, -1, 0, 0])
             slot = self.slot_of.get(id(p))
             slots.append(slot)
             layer = -1 if slot is None else self.param_layer[slot]
+            count = 1 if slot is None or self.counted is None or self.counted[slot] else 0
             # a complex parameter lies in the (real) buffer as its real view: twice its numel
             n = p.numel() * (2 if p.is_complex() else 1)
             run = chunks[-1] if chunks else None
-            if layer >= 0 and run and run[1] == layer and run[0] + n <= max(run[2], n) + RUN_SLACK:
+            if (
+                layer >= 0
+                and run
+                and run[1] == layer
+                and run[3] == count
+                and run[0] + n <= max(run[2], n) + RUN_SLACK
+            ):
                 run[0] += n  # right after a parameter of the same layer: one run
                 run[2] = max(run[2], n)
             else:
-                chunks.append([n, layer, n])
+                chunks.append([n, layer, n, count])
             cursor = offset + n
         if cursor < flat.numel():
-            chunks.append([flat.numel() - cursor, -1, 0])
+            chunks.append([flat.numel() - cursor, -1, 0, 0])
         self._note_positions(bucket, slots)
-        pick = [i for i, (_, layer, _) in enumerate(chunks) if layer >= 0]
+        pick = [i for i, c in enumerate(chunks) if c[1] >= 0]
+        ids = [chunks[i][1] for i in pick]
+        counted_pick = [k for k, i in enumerate(pick) if chunks[i][3]]
+        counted = None
+        if len(counted_pick) < len(pick):  # some runs are copies counted on another rank
+            counted_ids = tuple(ids[k] for k in counted_pick)
+            counted = Runs(
+                counted_ids,
+                torch.tensor(counted_ids, dtype=torch.int64, device=self.device),
+                seq=next(self._seqs),
+            )
         return BucketLayout(
-            layer_ids=tuple(chunks[i][1] for i in pick),
-            layers=torch.tensor([chunks[i][1] for i in pick], dtype=torch.int64, device=self.device),
-            seq=len(self._layouts),
-            split_sizes=[size for size, _, _ in chunks],
+            layer_ids=tuple(ids),
+            layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            seq=next(self._seqs),
+            split_sizes=[c[0] for c in chunks],
             pick=None if len(pick) == len(chunks) else pick,
+            counted=counted,
+            counted_pick=counted_pick if counted is not None else None,
         )
 
     def _note_positions(self, bucket: dist.GradBucket, slots: list[int | None]) -> None:
@@ -277,7 +322,6 @@ class DDPSource:
         >>> source.install(); ...; source.remove()                      # doctest: +SKIP
     """
 
-    shard_ranks = None
     divide_factor_set = False
 
     def __init__(
@@ -288,10 +332,15 @@ class DDPSource:
         grouping: Grouping,
         comm_hook: CommHook | None = None,
         comm_state: object = None,
+        counted: Sequence[bool] | None = None,
     ) -> None:
         self.model = model
         self.module = model.module
-        self.group: dist.ProcessGroup = model.process_group
+        # counted: DDP is one dimension of a larger job (tensor parallelism, a pipeline stage):
+        # every rank adds the parts it counts, over the job's default group; else the job is
+        # DDP's group, on whose every rank the reduced gradient is whole
+        self.partial = counted is not None
+        self.group: dist.ProcessGroup = dist.group.WORLD if self.partial else model.process_group
         self.world_size = self.group.size()
         self.device = first_device(model.module)
         self.receiver = receiver
@@ -299,8 +348,8 @@ class DDPSource:
         # No hook given: DDP's own arithmetic, over DDP's own group (not WORLD: a DDP replica on
         # a subgroup must stay one). A hook given is called exactly as the user wrote it.
         self.inner_hook = comm_hook or ddp_allreduce_hook
-        self.inner_state = comm_state if comm_hook is not None else self.group
-        self.layouts = BucketLayouts(grouping, self.device, receiver.set_layer_order)
+        self.inner_state = comm_state if comm_hook is not None else model.process_group
+        self.layouts = BucketLayouts(grouping, self.device, receiver.set_layer_order, counted)
 
     def install(self) -> None:
         slot = self._existing
@@ -315,6 +364,9 @@ class DDPSource:
             hooks[0][1].source = None
 
     def read_at_step(self) -> None:
+        """Nothing: DDP's buckets were measured in backward."""
+
+    def read_pending(self) -> None:
         """Nothing: DDP's buckets were measured in backward."""
 
     def measure_local(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future], object] | None:
@@ -357,7 +409,9 @@ class DDPSource:
                 same = (
                     views is not None and flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
                 )
-                receiver.add_reduced(layout, layout.measure(flat, views if same else None))
+                counted = layout.measure_counted(flat, views if same else None)
+                if counted is not None:
+                    receiver.add_reduced(*counted)
             except Exception:
                 receiver.fail("comm hook (reduced gradients)", local=False)
             return result

@@ -17,8 +17,10 @@ Two points, read where FSDP2 itself holds the two gradients:
   shards: counted once).
 
 Refused at construction, never measured wrongly: several parameter groups in one unit
-(per-parameter meshes via ``shard_placement_fn``), a mesh that does not span the job, a
-shard group of one rank (no reduce-scatter to read: use DDP).
+(per-parameter meshes via ``shard_placement_fn``), a shard group of one rank (no reduce-scatter
+to read: use DDP). Units may shard over different meshes (experts over their own), a mesh may
+be a slice of the job (a pipeline stage's ranks, tensor parallelism's data-parallel slice):
+which shards count is decided per parameter from its placements (``layout.counts``).
 A unit reduce-scatters only the parameters that have a gradient (an unused one is left out):
 which ones, distmon notes as FSDP's ``post_backward`` begins, and measures the input laid
 out for them. A unit that reduce-scatters on every micro-batch (FSDP2's default under
@@ -142,7 +144,11 @@ class FSDPSource:
         >>> source.install(); ...; source.remove()                         # doctest: +SKIP
     """
 
-    def __init__(self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping) -> None:
+    partial = True  # each rank holds shards: the job's figures are the sum of every rank's counted ones
+
+    def __init__(
+        self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping, counted: Sequence[bool]
+    ) -> None:
         self.module = model
         self.units: list[tuple[FSDPModule, FSDPParamGroup]] = []
         for name, m in model.named_modules():
@@ -159,30 +165,18 @@ class FSDPSource:
                 self.units.append((m, groups[0]))
         if not self.units:
             raise ValueError("distmon: no fully_shard module holds parameters in this model")
-        world = dist.get_world_size()
-        shard_pgs = {id(g._reduce_scatter_process_group): g for _, g in self.units}
-        if len(shard_pgs) > 1:
-            raise ValueError("distmon: every fully_shard unit must use the same device mesh")
-        pgroup = self.units[0][1]
-        mesh_size = pgroup.mesh_info.mesh.size()
-        if mesh_size != world:
+        # each unit's shard group (units may shard over different meshes: experts over theirs)
+        self._shard_world = [g._reduce_scatter_process_group.size() for _, g in self.units]
+        if min(self._shard_world) < 2:
             raise ValueError(
-                f"distmon: the FSDP mesh spans {mesh_size} of the job's {world} ranks; distmon's "
-                "collective runs on every rank, so the mesh must span the job"
-            )
-        shard_pg = pgroup._reduce_scatter_process_group
-        if shard_pg.size() < 2:
-            raise ValueError(
-                "distmon: the FSDP shard group has one rank (nothing is reduce-scattered): use "
+                "distmon: an FSDP unit's shard group has one rank (nothing is reduce-scattered): use "
                 "DistributedDataParallel, which distmon measures in its comm hook"
             )
         # set_gradient_divide_factor: the reduced gradient is no longer the ranks' mean
         self.divide_factor_set = any(g.gradient_divide_factor is not None for _, g in self.units)
-        self.group = dist.group.WORLD
-        self.world_size = world
-        self.shard_world = shard_pg.size()
-        self.shard_ranks: list[int] | None = dist.get_process_group_ranks(shard_pg)
-        self.device = pgroup.device
+        self.group = dist.group.WORLD  # the job: every rank adds its counted shards
+        self.world_size = dist.get_world_size()
+        self.device = self.units[0][1].device
         self.receiver = receiver
         self._seqs = itertools.count()  # the run sets' seq numbers, local and reduced alike
         self._layouts: list[_UnitLayout] = []
@@ -191,6 +185,7 @@ class FSDPSource:
         self._present: dict[int, tuple[bool, ...]] = {}  # per unit, noted as its post_backward began
         self._repeated = False  # a unit reduce-scattered twice this step: no local figures
         self._queued = False  # this backward's end is awaited
+        self._pending = False  # ... by read_pending: its post-backward ran outside autograd
         self._told_repeated = False
         self._inner: list[ReduceScatter] = []
         self._post_backward: list[_NotingPostBackward] = []
@@ -206,14 +201,22 @@ class FSDPSource:
                 )
         self._slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self._param_layer = grouping.param_layer
-        self._layouts = [self._layout(g) for _, g in self.units]
+        self._layouts = [self._layout(i) for i in range(len(self.units))]
+        # the reduced read: the shards this rank counts (HSDP's other replicas and TP's replicated
+        # parameters off coordinate 0 hold copies counted elsewhere)
+        kept = [i for i, c in enumerate(counted) if c]
         self._grads = GradSums(
-            list(grouping.params), list(grouping.param_layer), self.device, _local, seqs=self._seqs
+            [grouping.params[i] for i in kept],
+            [grouping.param_layer[i] for i in kept],
+            self.device,
+            _local,
+            seqs=self._seqs,
         )
         self._n_layers = len(grouping.layers)
 
-    def _layout(self, pgroup: FSDPParamGroup, present: tuple[bool, ...] | None = None) -> _UnitLayout:
+    def _layout(self, unit: int, present: tuple[bool, ...] | None = None) -> _UnitLayout:
         """The reduce-scatter input's runs, with every trainable parameter or those ``present``."""
+        pgroup = self.units[unit][1]
         trainable = [fp for fp in pgroup.fsdp_params if fp.sharded_param.requires_grad]
         columns: list[list[int]] = []  # [start, stop, layer]
         cursor = 0
@@ -229,7 +232,7 @@ class FSDPSource:
                 columns.append([cursor, cursor + n, layer])
             cursor += n
         pick = [i for i, c in enumerate(columns) if c[2] >= 0]
-        world, n = self.shard_world, len(columns)
+        world, n = self._shard_world[unit], len(columns)
         ids = tuple(columns[i][2] for _ in range(world) for i in pick)
         return _UnitLayout(
             layer_ids=ids,
@@ -294,20 +297,24 @@ class FSDPSource:
             if in_compiled_autograd():
                 raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
             receiver.begin_backward()
-            if not self._queued:  # read the reduced shards once this backward has assigned them
+            if self._queued:
+                pass
+            elif torch._C._current_graph_task_id() != -1:  # read the shards once the backward assigned them
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 self._queued = True
+            else:  # FSDP's post-backward run outside autograd (a pipeline stage's last one)
+                self._queued = self._pending = True
             if unit in self._seen:  # reduce-scatter on every micro-batch: see read_at_step
                 self._repeated = True
                 return
             self._seen[unit] = None
             layout = self._layouts[unit]
-            if flat.numel() != layout.per_rank * self.shard_world:  # some parameters had no gradient
+            if flat.numel() != layout.per_rank * self._shard_world[unit]:  # some parameters had no gradient
                 present = self._present.get(unit)
                 layout = self._partial.get((unit, present)) if present is not None else None
                 if layout is None and present is not None:
-                    layout = self._partial[(unit, present)] = self._layout(self.units[unit][1], present)
-                if layout is None or flat.numel() != layout.per_rank * self.shard_world:
+                    layout = self._partial[(unit, present)] = self._layout(unit, present)
+                if layout is None or flat.numel() != layout.per_rank * self._shard_world[unit]:
                     raise RuntimeError(
                         "distmon: an FSDP unit's reduce-scatter input does not match its parameters "
                         "with gradients: its local figures are not measured"
@@ -332,8 +339,15 @@ class FSDPSource:
                 first.setdefault(layer, (pos, -layer))
         self.receiver.set_layer_order(backward_positions(first, self._n_layers))
 
+    def read_pending(self) -> None:
+        """A backward whose reduce-scatters ran outside autograd: read its shards now."""
+        if self._pending:
+            self._pending = False
+            self._backward_done()
+
     def read_at_step(self) -> None:
         """The step begins: a unit reduce-scattered twice leaves no local figures; learn the order."""
+        self.read_pending()
         receiver = self.receiver
         seen, self._seen = tuple(self._seen), {}
         if self._repeated:
@@ -361,10 +375,9 @@ class FSDPSource:
         self._queued = False
         receiver = self.receiver
         try:
-            read = self._grads.read()
-            if read is None:
-                return
-            receiver.add_reduced(*read)
+            read = self._grads.read()  # None: no shard this rank counts has a gradient
+            if read is not None:
+                receiver.add_reduced(*read)
             receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
         except Exception:
             receiver.fail("FSDP sharded gradients (reduced)", local=False)

@@ -14,9 +14,10 @@ what the step reports (one pass per micro-batch). The read is in loss-scaled uni
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from ..grouping import Grouping
@@ -78,35 +79,64 @@ class GradSums:
 
 
 class LocalSource:
-    """Measurements of a plain ``nn.Module`` trained by one process (no ``torch.distributed`` needed).
+    """Gradients no data-parallel wrapper reduces, read when each backward ends.
+
+    A single process's module (no ``torch.distributed`` needed): local and reduced are the same
+    gradient. On several ranks (``counted`` given: tensor parallelism without a data-parallel
+    wrapper, a pipeline stage of its own, parameters the model's own code reduces over a group
+    the user declared), each rank's gradient is its part: its local figures are all of it, and
+    the job's reduced figures add up the parts it counts (the rest are copies counted elsewhere).
+    ``alongside`` a DDP source (parameters DDP ignores), it only adds its sums to that backward's.
 
     Example:
         >>> from distmon.grouping import build_grouping
         >>> net = torch.nn.Linear(2, 2)
         >>> source = LocalSource(net, receiver=None, grouping=build_grouping(net, None, 8))
-        >>> source.world_size, source.group
-        (1, None)
+        >>> source.world_size, source.group, source.partial
+        (1, None, False)
     """
 
-    shard_ranks = None
     divide_factor_set = False
 
-    def __init__(self, module: torch.nn.Module, *, receiver: Receiver, grouping: Grouping) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        receiver: Receiver,
+        grouping: Grouping,
+        counted: Sequence[bool] | None = None,
+        params: Sequence[torch.nn.Parameter] | None = None,
+        alongside: bool = False,
+    ) -> None:
         self.module = module
-        self.group = None  # one process: the monitor's "collective" is a local copy
-        self.world_size = 1
+        self.partial = counted is not None
+        # one process: no collective; several: the job's default group, where every rank is
+        self.group = dist.group.WORLD if self.partial else None
+        self.world_size = dist.get_world_size() if self.partial else 1
         self.device = first_device(module)
         self.receiver = receiver
-        self._params = list(grouping.params)
-        self._grads = GradSums(self._params, list(grouping.param_layer), self.device)
+        self.alongside = alongside
+        chosen = {id(p) for p in params} if params is not None else None
+        slots = [i for i, p in enumerate(grouping.params) if chosen is None or id(p) in chosen]
+        self._params = [grouping.params[i] for i in slots]
+        layer_of = list(grouping.param_layer)
+        self._grads = GradSums(self._params, [layer_of[i] for i in slots], self.device)
+        kept = [i for i in slots if counted is None or counted[i]]
+        # the reduced side: the parts this rank counts (all of them in one process)
+        self._counted = (
+            None
+            if len(kept) == len(slots)
+            else GradSums([grouping.params[i] for i in kept], [layer_of[i] for i in kept], self.device)
+        )
         self._n_layers = len(grouping.layers)
         self._handles: list[RemovableHandle] = []
         self._queued = False  # this backward's end is awaited
 
     def install(self) -> None:
-        # model order is the only order there is: NaN attribution names the first non-finite
-        # layer in model order
-        self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
+        if not self.alongside:
+            # model order is the only order there is: NaN attribution names the first non-finite
+            # layer in model order
+            self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
         for p in self._params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
@@ -117,6 +147,9 @@ class LocalSource:
 
     def read_at_step(self) -> None:
         """Nothing: the gradients were read when the step's last backward ended."""
+
+    def read_pending(self) -> None:
+        """Nothing is left: every backward's end was awaited in autograd."""
 
     def _accumulated(self, param: torch.Tensor) -> None:
         """A gradient was accumulated: the first of a backward asks to read them all at its end."""
@@ -131,7 +164,7 @@ class LocalSource:
             self.receiver.fail("gradient read (single process)")
 
     def _backward_done(self) -> None:
-        """One fused pass over the tracked gradients, handed over as both local and reduced sums."""
+        """One fused pass over the tracked gradients: the local sums, and the counted ones as reduced."""
         self._queued = False
         receiver = self.receiver
         try:
@@ -139,9 +172,13 @@ class LocalSource:
             if read is None:
                 return  # no gradient at all: nothing measured, the step is invalid
             runs, sums = read
-            receiver.begin_backward()
+            counted = read if self._counted is None else self._counted.read()
+            if not self.alongside:
+                receiver.begin_backward()
             receiver.add_local(runs, sums)
-            receiver.add_reduced(runs, sums)
-            receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
+            if counted is not None:
+                receiver.add_reduced(*counted)
+            if not self.alongside:
+                receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
         except Exception:
             receiver.fail("gradient read (single process)")

@@ -1,6 +1,6 @@
 """The rank side of tests/test_framework_hf.py: the example scripts, and float64 references beside them.
 
-``python tests/framework_hf_job.py OUT`` (one process) or under ``torchrun --nproc-per-node 2``
+``python tests/jobs/hf_job.py OUT`` (one process) or under ``torchrun --nproc-per-node 2``
 runs, in one process per rank, each configuration of each framework, as the examples in
 ``launch/examples/`` build them (a Hugging Face ``Trainer``; an accelerate loop):
 
@@ -42,8 +42,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), os.path.dirname(__file__)]
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_DIR]
 
 import accelerate_example  # noqa: E402
 import hf_trainer_example  # noqa: E402

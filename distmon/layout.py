@@ -1,0 +1,155 @@
+"""Where every gradient lives: which part of each parameter's reduced gradient this rank holds,
+whether that part counts in the job's figures, and this rank's place in each parallel dimension.
+
+The job's reduced figures must count every distinct shard of every parameter exactly once. A
+rank's part of a parameter's reduced gradient is a *replica* along the mesh dimensions where
+the parameter is replicated (``Replicate`` placements, DDP's group, HSDP's replicate dimension,
+a group the user declares with ``replicated_over=``) and a distinct *shard* along the others
+(``Shard`` placements: FSDP's shard dimension, tensor parallelism, experts; pipeline stages hold
+disjoint parameters). So a part counts on exactly one replica: the one at coordinate 0 of every
+dimension it is replicated over. Each rank adds up the sums of squares of its counted parts, and
+one SUM all-reduce over the job gives the exact figures (:mod:`distmon.exchange`).
+
+Coordinates name a rank's place for people (per-rank series labels, the rank a NaN began on) and
+for the rank-outlier detector, which compares only ranks that hold the same shards: the same
+tensor-parallel, pipeline and expert coordinates, a different data-parallel one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Coordinates", "counts", "spec_of", "declared_group", "DP_DIMS", "COORD_LABELS"]
+
+# mesh dimension names that are data parallelism (torchtitan's, FSDP's, HSDP's, common ones)
+DP_DIMS = ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "fsdp", "hsdp", "replicate", "shard", "dp_cp")
+COORD_LABELS = ("dp_rank", "tp_rank", "pp_stage", "ep_rank")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """A rank's place in the job: its data-parallel rank, tensor-parallel rank, pipeline stage and
+    expert-parallel rank (None where the job has no such dimension).
+
+    Example:
+        >>> c = Coordinates(dp=1, tp=0, pp=2)
+        >>> c.labels(), c.peers()
+        ({'dp_rank': '1', 'tp_rank': '0', 'pp_stage': '2'}, (0, 2, None))
+    """
+
+    dp: int = 0
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+
+    def labels(self) -> dict[str, str]:
+        """The per-rank series labels of the dimensions the job has (bounded: ranks in each)."""
+        values = {"dp_rank": self.dp, "tp_rank": self.tp, "pp_stage": self.pp, "ep_rank": self.ep}
+        return {k: str(v) for k, v in values.items() if v is not None}
+
+    def peers(self) -> tuple[int | None, int | None, int | None]:
+        """What ranks that hold the same shards share (all but the data-parallel coordinate)."""
+        return (self.tp, self.pp, self.ep)
+
+
+def spec_of(param: torch.Tensor) -> object | None:
+    """The DTensor spec of a parameter: its own, or the one DDP's tensor-parallel support
+    (``_pre_dp_module_transform``) kept on a parameter it localized (``_st_info``)."""
+    spec = getattr(param, "_spec", None)
+    if spec is not None and hasattr(spec, "placements"):
+        return spec
+    return getattr(param, "_st_info", None)
+
+
+PP_DIMS = ("pp",)  # mesh dimensions whose slices hold different parameters (pipeline stages)
+
+
+def first_copy(meshes: Sequence[object]) -> bool:
+    """Whether this rank is at coordinate 0 of every dimension of the root mesh that ``meshes`` (a
+    parameter's own and its wrapper's) do not span: its slices there hold copies (a module left
+    out of tensor parallelism repeats over that dimension, say), pipeline dimensions apart (stages
+    hold different parameters). A dimension is spanned when a rank along it from this one is in
+    one of ``meshes``.
+    """
+    root = meshes[0]._get_root_mesh()
+    if any(m is root for m in meshes):
+        return True
+    members = {r for m in meshes for r in m.mesh.flatten().tolist()}
+    coord = root.get_coordinate()
+    me = dist.get_rank()
+    names = root.mesh_dim_names or ()
+    for dim in range(root.ndim):
+        if dim < len(names) and names[dim] in PP_DIMS:
+            continue
+        line = root.mesh[tuple(slice(None) if i == dim else c for i, c in enumerate(coord))].tolist()
+        spanned = any(r in members for r in line if r != me)
+        if not spanned and coord[dim] != 0:
+            return False
+    return True
+
+
+def counts(param: torch.Tensor, *, replicated_rank: int | None = None, mesh: object | None = None) -> bool:
+    """Whether this rank's part of ``param``'s reduced gradient counts in the job's figures.
+
+    It counts at coordinate 0 of every mesh dimension where the parameter is replicated: its own
+    ``Replicate`` placements, the dimensions of the root mesh its mesh (or ``mesh``, the device
+    mesh of the wrapper that holds it) does not span (:func:`first_copy`), and at rank 0 of the
+    group over which something else replicates it (``replicated_rank``: DDP's group, a declared
+    group). ``Partial`` placements are refused: a partial sum's local sum of squares says nothing
+    about the whole.
+
+    Example:
+        >>> counts(torch.nn.Parameter(torch.ones(2))), counts(torch.ones(2), replicated_rank=1)
+        (True, False)
+    """
+    ok = replicated_rank in (None, 0)
+    spec = spec_of(param)
+    meshes = [m for m in (spec.mesh if spec is not None else None, mesh) if m is not None]
+    if meshes and not first_copy(meshes):
+        ok = False
+    if spec is None:
+        return ok
+    for dim, placement in enumerate(spec.placements):
+        if placement.is_partial():
+            raise ValueError(
+                "distmon: a parameter placed as Partial has no local part whose sum of squares is "
+                "its own; distmon measures Shard and Replicate placements"
+            )
+        if placement.is_replicate() and spec.mesh.get_local_rank(dim) != 0:
+            ok = False
+    return ok
+
+
+def declared_group(
+    name: str, declared: Mapping[str, dist.ProcessGroup]
+) -> tuple[str, dist.ProcessGroup] | None:
+    """The ``replicated_over=`` entry whose pattern matches parameter ``name`` (first match), or None.
+
+    Example:
+        >>> declared_group("experts.0.w1", {r"^experts\\.": "g"})
+        ('^experts\\\\.', 'g')
+    """
+    for pattern, group in declared.items():
+        if re.search(pattern, name):
+            return pattern, group
+    return None
+
+
+def mesh_coordinates(specs: Sequence[object]) -> dict[str, int]:
+    """This rank's coordinate along each named mesh dimension the parameters' specs use.
+
+    Example:
+        >>> mesh_coordinates([])
+        {}
+    """
+    coords: dict[str, int] = {}
+    for spec in specs:
+        mesh = spec.mesh
+        for dim, name in enumerate(mesh.mesh_dim_names or ()):
+            coords.setdefault(name, mesh.get_local_rank(dim))
+    return coords
