@@ -248,7 +248,8 @@ OPTIONS: tuple[Option, ...] = (
         "update_ratio",
         "False",
         "per-layer update-to-weight ratio `\\|Δθ\\|/\\|θ\\|` on export steps (one copy of the "
-        "parameters is kept for it; not with FSDP)",
+        "parameters is kept for it; not when ranks hold parts of the model: FSDP, tensor or "
+        "pipeline parallelism)",
         agreed=True,
     ),
 )
@@ -282,5 +283,20 @@ def options_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
-    print(options_table(), end="")
+def write_readme(path: str) -> None:
+    """Replace the option table in the README at ``path`` (the table after its marker line)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("| option | env | default | meaning |")
+    stop = text.index("\n\n", start) + 1
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[:start] + options_table() + text[stop:])
+
+
+if __name__ == "__main__":  # python -m distmon.options [--write README.md]
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        write_readme(sys.argv[2])
+    else:
+        print(options_table(), end="")
