@@ -26,6 +26,7 @@ from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
 from .hostinfo import RankInfo
+from .layout import Coordinates, coordinates
 from .lifecycle import Prepared, served_ranks, stage_layers
 from .loss_scale import LossScale
 from .noise_scale import NoiseScale
@@ -36,6 +37,7 @@ from .sinks import Sink, SinkWorker
 from .snapshot import Snapshot
 from .sources import first_device, pipeline_stage, source_for, trained_module
 from .tracker import StepTracker
+from .verify import DirectNorm
 
 __all__ = ["Built", "Hooks", "build_rank", "build_exports", "as_tuple", "unwrap_optimizer"]
 
@@ -98,6 +100,7 @@ class Built(NamedTuple):
     tracker: StepTracker
     loss_scale: LossScale
     agreed: dict[str, str]
+    coords: Coordinates | None  # this rank's place in each parallel dimension (several of them)
 
 
 def pipeline_layers(
@@ -174,6 +177,7 @@ def build_rank(
         update_ratio=extra.ratio is not None,
     )
     det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
+    stage = pipeline_stage(model)
     tracker = StepTracker(
         plan,
         sums=sums,
@@ -190,9 +194,23 @@ def build_rank(
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
+        check=DirectNorm(
+            list(zip(grouping.param_names, grouping.params)),
+            declared=cfg.replicated_over or {},
+            stage_group=stage.group if stage is not None else None,
+        )
+        if source.partial
+        else None,
     )
     agreed = cfg.agreed(grouping.layers, watched)
+    coords = coordinates(
+        grouping.params,
+        stage=stage.stage_index if stage is not None else None,
+        dp_rank=source.dp_rank,
+        meshes=source.meshes,
+    )
     return Built(
+        coords=coords,
         cfg=cfg,
         optimizers=optimizers,
         grouping=grouping,
@@ -238,6 +256,12 @@ def build_exports(
     if prepared.log is not None:
         workers.append(SinkWorker("JSONL log", prepared.log, errors, close=prepared.log.close))
     detect = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
+    coords = [info.coords for info in peers_info]
+    if tracker.judge.detector is not None and any(coords):  # rank outliers: like against like
+        groups: dict[tuple[int | None, ...], list[int]] = {}
+        for info in peers_info:
+            groups.setdefault(info.coords.peers() if info.coords else (), []).append(info.rank)
+        tracker.judge.detector.compare_within(list(groups.values()))
     decoder = RowDecoder(
         built.plan,
         layers=built.grouping.layers,
@@ -245,6 +269,7 @@ def build_exports(
         order=tracker.sums.order,
         detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
         watched=tracker.activations.names if tracker.activations else (),
+        coords=coords if any(coords) else None,
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
     return thread, aggregate

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from .backward import LayerOrder
 from .detectors import DetectorDecoder
+from .layout import Coordinates
 from .ring import StepInfo
 from .rows import Head, Noise, RowPlan, earliest_nonfinite
 from .snapshot import AnomalyEvent, Snapshot
@@ -49,6 +50,7 @@ class RowDecoder:
         order: LayerOrder,
         detector: DetectorDecoder | None = None,
         watched: Sequence[str] = (),
+        coords: Sequence[Coordinates | None] | None = None,
     ) -> None:
         self.plan = plan
         self.layers = tuple(layers)
@@ -56,6 +58,7 @@ class RowDecoder:
         self.order = order
         self.detector = detector
         self.watched = tuple(watched)  # modules whose forward outputs are watched
+        self.coords = coords  # each rank's place in each parallel dimension (several of them)
 
     def decode(self, info: StepInfo, row: list[float]) -> Snapshot:
         step, f = self.plan.step, self.plan.rank
@@ -91,6 +94,7 @@ class RowDecoder:
             layer = earliest_nonfinite(layer_sq, order)
             if layer >= 0:
                 first = (-1, self.layers[layer])
+        where = self.coords[first[0]] if self.coords and first is not None and first[0] >= 0 else None
         snap = Snapshot(
             step=info.step,
             timestamp=info.timestamp,
@@ -103,6 +107,7 @@ class RowDecoder:
             nonfinite=first is not None or (measured and not math.isfinite(grad_norm)),
             nonfinite_ranks=[r for r, _ in bad],
             first_nonfinite=first,
+            first_nonfinite_coords=where.labels() if where is not None else None,
             monitor_errors=sum(rank_errors),
             rank_monitor_errors=rank_errors,
             valid=measured,

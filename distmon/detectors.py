@@ -276,14 +276,35 @@ class DeviceDetector:
         self.history = torch.full((cfg.median_window,), math.nan, **f32)
         self.below = torch.zeros((), **f32)
         self.held = torch.zeros(n, **f32)  # consecutive spiking steps per column, kept out of the state
-        self.dev_var = torch.full((), math.nan, **f32)  # cross-rank log-norm variance, EMA
-        self._consistency = _trimmed_consistency(world)
+        self._device = device
+        self.compare_within([list(range(world))])
         self.updates = 0  # host count of rows seen: the warm-up and history slots need no device read
         self.rank_updates = 0  # the same for update_ranks
         self._log_ratio = math.log(cfg.spike_ratio)
         self._log_floor = math.log(cfg.vanishing_norm)
         # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
         self._max_run = min(cfg.median_window, stable_run(cfg.ema_alpha))
+
+    def compare_within(self, groups: Sequence[Sequence[int]]) -> None:
+        """Rank outliers compare only the ranks of each group: those that hold the same shards (the
+        same tensor-parallel, pipeline and expert coordinates), never unlike ones. One group of
+        every rank by default; a group of fewer than 3 ranks has no outlier to tell apart.
+
+        Example:
+            >>> from distmon.rows import RowPlan
+            >>> det = DeviceDetector(DetectorConfig(), RowPlan.build(n_layers=1, world=4, detector=True),
+            ...                      torch.device("cpu"))
+            >>> det.compare_within([[0, 2], [1, 3]]); det.dev_var.shape
+            torch.Size([2])
+        """
+        self._groups = [torch.tensor(list(g), dtype=torch.long, device=self._device) for g in groups]
+        # cross-rank log-norm variance of each group, EMA over steps
+        self.dev_var = torch.full((len(groups),), math.nan, dtype=torch.float32, device=self._device)
+        self._consistency = [_trimmed_consistency(len(g)) for g in groups]
+        small = torch.ones(self.world, dtype=torch.bool, device=self._device)
+        for g in groups:
+            small[list(g)] = len(g) < 3
+        self._small = small
 
     def update(self, rows: torch.Tensor) -> None:
         """Judge a run of consecutive valid steps' reduced figures, write their columns, advance the state.
@@ -367,10 +388,8 @@ class DeviceDetector:
                 self.update_ranks(rows[i : i + self._max_run])
             return
         score, rank, top = self._rank_outliers(rows)
-        outlier = top > self.cfg.outlier_score
+        outlier = (top > self.cfg.outlier_score) & ~self._small[rank]
         outlier[: max(0, self.cfg.warmup_steps - self.rank_updates)] = False
-        if self.world < 3:
-            outlier.zero_()
         self.rank_updates += len(rows)
         out = rows[:, self.step_row.detector]
         out[:, Verdict.OUTLIER : len(Verdict)] = torch.stack([outlier.float(), rank.float(), top], 1)
@@ -382,6 +401,15 @@ class DeviceDetector:
         ok = gathered[..., self.fields.valid] == 1.0
         x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
+        score = torch.zeros_like(x)
+        for g, ranks in enumerate(self._groups):
+            if len(ranks) >= 2:
+                score[:, ranks] = self._group_scores(x[:, ranks], g)
+        best_score, best = score.max(1)
+        return score, best, best_score
+
+    def _group_scores(self, x: torch.Tensor, g: int) -> torch.Tensor:
+        """One group's scores: each rank's distance from the group's median, in EMA scales."""
         dev = (x - torch.nanmedian(x, 1, keepdim=True).values).abs()
         # scale: EMA over steps of the ranks' mean squared deviation without the largest one,
         # so a rank that stays bad (or is bad from the start) never inflates the scale
@@ -391,16 +419,14 @@ class DeviceDetector:
         top = torch.where(missing, 0.0, d2).max(1).values
         trim = n >= 3
         trimmed = (torch.nansum(d2, 1) - torch.where(trim, top, 0.0)) / (n - trim.long()).clamp(min=1)
-        m2 = torch.where(n >= 2, trimmed * self._consistency, math.nan)
-        seeded = ~torch.isnan(self.dev_var)
-        var0, judged, used = _seed(self.dev_var, seeded, m2, torch.isfinite(m2))
+        m2 = torch.where(n >= 2, trimmed * self._consistency[g], math.nan)
+        state = self.dev_var[g]
+        var0, judged, used = _seed(state, ~torch.isnan(state), m2, torch.isfinite(m2))
         var, var_after = prefix_ema(var0, m2, used, self.cfg.ema_alpha)
         var = torch.where(judged, var, math.nan)  # no scale yet: the floor
         scale = torch.sqrt(var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
-        score = (dev / scale[:, None]).nan_to_num(0.0)
-        self.dev_var.copy_(var_after)
-        best_score, best = score.max(1)
-        return score, best, best_score
+        state.copy_(var_after)
+        return (dev / scale[:, None]).nan_to_num(0.0)
 
 
 class DetectorDecoder:

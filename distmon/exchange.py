@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import sums
 from .errors import ErrorCounter
 from .ring import DeviceRing
-from .rows import RowPlan
+from .rows import Head, RowPlan
 
 __all__ = ["Exchange", "InFlight", "RankBuffers", "LaggedVote"]
 
@@ -304,19 +304,27 @@ class Exchange:
             vote = None
             if flight.out is None:  # the all-reduce
                 if self.partial:
-                    self.ring.layers(flight.last).copy_(buf.summed[len(buf.summed) - f.n_partial :])
+                    at = f.reduced_ok - f.reduced.start
+                    self._land_partial(flight.last, buf.summed[at + 1 :], buf.summed[at])
                 if f.vote is not None:
                     vote = buf.summed[:1]
             else:
                 self._store(flight.first, flight.last, flight.out)
+                last = flight.out[:, -1]
                 if flight.kind == "export" and self.partial:
-                    self.ring.layers(flight.last).copy_(flight.out[:, -1, f.partial].sum(0))
+                    self._land_partial(flight.last, last[:, f.partial].sum(0), last[:, f.reduced_ok].sum())
                 if flight.kind == "export" and f.vote is not None:
                     vote = flight.out[0, -1, f.vote : f.vote + 1]
             if vote is not None and self.votes is not None:
                 self.votes.post(flight.last, vote)
         except Exception:
             self.errors.record("rank exchange (wait)")
+
+    def _land_partial(self, step: int, layer_sq: torch.Tensor, measured: torch.Tensor) -> None:
+        """A partial layout's reduced figures of ``step``: the job's sums, valid only if every rank
+        measured its parts (``measured``, the sum of the ranks' ``reduced_ok``, is the world)."""
+        self.ring.layers(step).copy_(layer_sq)
+        self.ring.row(step)[Head.VALID].mul_(measured == self.buffers.world)
 
     def _store(self, first: int, last: int, out: torch.Tensor, ranks: slice = slice(None)) -> None:
         """Write ``out`` (``(ranks, k, width)``: each rank's rows of steps ``first..last``) into the ring."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .layout import Coordinates
+
 __all__ = ["RankInfo", "resolve_run_id", "local_rank_info", "exchange"]
 
 
@@ -23,11 +25,14 @@ class RankInfo:
     hostname: str
     gpu_uuid: str  # "GPU-..." as DCGM reports it, "" off GPU
     node: str = ""  # hostname, plus torchrun's node rank (GROUP_RANK) when set
+    coords: Coordinates | None = None  # its place in each parallel dimension (several of them)
 
     def labels(self) -> dict[str, str]:
         out = {"rank": str(self.rank), "local_rank": str(self.local_rank), "hostname": self.hostname}
         if self.gpu_uuid:
             out["gpu_uuid"] = self.gpu_uuid
+        if self.coords is not None:
+            out.update(self.coords.labels())
         return out
 
 

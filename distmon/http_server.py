@@ -461,6 +461,10 @@ class MetricServer:
                 self._scraped.notify_all()
         return http_response(head[0], head[1], b"".join(body))
 
+    def url(self, host: str) -> str:
+        """Where this endpoint serves metrics, for clients that reach it as ``host``."""
+        return f"{self.scheme}://{'[' + host + ']' if ':' in host else host}:{self.port}/metrics"
+
     def wait_for_scrapes(self, count: int, timeout: float) -> bool:
         """Wait until ``count`` scrapes were answered (at most ``timeout`` s); whether they were."""
         with self._scraped:

@@ -24,10 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Coordinates", "counts", "spec_of", "declared_group", "DP_DIMS", "COORD_LABELS"]
+__all__ = ["Coordinates", "counts", "coordinates", "spec_of", "declared_group", "COORD_LABELS"]
 
-# mesh dimension names that are data parallelism (torchtitan's, FSDP's, HSDP's, common ones)
-DP_DIMS = ("dp", "dp_replicate", "dp_shard", "dp_shard_cp", "fsdp", "hsdp", "replicate", "shard", "dp_cp")
 COORD_LABELS = ("dp_rank", "tp_rank", "pp_stage", "ep_rank")
 
 
@@ -39,7 +37,7 @@ class Coordinates:
     Example:
         >>> c = Coordinates(dp=1, tp=0, pp=2)
         >>> c.labels(), c.peers()
-        ({'dp_rank': '1', 'tp_rank': '0', 'pp_stage': '2'}, (0, 2, None))
+        ({'dp_rank': '1', 'tp_rank': '0', 'pp_stage': '2', 'ep_rank': ''}, (0, 2, None))
     """
 
     dp: int = 0
@@ -48,9 +46,9 @@ class Coordinates:
     ep: int | None = None
 
     def labels(self) -> dict[str, str]:
-        """The per-rank series labels of the dimensions the job has (bounded: ranks in each)."""
-        values = {"dp_rank": self.dp, "tp_rank": self.tp, "pp_stage": self.pp, "ep_rank": self.ep}
-        return {k: str(v) for k, v in values.items() if v is not None}
+        """The per-rank series labels (bounded: ranks in each dimension; "" where the job has none)."""
+        values = (self.dp, self.tp, self.pp, self.ep)
+        return {k: "" if v is None else str(v) for k, v in zip(COORD_LABELS, values)}
 
     def peers(self) -> tuple[int | None, int | None, int | None]:
         """What ranks that hold the same shards share (all but the data-parallel coordinate)."""
@@ -140,16 +138,35 @@ def declared_group(
     return None
 
 
-def mesh_coordinates(specs: Sequence[object]) -> dict[str, int]:
-    """This rank's coordinate along each named mesh dimension the parameters' specs use.
+def coordinates(
+    params: Sequence[torch.Tensor], *, stage: int | None, dp_rank: int, meshes: Sequence[object] = ()
+) -> Coordinates | None:
+    """This rank's coordinates in a job of several parallel dimensions (None for data parallelism
+    alone: its per-rank series keep their labels). Tensor- and expert-parallel coordinates come
+    from the meshes' dimensions named ``tp`` and ``ep`` (the parameters' and their wrappers'),
+    the pipeline stage from the stage, the data-parallel rank from the caller.
+
+    Example:
+        >>> coordinates([], stage=None, dp_rank=3) is None
+        True
+    """
+    specs = [s for s in map(spec_of, params) if s is not None]
+    named = mesh_coordinates([s.mesh for s in specs] + [m._get_root_mesh() for m in meshes])
+    tp, ep = named.get("tp"), named.get("ep")
+    if tp is None and ep is None and stage is None:
+        return None
+    return Coordinates(dp=dp_rank, tp=tp, pp=stage, ep=ep)
+
+
+def mesh_coordinates(meshes: Sequence[object]) -> dict[str, int]:
+    """This rank's coordinate along each named dimension of ``meshes`` (and of their root meshes).
 
     Example:
         >>> mesh_coordinates([])
         {}
     """
     coords: dict[str, int] = {}
-    for spec in specs:
-        mesh = spec.mesh
-        for dim, name in enumerate(mesh.mesh_dim_names or ()):
-            coords.setdefault(name, mesh.get_local_rank(dim))
+    for m in [m for given in meshes for m in (given, given._get_root_mesh())]:
+        for dim, name in enumerate(m.mesh_dim_names or ()):
+            coords.setdefault(name, m.get_local_rank(dim))
     return coords

@@ -280,20 +280,20 @@ def shut_down(
     *,
     export: ExportThread,
     aggregate: MetricsAggregate | None,
-    linger_s: float,
+    cfg: MonitorConfig,
     finished: bool,
     errors: ErrorCounter,
-    listed: bool = False,
 ) -> None:
     """Stop the export thread and the sinks, linger, withdraw the target, stop serving. Never raises.
 
     Each part on its own: one failing (a full disk under the log, say) is counted and logged,
     and the rest still shuts down. ``finished`` (a clean close): the clean-finish mark, the
     linger and the withdrawal of the file_sd target; without it the run reads as having died.
-    ``listed``: the job's endpoints are in a file_sd target file rank 0 withdraws after the
+    With ``file_sd_dir`` the job's endpoints are in a target file rank 0 withdraws after the
     linger: every one serves the whole ``linger_s`` (an endpoint that stopped early would be a
     listed target down; one that waited for its own scrapes cannot tell when the others did).
     """
+    linger_s, listed = cfg.linger_s, bool(cfg.file_sd_dir)
 
     def quietly(site: str, fn: Callable[[], object]) -> None:
         try:

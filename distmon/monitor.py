@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch.distributed import ProcessGroup
@@ -131,7 +132,7 @@ class GradMonitor:
             hooks = None
         try:
             peers = agree(
-                me,
+                replace(me, coords=built and built.coords),
                 proposal,
                 endpoint=prepared.endpoint,
                 failure=failure,
@@ -225,10 +226,7 @@ class GradMonitor:
     def metrics_url(self) -> str | None:
         """Where this process serves its metrics (``http(s)://host:port/metrics``), or None."""
         server = self._prepared.server
-        if self.port is None or server is None:
-            return None
-        host = target_host(self.config.addr)
-        return f"{server.scheme}://{'[' + host + ']' if ':' in host else host}:{self.port}/metrics"
+        return server.url(target_host(self.config.addr)) if server and self.port is not None else None
 
     @property
     def step(self) -> int:
@@ -286,10 +284,9 @@ class GradMonitor:
                 self._prepared,
                 export=self._export,
                 aggregate=self._aggregate,
-                linger_s=self.config.linger_s,
+                cfg=self.config,
                 finished=finished,
                 errors=self._errors,
-                listed=bool(self.config.file_sd_dir),
             )
 
     def __enter__(self) -> GradMonitor:

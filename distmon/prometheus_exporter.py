@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from .hostinfo import RankInfo
+from .layout import COORD_LABELS
 from .snapshot import ANOMALY_KINDS, Snapshot
 
 __all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS", "METRICS", "MetricSpec"]
@@ -116,10 +117,13 @@ METRICS: dict[str, MetricSpec] = {
 }
 
 
-def _family(name: str, gpu: bool = True) -> Metric:
-    """An empty family of metric ``name`` with ``run_id`` and its labels (``gpu_uuid`` only on GPUs)."""
+def _family(name: str, gpu: bool = True, coords: bool = False) -> Metric:
+    """An empty family of metric ``name`` with ``run_id`` and its labels (``gpu_uuid`` only on GPUs;
+    a per-rank family's parallel coordinates, ``dp_rank`` ..., in a job of several dimensions)."""
     spec = METRICS[name]
     labels = ["run_id"] + [label for label in spec.labels if gpu or label != "gpu_uuid"]
+    if coords and spec.labels == RANK_LABELS:
+        labels += COORD_LABELS
     if spec.kind == "counter":
         return CounterMetricFamily(name.removesuffix("_total"), spec.help, labels=labels)
     if spec.kind == "histogram":
@@ -319,7 +323,7 @@ class GradCollector(Collector):
         if agg.ranks:
 
             def per_rank(name: str, value_of: Callable[[int], float | None]) -> Metric:
-                family = _family(name, gpu)
+                family = _family(name, gpu, coords=agg.ranks[0].coords is not None)
                 for info in agg.ranks:
                     value = value_of(info.rank)
                     if value is not None:  # None: never measured on that rank

@@ -118,11 +118,12 @@ class RankRow:
     non-finite layer follow from them where read); without, ``total_sq`` and
     ``first_nonfinite`` (layer index, -1 if none): two floats whatever the number of layers.
     Then ``errors`` (its monitor error count) and ``valid`` (its local figures were measured);
-    ``reduced_ok`` (a partial layout: its counted parts of the reduced gradient were measured), ``batch``
-    (the noise scale: its batch this step), ``act_first`` (activations: its first non-finite
-    module, -1 if none). The row ends with :attr:`reduced`, what an ordinary step's all-reduce
-    adds up: ``vote`` (rank 0's "export now", with a time-bounded export) and ``partial`` (a
-    partial layout: the per-layer sums of squares of the parts it counts).
+    ``batch`` (the noise scale: its batch this step), ``act_first`` (activations: its first
+    non-finite module, -1 if none). The row ends with :attr:`reduced`, what an ordinary step's
+    all-reduce adds up: ``vote`` (rank 0's "export now", with a time-bounded export) and, in a
+    partial layout, ``reduced_ok`` (its counted parts of the reduced gradient were measured: the
+    sum is the world when every rank's were) and ``partial`` (the per-layer sums of squares of
+    the parts it counts).
 
     Example:
         >>> r = RankRow(n_layers=3, rank_layers=True, vote=True)
@@ -149,10 +150,10 @@ class RankRow:
                 ("first_nonfinite", 0 if rank_layers else 1),
                 ("errors", 1),
                 ("valid", 1),
-                ("reduced_ok", 1 if partial else 0),
                 ("batch", 1 if batch else 0),
                 ("act_first", 1 if activations else 0),
                 ("vote", 1 if vote else 0),
+                ("reduced_ok", 1 if partial else 0),
                 ("partial", self.n_partial),
             ]
         )

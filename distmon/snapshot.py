@@ -51,6 +51,9 @@ class Snapshot:
         nonfinite_ranks: ranks whose local gradient held a NaN/Inf.
         first_nonfinite: ``(rank, layer)`` of the first non-finite layer in backward order
             (lowest rank on a tie), or None.
+        first_nonfinite_coords: that rank's place in each parallel dimension (``dp_rank``,
+            ``tp_rank``, ``pp_stage``, ``ep_rank``; "" where the job has none), in a job of several
+            dimensions; None otherwise.
         events: detector verdicts of this step.
         monitor_errors: errors caught in monitor code so far, summed over ranks.
         rank_monitor_errors: the same per rank.
@@ -114,6 +117,7 @@ class Snapshot:
     first_nonfinite_activation: tuple[int, str] | None = None
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
     rank_valid: list[bool] = field(default_factory=list)
+    first_nonfinite_coords: dict[str, str] | None = None
 
 
 def _clean(value: object) -> object:

@@ -40,6 +40,7 @@ With a guard (or ``clip_grad_norm_``) hops 4 and 6 happen at once, before the op
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -58,6 +59,7 @@ from .rows import Head, RowPlan
 from .snapshot import SkipReason
 from .sources.base import Source
 from .update_ratio import UpdateRatio
+from .verify import agrees, refusal
 
 __all__ = ["StepTracker"]
 
@@ -108,6 +110,7 @@ class StepTracker:
         activations: ActivationWatch | None = None,
         activation_every: int = 1,
         update_ratio: UpdateRatio | None = None,
+        check: Callable[[], float] | None = None,
     ) -> None:
         self.plan, self.sums, self.source, self.errors = plan, sums, source, errors
         self.export_every = export_every
@@ -126,6 +129,9 @@ class StepTracker:
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
         self._export = export  # hands an export's host copy to the export thread
+        # a partial layout's first-step check (verify.py): the job's squared norm computed another way
+        self._check = check
+        self.misread: str | None = None  # why the check refused every figure (None: it did not)
         self._blank = plan.step.blank(sums.device)
         self.ring.reset(1, export_every, self._blank)
         # the send row may hold something other than "none" (it starts zeroed): write it once
@@ -195,6 +201,27 @@ class StepTracker:
             ex.start(step)
         except Exception:
             self.fail("rank exchange (collective)")
+        if self._check is not None:
+            self._first_step_check()
+
+    def _first_step_check(self) -> None:
+        """Once, on the first step measured on every rank with a finite figure: distmon's global
+        figure against a placement-aware one (a host sync and collectives, at the same point on
+        every rank: the decision rests on the step's all-reduced figures, the same everywhere)."""
+        try:
+            measured_sq = float(self.total_sq())
+            if self.ring.row(self.step + 1)[Head.VALID].item() != 1.0 or not math.isfinite(measured_sq):
+                return  # not this step: the next one
+            check, self._check = self._check, None
+            direct_sq = check()
+            if not agrees(measured_sq, direct_sq):
+                self.misread = refusal(measured_sq, direct_sq)
+                self.errors.note("layout check", 1, self.misread)
+                self.ring.row(self.step + 1)[Head.VALID].fill_(0.0)
+                self._valid[self.ring.slot(self.step + 1)] = False
+        except Exception:
+            self._check = None
+            self.errors.record("layout check")
 
     def _pack(self, ex: Exchange, sums: BackwardSums) -> None:
         """This rank's row of the step: its local sums, its shard's reduced sums, its flags."""
@@ -233,7 +260,7 @@ class StepTracker:
         try:
             if not self.exchange.partial:  # a partial layout's come with the step's collective
                 sums.fold_reduced(self.ring.layers(step))
-            valid = sums.reduced_ok and sums.measured
+            valid = sums.reduced_ok and sums.measured and self.misread is None
         except Exception:
             self.fail("step row", local=False)
             valid = False

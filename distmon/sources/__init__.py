@@ -109,6 +109,7 @@ class CompositeSource:
         self.module, self.group, self.world_size = primary.module, primary.group, primary.world_size
         self.device, self.partial = primary.device, primary.partial
         self.divide_factor_set = primary.divide_factor_set
+        self.dp_rank, self.meshes = primary.dp_rank, primary.meshes
 
     def install(self) -> None:
         self.primary.install()
@@ -141,6 +142,7 @@ class PipelineSource:
         self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
         self.device, self.partial = inner.device, inner.partial
         self.divide_factor_set = inner.divide_factor_set
+        self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
         self._scale: Callable[[int], None] | None = None
 
     def install(self) -> None:

@@ -113,6 +113,8 @@ class Source(Protocol):
     world_size: int
     device: torch.device
     partial: bool
+    dp_rank: int  # this rank's place among the data-parallel ranks (a label: dp_rank)
+    meshes: tuple[object, ...]  # the device meshes its wrappers use (coordinates come from them)
     divide_factor_set: bool
 
     def install(self) -> None: ...

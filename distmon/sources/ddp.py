@@ -350,6 +350,9 @@ class DDPSource:
         self.inner_hook = comm_hook or ddp_allreduce_hook
         self.inner_state = comm_state if comm_hook is not None else model.process_group
         self.layouts = BucketLayouts(grouping, self.device, receiver.set_layer_order, counted)
+        self.dp_rank = model.process_group.rank()
+        mesh = getattr(model, "device_mesh", None)
+        self.meshes = (mesh,) if mesh is not None else ()
 
     def install(self) -> None:
         slot = self._existing

@@ -40,7 +40,6 @@ from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-from torch.distributed.tensor import DTensor
 
 from ..errors import logger
 from ..grouping import Grouping
@@ -54,11 +53,6 @@ __all__ = ["FSDPSource", "is_fsdp"]
 def is_fsdp(model: torch.nn.Module) -> bool:
     """Whether ``model`` or a submodule was passed to ``fully_shard``."""
     return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    # the DTensor's local shard; to_local() goes through an autograd Function (~10 us a tensor)
-    return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
 @dataclass
@@ -177,6 +171,10 @@ class FSDPSource:
         self.group = dist.group.WORLD  # the job: every rank adds its counted shards
         self.world_size = dist.get_world_size()
         self.device = self.units[0][1].device
+        first = self.units[0][1].mesh_info.mesh
+        coordinate = first.get_coordinate() or [0]
+        self.dp_rank = int(torch.tensor(coordinate) @ torch.tensor(first.mesh.stride()).long())
+        self.meshes = tuple({id(g.mesh_info.mesh): g.mesh_info.mesh for _, g in self.units}.values())
         self.receiver = receiver
         self._seqs = itertools.count()  # the run sets' seq numbers, local and reduced alike
         self._layouts: list[_UnitLayout] = []
@@ -209,7 +207,6 @@ class FSDPSource:
             [grouping.params[i] for i in kept],
             [grouping.param_layer[i] for i in kept],
             self.device,
-            _local,
             seqs=self._seqs,
         )
         self._n_layers = len(grouping.layers)

@@ -27,6 +27,27 @@ from .base import COMPILED_AUTOGRAD, Receiver, first_device, in_compiled_autogra
 __all__ = ["LocalSource", "GradSums"]
 
 
+def local_part(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's local tensor: a DTensor's shard (``to_local()`` costs an autograd Function,
+    ~10 us a tensor), else the gradient itself."""
+    return getattr(grad, "_local_tensor", grad)
+
+
+def _refuse_partial(params: Sequence[torch.nn.Parameter]) -> None:
+    """Raise for a gradient placed as a partial sum (tensor parallelism's ``SequenceParallel``
+    norms without FSDP): its local sum of squares is not its own, and torch reduces it only
+    inside the optimizer step, where distmon does not look."""
+    for p in params:
+        placements = getattr(p.grad, "placements", ())
+        if any(pl.is_partial() for pl in placements):
+            raise ValueError(
+                "distmon: a gradient is a partial sum over a tensor-parallel dimension (a replicated "
+                "parameter under SequenceParallel, without FSDP): its local sum of squares is not its "
+                "own, and torch reduces it only inside the optimizer step. Shard the model with "
+                "fully_shard over the data-parallel dimension (which reduces it), as torchtitan does"
+            )
+
+
 class GradSums:
     """Sums of squares of the tracked parameters' ``.grad`` as they are now: one fused pass.
 
@@ -46,7 +67,7 @@ class GradSums:
         params: list[torch.nn.Parameter],
         layer_of: list[int],
         device: torch.device,
-        local: Callable[[torch.Tensor], torch.Tensor] = lambda g: g,
+        local: Callable[[torch.Tensor], torch.Tensor] = local_part,
         seqs: Iterator[int] | None = None,
     ) -> None:
         self.params = params
@@ -54,6 +75,7 @@ class GradSums:
         self.device = device
         self.local = local
         self._runs: dict[tuple[int, ...], Runs] = {}
+        self._placements_checked = False
         # run sets folded together must not share a seq: a source with run sets of its own shares its count
         self._seqs = seqs if seqs is not None else itertools.count()
 
@@ -62,6 +84,9 @@ class GradSums:
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         if not present:
             return None
+        if not self._placements_checked:
+            self._placements_checked = True
+            _refuse_partial([self.params[i] for i in present])
         grads = [self.local(self.params[i].grad) for i in present]
         dense = [torch.view_as_real(g) if g.is_complex() else g for g in grads if not g.is_sparse]
         dense_sums = iter(sq_sums(dense) if dense else ())
@@ -116,17 +141,20 @@ class LocalSource:
         self.device = first_device(module)
         self.receiver = receiver
         self.alongside = alongside
+        self.dp_rank, self.meshes = 0, ()
         chosen = {id(p) for p in params} if params is not None else None
         slots = [i for i, p in enumerate(grouping.params) if chosen is None or id(p) in chosen]
         self._params = [grouping.params[i] for i in slots]
-        layer_of = list(grouping.param_layer)
-        self._grads = GradSums(self._params, [layer_of[i] for i in slots], self.device)
+        layer_of, seqs = list(grouping.param_layer), itertools.count()  # one fold: distinct seqs
+        self._grads = GradSums(self._params, [layer_of[i] for i in slots], self.device, seqs=seqs)
         kept = [i for i in slots if counted is None or counted[i]]
         # the reduced side: the parts this rank counts (all of them in one process)
         self._counted = (
             None
             if len(kept) == len(slots)
-            else GradSums([grouping.params[i] for i in kept], [layer_of[i] for i in kept], self.device)
+            else GradSums(
+                [grouping.params[i] for i in kept], [layer_of[i] for i in kept], self.device, seqs=seqs
+            )
         )
         self._n_layers = len(grouping.layers)
         self._handles: list[RemovableHandle] = []

@@ -1,0 +1,106 @@
+"""The first-step check of a layout: distmon's global figure against a direct, placement-aware one.
+
+distmon adds up, over the job, the parts of the reduced gradient each rank counts (``layout.py``).
+Once, on the first step whose figures are finite and measured on every rank, the same total is
+computed another way, as torchtitan's ``clip_grad_norm_`` computes it: the norm of every DTensor
+gradient of this rank's model part from DTensor's own placement rules (``full_tensor()``, one
+mesh at a time), plus the plain gradients every rank of the part holds alike, summed over the
+pipeline stages; parameters declared ``replicated_over`` a group, whose placement is the very
+thing to check, are gathered from every rank as (name, sum of squares, sum) and counted once per
+distinct value: copies of one gradient are bitwise equal, distinct gradients are not. A layout
+distmon misread (a declaration that does not hold, a wrapper it does not know) shows as a
+difference: the figures are then refused (invalid, the error counted and logged), never served.
+It costs one host sync and a few collectives, once, on every rank at the same point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .layout import declared_group, spec_of
+
+__all__ = ["DirectNorm", "agrees", "refusal"]
+
+TOLERANCE = 1e-3  # fp32 sums in different orders agree far closer; a misread layout far less
+
+
+def agrees(measured_sq: float, direct_sq: float) -> bool:
+    """Whether two sums of squares of the same gradient agree to float32 rounding.
+
+    Example:
+        >>> agrees(4.0, 4.000001), agrees(4.0, 8.0)
+        (True, False)
+    """
+    return abs(measured_sq - direct_sq) <= TOLERANCE * max(abs(measured_sq), abs(direct_sq), 1e-30)
+
+
+class DirectNorm:
+    """The job's squared global gradient norm, computed from placements alone (collectives; once).
+
+    ``named``: this rank's tracked parameters and their names; ``declared``: ``replicated_over``;
+    ``stage_group``: the pipeline group (one rank of every stage), None without stages.
+    """
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        declared: dict[str, dist.ProcessGroup],
+        stage_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.named, self.declared, self.stage_group = list(named), declared, stage_group
+
+    def __call__(self) -> float:
+        from torch.distributed.tensor import DTensor
+
+        by_mesh: dict[int, list[torch.Tensor]] = {}
+        plain = torch.zeros((), dtype=torch.float64)
+        declared: list[tuple[str, float, float]] = []  # (name, sum of squares, sum): copies are equal
+        for name, p in self.named:
+            g = p.grad
+            if g is None:
+                continue
+            if declared_group(name, self.declared) is not None:
+                local = (g.to_local() if isinstance(g, DTensor) else g).double()
+                declared.append((name, float(local.pow(2).sum()), float(local.sum())))
+                continue
+            spec = spec_of(p)
+            if not isinstance(g, DTensor) and spec is not None:  # a parameter DDP localized
+                g = DTensor.from_local(g, spec.mesh, spec.placements, run_check=False)
+            if isinstance(g, DTensor):
+                by_mesh.setdefault(id(g.device_mesh), []).append(g)
+            else:  # every rank of this model part holds it alike (DDP reduced it)
+                plain += g.double().pow(2).sum().cpu()
+        part = plain
+        for grads in by_mesh.values():  # torchtitan's way: DTensor's own rules, one mesh at a time
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            full = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            part = part + full.double().cpu() ** 2
+        if self.stage_group is not None:
+            part = part.to(_device(self.named))
+            dist.all_reduce(part, group=self.stage_group)
+        shared = 0.0
+        if self.declared:  # every rank's declared gradients, each distinct one counted once
+            everyone: list[list[tuple[str, float, float]]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(everyone, declared)
+            shared = sum(sq for _, sq, _ in {entry for told in everyone for entry in told})
+        return float(part.cpu()) + shared
+
+
+def _device(named: Sequence[tuple[str, torch.nn.Parameter]]) -> torch.device:
+    return next((p.device for _, p in named), torch.device("cpu"))
+
+
+def refusal(measured_sq: float, direct_sq: float) -> str:
+    """Why figures are refused after the first-step check found them wrong."""
+    ours, direct = math.sqrt(max(measured_sq, 0.0)), math.sqrt(max(direct_sq, 0.0))
+    return (
+        f"distmon: the first-step check of the parallel layout failed: distmon's global norm is "
+        f"{ours:.6g}, the placement-aware one {direct:.6g}. "
+        "distmon misread where this model's gradients live (a replicated_over= declaration that does "
+        "not hold, or a wrapper it does not know): every figure is now reported invalid, none served"
+    )
