@@ -210,7 +210,11 @@ def _raise_failures(everyone: Sequence[Peer], failure: BaseException | None) -> 
     if not failed:
         return
     kind, code, _ = failed[0].failure
-    detail = "; ".join(f"rank {p.info.rank} ({p.info.hostname}): {p.failure[2]}" for p in failed)
+    # one line per distinct reason (a thousand ranks failing alike make one line, not a thousand)
+    by_reason: dict[str, list[Peer]] = {}
+    for p in failed:
+        by_reason.setdefault(p.failure[2], []).append(p)
+    detail = "; ".join(_where(peers) + f": {reason}" for reason, peers in by_reason.items())
     message = f"distmon: GradMonitor did not start on any rank: {detail}"
     if kind == "OSError":
         error: Exception = OSError(code or errno.EIO, message)
@@ -219,6 +223,14 @@ def _raise_failures(everyone: Sequence[Peer], failure: BaseException | None) -> 
     if failure is not None:
         raise error from failure
     raise error
+
+
+def _where(peers: Sequence[Peer]) -> str:
+    """``rank 3 (node-a)``, or ``ranks 0-7 (node-a, node-b)`` naming at most three hosts."""
+    ranks = [p.info.rank for p in peers]
+    hosts = list(dict.fromkeys(p.info.hostname for p in peers))
+    shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more hosts" if len(hosts) > 3 else "")
+    return f"rank {ranks[0]} ({shown})" if len(ranks) == 1 else f"ranks {_ranks(ranks)} ({shown})"
 
 
 def stage_layers(

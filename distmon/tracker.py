@@ -214,7 +214,12 @@ class StepTracker:
                 return  # not this step: the next one
             check, self._check = self._check, None
             direct_sq = check()
-            if not agrees(measured_sq, direct_sq):
+            # every rank decides alike: a part some rank computes differently (copies that are
+            # not equal) is a misread layout too
+            wrong = torch.tensor([0.0 if agrees(measured_sq, direct_sq) else 1.0], device=self.sums.device)
+            if self.exchange.collective:
+                dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.exchange.buffers.group)
+            if wrong.item():
                 self.misread = refusal(measured_sq, direct_sq)
                 self.errors.note("layout check", 1, self.misread)
                 self.ring.row(self.step + 1)[Head.VALID].fill_(0.0)

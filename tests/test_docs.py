@@ -23,7 +23,8 @@ def test_every_option_is_declared_once_and_the_readme_table_is_rendered_from_it(
     params = [n for n in inspect.signature(distmon.GradMonitor).parameters if n not in ("model", "optimizer")]
     assert params == declared
     assert [f.name for f in dataclasses.fields(MonitorConfig)] == declared
-    assert options_table() in README, "README's option table is stale: python -m distmon.options --write README.md"
+    stale = "README's option table is stale: python -m distmon.options --write README.md"
+    assert options_table() in README, stale
 
 
 def test_every_environment_variable_is_read_through_the_declaration(monkeypatch):

@@ -266,7 +266,11 @@ def _source_for(
     declared = dict(replicated_over or {})
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        reduced_by_ddp = {id(p) for p in model.parameters() if p.requires_grad}
+        # DDP leaves the names in the module's _ddp_params_and_buffers_to_ignore to the model's code
+        ignored = getattr(model, "parameters_to_ignore", set())
+        reduced_by_ddp = {
+            id(p) for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored
+        }
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
         nd = stage is not None or bool(declared) or bool(outside) or any(map(spec_of, grouping.params))
         if not nd:  # DDP is the whole job: every rank holds the whole reduced gradient

@@ -111,7 +111,9 @@ class LocalSource:
     wrapper, a pipeline stage of its own, parameters the model's own code reduces over a group
     the user declared), each rank's gradient is its part: its local figures are all of it, and
     the job's reduced figures add up the parts it counts (the rest are copies counted elsewhere).
-    ``alongside`` a DDP source (parameters DDP ignores), it only adds its sums to that backward's.
+    ``alongside`` a DDP source (parameters DDP leaves to the model's own code, experts say), it
+    reads them when the optimizer step begins, after that code reduced them (no later clipping
+    is known to it), and adds its sums to the DDP backward's.
 
     Example:
         >>> from distmon.grouping import build_grouping
@@ -161,10 +163,11 @@ class LocalSource:
         self._queued = False  # this backward's end is awaited
 
     def install(self) -> None:
-        if not self.alongside:
-            # model order is the only order there is: NaN attribution names the first non-finite
-            # layer in model order
-            self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
+        if self.alongside:
+            return  # read when the step begins
+        # model order is the only order there is: NaN attribution names the first non-finite
+        # layer in model order
+        self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
         for p in self._params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
@@ -174,7 +177,10 @@ class LocalSource:
         self._handles.clear()
 
     def read_at_step(self) -> None:
-        """Nothing: the gradients were read when the step's last backward ended."""
+        """Alongside DDP: read the parameters the model's own code reduced (else nothing: the
+        gradients were read when the step's last backward ended)."""
+        if self.alongside and self.receiver.active:
+            self._backward_done()
 
     def read_pending(self) -> None:
         """Nothing is left: every backward's end was awaited in autograd."""
