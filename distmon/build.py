@@ -101,6 +101,7 @@ class Built(NamedTuple):
     loss_scale: LossScale
     agreed: dict[str, str]
     coords: Coordinates | None  # this rank's place in each parallel dimension (several of them)
+    direct: DirectNorm  # the job's global norm from placements alone (checks; clipping an invalid step)
 
 
 def pipeline_layers(
@@ -178,6 +179,11 @@ def build_rank(
     )
     det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
     stage = pipeline_stage(model)
+    direct = DirectNorm(
+        list(zip(grouping.param_names, grouping.params)),
+        declared=cfg.replicated_over or {},
+        stage_group=stage.group if stage is not None else None,
+    )
     tracker = StepTracker(
         plan,
         sums=sums,
@@ -194,13 +200,7 @@ def build_rank(
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
-        check=DirectNorm(
-            list(zip(grouping.param_names, grouping.params)),
-            declared=cfg.replicated_over or {},
-            stage_group=stage.group if stage is not None else None,
-        )
-        if source.partial
-        else None,
+        check=direct if source.partial else None,
     )
     agreed = cfg.agreed(grouping.layers, watched)
     coords = coordinates(
@@ -218,6 +218,7 @@ def build_rank(
         tracker=tracker,
         loss_scale=loss_scale,
         agreed=agreed,
+        direct=direct,
     )
 
 

@@ -2,7 +2,11 @@
 
 The loss scale is the one thing distmon cannot see in the gradients, so the first finite norm
 is checked once against a direct one (one pass, one host sync): a scale applied by hand and not
-passed in would make every clip wrong by that factor, and raises instead.
+passed in would make every clip wrong by that factor, and raises instead. The direct norm is the
+placement-aware one of :mod:`distmon.verify` (DTensor meshes one at a time, pipeline stages
+summed, as torchtitan's ``clip_grad_norm_``): ``torch.nn.utils.get_total_norm`` fails on gradients
+of several meshes and sees one stage only. A step distmon did not measure is clipped by that
+direct norm too.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from .loss_scale import LossScale
 from .tracker import StepTracker
+from .verify import DirectNorm
 
 __all__ = ["Clipper"]
 
@@ -26,14 +31,19 @@ class Clipper:
     """Clips the monitored parameters' gradients by the step's measured global norm.
 
     Example:
-        >>> clip = Clipper(tracker, params=params, loss_scale=loss_scale)   # doctest: +SKIP
+        >>> clip = Clipper(tracker, params=params, loss_scale=loss_scale, direct=direct)  # doctest: +SKIP
         >>> norm = clip(1.0)                                                 # doctest: +SKIP
     """
 
     def __init__(
-        self, tracker: StepTracker, *, params: Sequence[torch.nn.Parameter], loss_scale: LossScale
+        self,
+        tracker: StepTracker,
+        *,
+        params: Sequence[torch.nn.Parameter],
+        loss_scale: LossScale,
+        direct: DirectNorm,
     ) -> None:
-        self.tracker, self.params, self.loss_scale = tracker, list(params), loss_scale
+        self.tracker, self.params, self.loss_scale, self.direct = tracker, list(params), loss_scale, direct
         self.checked = False  # the first finite norm was compared with a direct one
         self.fixed_scale_in_grads: bool | None = None  # loss_scale=: did the user unscale by clip time?
 
@@ -62,23 +72,34 @@ class Clipper:
             )
         tracker = self.tracker
         sq = tracker.total_sq()  # in gradient units: the loss scale divided out
-        if not tracker.row_valid():
-            return torch.nn.utils.clip_grad_norm_(
-                self.params, max_norm, norm_type=2.0, error_if_nonfinite=error_if_nonfinite, foreach=foreach
-            )
-        total = sq.sqrt()
-        if self._grads_scaled():
-            total = total * self.loss_scale.scale()  # the gradients as they are now: still scaled
-        if not self.checked and not self._check(total):
-            total = total * self.loss_scale.scale()  # learned just now: the scale is still in the gradients
+        if not tracker.row_valid():  # not measured (the same on every rank): measured directly
+            device = sq.device
+            total = torch.tensor(math.sqrt(self.direct()), dtype=torch.float32, device=device)
+        else:
+            total = sq.sqrt()
+            if self._grads_scaled():
+                total = total * self.loss_scale.scale()  # the gradients as they are now: still scaled
+            if not self.checked and not self._check(total):
+                total = total * self.loss_scale.scale()  # learned now: the scale is still in the gradients
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale the "
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
             )
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total, foreach)
+        for params in self._by_mesh():  # DTensor ops take one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         return total
+
+    def _by_mesh(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters with a gradient, grouped by the device mesh of their gradient (plain
+        gradients together): a tensor-parallel layer's and an FSDP unit's meshes differ."""
+        groups: dict[int, list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                mesh = getattr(p.grad, "device_mesh", None)
+                groups.setdefault(id(mesh), []).append(p)
+        return list(groups.values())
 
     def _grads_scaled(self) -> bool:
         """Whether the gradients are still multiplied by the loss scale now."""
@@ -92,13 +113,9 @@ class Clipper:
 
         With ``loss_scale=`` this also learns whether the user divides it out before clipping;
         returns False when it learned just now that ``total`` lacks the scale still in the
-        gradients. Sparse gradients have no direct norm to compare with: they skip the check.
+        gradients.
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if any(g.is_sparse for g in grads):
-            self.checked = True
-            return True
-        direct = float(torch.nn.utils.get_total_norm(grads, 2.0))
+        direct = math.sqrt(self.direct())
         measured = float(total)
         if not (math.isfinite(direct) and math.isfinite(measured)):
             return True  # an overflowed step says nothing: check the next one

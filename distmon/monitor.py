@@ -154,7 +154,9 @@ class GradMonitor:
         self.rank_infos: tuple[RankInfo, ...] = tuple(p.info for p in peers)
         self.layers: tuple[str, ...] = built.grouping.layers
         self._tracker, self._prepared = tracker, prepared
-        self._clip = Clipper(tracker, params=built.grouping.params, loss_scale=built.loss_scale)
+        self._clip = Clipper(
+            tracker, params=built.grouping.params, loss_scale=built.loss_scale, direct=built.direct
+        )
         self._callbacks = AnomalyCallbacks(self._errors)
         self._export, self._aggregate = build_exports(
             built,

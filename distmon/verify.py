@@ -74,7 +74,7 @@ class DirectNorm:
             if isinstance(g, DTensor):
                 by_mesh.setdefault(id(g.device_mesh), []).append(g)
             else:  # every rank of this model part holds it alike (DDP reduced it)
-                plain += g.double().pow(2).sum().cpu()
+                plain += _sq(g).cpu()
         part = plain
         for grads in by_mesh.values():  # torchtitan's way: DTensor's own rules, one mesh at a time
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
@@ -89,6 +89,13 @@ class DirectNorm:
             dist.all_gather_object(everyone, declared)
             shared = sum(sq for _, sq, _ in {entry for told in everyone for entry in told})
         return float(part.cpu()) + shared
+
+
+def _sq(grad: torch.Tensor) -> torch.Tensor:
+    """A plain gradient's float64 sum of squares: a sparse one's coalesced values (duplicates
+    summed), a complex one's real and imaginary parts."""
+    g = grad.coalesce().values() if grad.is_sparse else grad
+    return torch.view_as_real(g).double().pow(2).sum() if g.is_complex() else g.double().pow(2).sum()
 
 
 def _device(named: Sequence[tuple[str, torch.nn.Parameter]]) -> torch.device:

@@ -30,7 +30,7 @@ def _job(rank: int, world: int, groups, slack: int) -> dict:  # noqa: ANN001
     net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     model = DDP(net, bucket_cap_mb=0.003)  # about two layers per bucket, rebuilt after the first step
     grouping = build_grouping(net, groups, 128)
-    layouts = source.BucketLayouts(grouping, torch.device("cpu"), on_order=lambda order: None)
+    layouts = source.BucketLayouts(grouping, torch.device("cpu"))
     fold = LayerFold(len(grouping.layers), torch.device("cpu"))
     pending, seen, buffers = [], [], []
 

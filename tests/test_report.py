@@ -60,8 +60,9 @@ def test_a_report_of_pictures_and_a_summary_also_from_a_cut_log(tmp_path):
     for name in PICTURES:
         assert _not_blank(tmp_path / "report" / name), name
     summary = (tmp_path / "report" / "summary.md").read_text()
-    assert "first non-finite step 30**: rank 0, layer `0`" in summary, summary
-    assert "| 30 | nonfinite | 0 | 0 |" in summary, summary
+    # every layer is NaN: the first in backward order is the last Linear
+    assert "first non-finite step 30**: rank 0, layer `2`" in summary, summary
+    assert "| 30 | nonfinite | 0 | 2 |" in summary, summary
     # a crashed run: the last line cut mid-write
     text = log.read_text()
     cut = tmp_path / "cut.jsonl"

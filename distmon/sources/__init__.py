@@ -101,6 +101,16 @@ def pipeline_stage(model: object) -> object | None:
     return model if base is not None and isinstance(model, base) else None
 
 
+def _ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """The trainable parameters DDP reduces: the list it took when built (its module's parameters
+    less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
+    params = getattr(model, "_module_parameters", None)
+    if params is None:  # a DDP without the list: its module's, less the ignored names
+        ignored = getattr(model, "parameters_to_ignore", set())
+        params = [p for name, p in model.module.named_parameters() if name not in ignored]
+    return [p for p in params if p.requires_grad]
+
+
 class CompositeSource:
     """A data-parallel source and a reader of the parameters it does not reduce (``alongside``)."""
 
@@ -266,11 +276,15 @@ def _source_for(
     declared = dict(replicated_over or {})
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        # DDP leaves the names in the module's _ddp_params_and_buffers_to_ignore to the model's code
-        ignored = getattr(model, "parameters_to_ignore", set())
-        reduced_by_ddp = {
-            id(p) for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored
-        }
+        reduced_by_ddp = {id(p) for p in _ddp_parameters(model)}
+        tracked = {id(p) for p in grouping.params}
+        if not reduced_by_ddp <= tracked:
+            raise ValueError(
+                "distmon: some parameters DDP reduces are not the model's parameters any more: "
+                "DDP(device_mesh=...) with tensor parallelism turns them into plain DTensor "
+                "attributes on the first forward (torch's TP support in DDP). Build GradMonitor "
+                "before the first forward"
+            )
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
         nd = stage is not None or bool(declared) or bool(outside) or any(map(spec_of, grouping.params))
         if not nd:  # DDP is the whole job: every rank holds the whole reduced gradient

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from ..sums import Runs
+
+logger = logging.getLogger("distmon")
 
 __all__ = [
     "Source",
     "Receiver",
     "backward_positions",
+    "OrderLearner",
     "first_device",
     "uncompiled",
     "compiled_autograd_on",
@@ -148,3 +153,71 @@ def backward_positions(first_seen: Mapping[int, Hashable], n_layers: int) -> lis
     for rank, layer in enumerate(sorted(first_seen, key=first_seen.__getitem__)):
         positions[layer] = float(rank)
     return positions
+
+
+class OrderLearner:
+    """Learns each layer's position in backward order from the first backward: the order in which
+    its parameters' gradients are accumulated (a post-accumulate-grad hook on each), told to
+    ``on_order`` when that backward ends; the hooks are then removed, so no step after pays.
+
+    The order of DDP's buckets is no such order: tensor parallelism under DDP re-registers its
+    parameters last, and a NaN must be named where backward first met it. Those parameters
+    (``_st_info``: DDP rebuilds them as DTensors in a hook before the forward) are accumulated
+    when backward ends, whatever their place: their layers are placed by model order instead,
+    just after the next layer in model order that backward reached.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        >>> told = []
+        >>> learner = OrderLearner(list(net.parameters()), [0, 0, 1, 1], 2, told.append)
+        >>> learner.install(); net(torch.ones(1, 2)).sum().backward(); told
+        [[1.0, 0.0]]
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        layers: Sequence[int],
+        n_layers: int,
+        on_order: Callable[[list[float]], None],
+    ) -> None:
+        self._params, self._n_layers, self._on_order = list(params), n_layers, on_order
+        self._layer_of = {id(p): layer for p, layer in zip(params, layers)}
+        self._late = {layer for p, layer in zip(params, layers) if hasattr(p, "_st_info")}
+        self._first_seen: dict[int, int] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> None:
+        self._handles = [p.register_post_accumulate_grad_hook(self._seen) for p in self._params]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _seen(self, param: torch.Tensor) -> None:
+        try:
+            if not self._first_seen:
+                torch.autograd.Variable._execution_engine.queue_callback(self._done)
+            self._first_seen.setdefault(self._layer_of[id(param)], len(self._first_seen))
+        except Exception:  # an order is a nicety: never a failure in the user's backward
+            logger.debug("distmon: backward order not learned", exc_info=True)
+            self.remove()
+
+    def _done(self) -> None:
+        self.remove()
+        try:
+            self._on_order(self._positions())
+        except Exception:
+            logger.debug("distmon: backward order not told", exc_info=True)
+
+    def _positions(self) -> list[float]:
+        late, n = self._late, self._n_layers
+        seen = {layer: i for layer, i in self._first_seen.items() if layer not in late}
+        positions = backward_positions(seen, n)
+        for layer in late:
+            after = next((k for k in range(layer + 1, n) if k in seen), None)
+            anchor = positions[after] if after is not None else -1.0
+            # between the anchor and the layer backward reaches after it; the nearer, the sooner
+            positions[layer] = anchor + 0.5 + ((after if after is not None else n) - layer) / (2 * n + 2)
+        return positions

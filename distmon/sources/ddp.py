@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
-from .base import Receiver, backward_positions, first_device
+from .base import OrderLearner, Receiver, first_device
 
 __all__ = [
     "DDPSource",
@@ -109,7 +109,7 @@ class BucketLayout(Runs):
 
 
 class BucketLayouts:
-    """The layouts of DDP's buckets, cached, and the backward order of the layers they reveal.
+    """The layouts of DDP's buckets, cached.
 
     DDP hands out the same live buffer object every step once its buckets are rebuilt, and a
     buffer's parameters never change while it lives: a layout and its views of the buffer are
@@ -121,7 +121,7 @@ class BucketLayouts:
     the bucket's parameters.
 
     Example:
-        >>> layouts = BucketLayouts(grouping, torch.device("cpu"), order)   # doctest: +SKIP
+        >>> layouts = BucketLayouts(grouping, torch.device("cpu"))   # doctest: +SKIP
         >>> layout, views, buffer = layouts.layout(bucket)  # in a comm hook  # doctest: +SKIP
     """
 
@@ -129,7 +129,6 @@ class BucketLayouts:
         self,
         grouping: Grouping,
         device: torch.device,
-        on_order: Callable[[list[float]], None],
         counted: Sequence[bool] | None = None,
     ) -> None:
         self.device = device
@@ -137,9 +136,6 @@ class BucketLayouts:
         self._seqs = itertools.count()
         self.slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self.param_layer = grouping.param_layer
-        self.n_layers = len(grouping.layers)
-        self._on_order = on_order  # called with each layer's position in backward order
-        self._param_pos: dict[int, tuple[int, int]] = {}
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
         self._by_buffer: dict[int, tuple[torch.Tensor, BucketLayout, list[torch.Tensor]]] = {}
         self._seen: set[int] = set()  # buffers handed over in this backward
@@ -178,7 +174,6 @@ class BucketLayouts:
         flat = bucket.buffer()
         if flat.is_sparse:  # DDP gives every sparse gradient a bucket of its own
             slots = [self.slot_of.get(id(p)) for p in params]
-            self._note_positions(bucket, slots)
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
             counts = self.counted is None or all(self.counted[s] for s in slots if s is not None)
             return BucketLayout(
@@ -195,7 +190,6 @@ class BucketLayouts:
         # [size, layer, largest parameter, counted]; layer -1: untracked or gap
         chunks: list[list[int]] = []
         cursor = 0
-        slots: list[int | None] = []
         for p, g in zip(params, bucket.gradients()):
             offset = (g.data_ptr() - base) // itemsize
             if offset < cursor:
@@ -203,7 +197,6 @@ class BucketLayouts:
             if offset > cursor:
                 chunks.append([offset - cursor, -1, 0, 0])
             slot = self.slot_of.get(id(p))
-            slots.append(slot)
             layer = -1 if slot is None else self.param_layer[slot]
             count = 1 if slot is None or self.counted is None or self.counted[slot] else 0
             # a complex parameter lies in the (real) buffer as its real view: twice its numel
@@ -223,7 +216,6 @@ class BucketLayouts:
             cursor = offset + n
         if cursor < flat.numel():
             chunks.append([flat.numel() - cursor, -1, 0, 0])
-        self._note_positions(bucket, slots)
         pick = [i for i, c in enumerate(chunks) if c[1] >= 0]
         ids = [chunks[i][1] for i in pick]
         counted_pick = [k for k, i in enumerate(pick) if chunks[i][3]]
@@ -244,18 +236,6 @@ class BucketLayouts:
             counted=counted,
             counted_pick=counted_pick if counted is not None else None,
         )
-
-    def _note_positions(self, bucket: dist.GradBucket, slots: list[int | None]) -> None:
-        """Record where the bucket's parameters sit and tell each layer's backward position."""
-        for pos, slot in enumerate(slots):
-            if slot is not None:
-                self._param_pos[slot] = (bucket.index(), pos)
-        first: dict[int, tuple[int, int]] = {}
-        for slot, pos in self._param_pos.items():
-            layer = self.param_layer[slot]
-            if layer not in first or pos < first[layer]:
-                first[layer] = pos
-        self._on_order(backward_positions(first, self.n_layers))
 
 
 class HookSlot:
@@ -349,12 +329,17 @@ class DDPSource:
         # a subgroup must stay one). A hook given is called exactly as the user wrote it.
         self.inner_hook = comm_hook or ddp_allreduce_hook
         self.inner_state = comm_state if comm_hook is not None else model.process_group
-        self.layouts = BucketLayouts(grouping, self.device, receiver.set_layer_order, counted)
+        self.layouts = BucketLayouts(grouping, self.device, counted)
+        # the layers' backward order, from the gradients' accumulation in the first backward
+        self._order = OrderLearner(
+            grouping.params, grouping.param_layer, len(grouping.layers), receiver.set_layer_order
+        )
         self.dp_rank = model.process_group.rank()
         mesh = getattr(model, "device_mesh", None)
         self.meshes = (mesh,) if mesh is not None else ()
 
     def install(self) -> None:
+        self._order.install()
         slot = self._existing
         if slot is None:
             self.model.register_comm_hook(HookSlot(self, self.inner_hook, self.inner_state), monitor_hook)
@@ -362,6 +347,7 @@ class DDPSource:
             slot.inner_hook, slot.inner_state, slot.source = self.inner_hook, self.inner_state, self
 
     def remove(self) -> None:
+        self._order.remove()
         hooks = getattr(self.model, "_comm_hooks", [])
         if hooks and isinstance(hooks[0][1], HookSlot) and hooks[0][1].source is self:
             hooks[0][1].source = None

@@ -172,8 +172,9 @@ class FSDPSource:
         self.world_size = dist.get_world_size()
         self.device = self.units[0][1].device
         first = self.units[0][1].mesh_info.mesh
-        coordinate = first.get_coordinate() or [0]
-        self.dp_rank = int(torch.tensor(coordinate) @ torch.tensor(first.mesh.stride()).long())
+        # the rank's place in its FSDP mesh, row-major over HSDP's (replicate, shard) dimensions
+        coordinate = tuple(first.get_coordinate() or [0])
+        self.dp_rank = int(torch.arange(first.mesh.numel()).reshape(first.mesh.shape)[coordinate])
         self.meshes = tuple({id(g.mesh_info.mesh): g.mesh_info.mesh for _, g in self.units}.values())
         self.receiver = receiver
         self._seqs = itertools.count()  # the run sets' seq numbers, local and reduced alike

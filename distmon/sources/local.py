@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
-from .base import COMPILED_AUTOGRAD, Receiver, first_device, in_compiled_autograd
+from .base import COMPILED_AUTOGRAD, OrderLearner, Receiver, first_device, in_compiled_autograd
 
 __all__ = ["LocalSource", "GradSums"]
 
@@ -159,19 +159,24 @@ class LocalSource:
             )
         )
         self._n_layers = len(grouping.layers)
+        self._order = OrderLearner(
+            self._params,
+            [layer_of[i] for i in slots],
+            len(grouping.layers),
+            lambda order: self.receiver.set_layer_order(order),
+        )
         self._handles: list[RemovableHandle] = []
         self._queued = False  # this backward's end is awaited
 
     def install(self) -> None:
         if self.alongside:
             return  # read when the step begins
-        # model order is the only order there is: NaN attribution names the first non-finite
-        # layer in model order
-        self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
+        self._order.install()  # NaN attribution names the first non-finite layer in backward order
         for p in self._params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def remove(self) -> None:
+        self._order.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
