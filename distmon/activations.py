@@ -170,6 +170,10 @@ class ActivationWatch:
         torch.sqrt(self._sq / self._count, out=out[:n])  # 0/0: NaN for a module not called
         out[n : 2 * n].copy_(torch.where(self._count > 0, self._absmax, math.nan))
         out[2 * n].copy_(self.first_module)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's statistics (when written, or in their place when the step failed)."""
         self._sq.zero_()
         self._count.zero_()
         self._absmax.zero_()

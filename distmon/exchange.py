@@ -247,6 +247,7 @@ class Exchange:
         self._in_flight: InFlight | None = None
         self.gathered_through = 0  # every rank's rows of the steps up to here are in the ring
         self._export_at = 0  # the step whose collective was its export's gather
+        self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()
 
     # -- a step begins ----------------------------------------------------------------------
@@ -254,6 +255,7 @@ class Exchange:
         """Rank 0's vote, this rank's row kept for the export, the step's collective issued."""
         self._vote(step)
         self.buffers.keep(self.ring.slot(step))
+        self.started = step  # whatever raises below, never a second collective for this step
         if not self.collective:
             return
         voted = self.votes is not None and self.votes.read(step)  # the same on every rank

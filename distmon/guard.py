@@ -108,7 +108,9 @@ class StepHooks:
     closure in the same step (LBFGS's line search) run it as usual and are not measured.
 
     Nothing raised in distmon's code here reaches the training loop: it is counted, logged
-    once, and the step goes on (a guard that cannot judge a step lets it be taken).
+    once, and the step goes on (a guard that cannot judge a step lets it be taken); the
+    tracker still begins and ends the step (its collective issued, the step counted) as on
+    every other rank.
 
     Example:
         >>> hooks = StepHooks(tracker, optimizers=[opt], verdict_column=col)   # doctest: +SKIP
@@ -193,6 +195,7 @@ class StepHooks:
             self.tracker.before_step()
         except Exception:
             self.tracker.errors.record("optimizer step pre-hook")
+            self.tracker.begin_anyway()  # its collective, now, as on the other ranks
 
     def _finish(self, opt: torch.optim.Optimizer) -> None:
         try:
@@ -208,7 +211,12 @@ class StepHooks:
         self._stepped.clear()
         self._verdict = None
         self._scaler_skip = False
-        self.tracker.after_step(skip)
+        step = self.tracker.step + 1
+        try:
+            self.tracker.after_step(skip)
+        except Exception:
+            self.tracker.errors.record("optimizer step post-hook")
+            self.tracker.end_anyway(step, skip)
 
     def _refused(self) -> bool:
         if self._verdict is None:

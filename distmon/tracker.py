@@ -16,6 +16,9 @@ A step goes through four points, each called on every rank in the same program o
 
 Every method catches its own failures, counts them and degrades (the step's figures are
 marked invalid); the collective is issued whatever failed locally (``exchange.py`` says why).
+Should :meth:`StepTracker.before_step` or :meth:`StepTracker.after_step` raise all the same,
+the step hooks call ``begin_anyway`` / ``end_anyway``: the step still issues its collective and
+is counted, as on every other rank.
 
 From a DDP bucket's gradient to its Prometheus gauges (no guard; a "go to definition" trace):
 
@@ -315,18 +318,75 @@ class StepTracker:
                 watch.close_step(row[self.plan.step.act])
             except Exception:
                 self.errors.record("activation statistics")
+                watch.reset()  # what it did not: the next step's statistics start afresh
         if self.update_ratio is not None and self.update_ratio.taken:
             try:
                 self.update_ratio.end(row[self.plan.step.upd])
             except Exception:
                 self.errors.record("update ratio")
+        self._count(skip)
+
+    def _count(self, skip: SkipReason) -> None:
+        """The step is over: count it, ready the next one, export on schedule."""
         self.step += 1
         self._finished[self.ring.slot(self.step)] = (time.time(), skip)
         self._new_step()
+        watch = self.activations
         if watch is not None:  # the next step's forwards: watched or not
             watch.active = (self.step + 1) % self.activation_every == 0
         if self.exchange.exports(self.step):
             self.export()
+
+    # -- the step's own code raised (the step hooks call these) -------------------------------
+    def begin_anyway(self) -> None:
+        """:meth:`before_step` raised: begin the step all the same, its collective issued as on every rank.
+
+        This rank's row then says "no figures". A failure on one rank must not leave the ranks'
+        collectives unmatched (the job would hang at the next one), nor a step uncounted (every
+        later step would be reported under the number of the one before). The caller counts the
+        failure; this one's own would be counted here.
+        """
+        if not self.active:
+            return
+        self._begun = True
+        try:
+            self._read_gradients()  # and the source's own start of a step (FSDP: the units seen)
+        except Exception:
+            self.errors.record("step schedule")
+        try:
+            self.sums.freeze()
+            ex, step = self.exchange, self.step + 1
+            if ex.started < step:
+                ex.complete()
+                ex.invalidate()
+                self._act_sent = False
+                ex.start(step)
+        except Exception:
+            self.errors.record("step schedule")
+
+    def end_anyway(self, step: int, skip: SkipReason = "") -> None:
+        """:meth:`after_step` of ``step`` raised: count the step and export on schedule all the same.
+
+        A step not counted yet reports no figures (NaN, not valid); its activation statistics
+        and update-ratio copy are dropped, so that the next step's start afresh.
+        """
+        if not self.active:
+            return
+        try:
+            if self.step < step:
+                self.begin_anyway()
+                self._row_done = True
+                self.ring.row(step)[Head.VALID].fill_(0.0)
+                self._valid[self.ring.slot(step)] = False
+                if self.activations is not None:
+                    self.activations.reset()
+                if self.update_ratio is not None:
+                    self.update_ratio.taken = False
+                self._count(skip)
+            elif self.exchange.exports(step) and self._exported_through < step:
+                self.export()
+        except Exception:
+            self.errors.record("step schedule")
 
     # -- exports ------------------------------------------------------------------------------
     def _judge(self, through: int) -> None:

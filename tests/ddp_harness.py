@@ -511,6 +511,7 @@ import math  # noqa: E402
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 VOCAB = 24
 DIM = 16
@@ -523,6 +524,9 @@ class Block(nn.Module):
         super().__init__()
         self.ln = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return h + self.fc(torch.tanh(self.ln(h)))
 
 
 class Phase(nn.Module):
@@ -541,13 +545,24 @@ class TinyLM(nn.Module):
     -> LayerNorm -> head.
 
     Layers in model order: emb, [phase], blocks.0.ln, blocks.0.fc, blocks.1.ln, blocks.1.fc,
-    [extra], norm, head. ``sparse=True`` gives the embedding sparse gradients.
+    [extra], norm, head. ``sparse=True`` gives the embedding sparse gradients. Each block is
+    called as a module (a test may compile, wrap or shard it); ``checkpoint=True`` calls it
+    under ``torch.utils.checkpoint`` (non-reentrant).
     """
 
     def __init__(
-        self, vocab=VOCAB, dim=DIM, n_blocks=2, tied=False, branch=False, sparse=False, complex_param=False
+        self,
+        vocab=VOCAB,
+        dim=DIM,
+        n_blocks=2,
+        tied=False,
+        branch=False,
+        sparse=False,
+        complex_param=False,
+        checkpoint=False,
     ):
         super().__init__()
+        self.checkpoint = checkpoint
         self.emb = nn.Embedding(vocab, dim, sparse=sparse)
         self.phase = Phase(dim) if complex_param else None
         self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
@@ -562,7 +577,7 @@ class TinyLM(nn.Module):
         if self.phase is not None:
             h = self.phase(h)
         for b in self.blocks:
-            h = h + b.fc(torch.tanh(b.ln(h)))
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False) if self.checkpoint else b(h)
         if self.extra is not None and use_extra:
             h = h + torch.relu(self.extra(h))
         return self.head(self.norm(h))

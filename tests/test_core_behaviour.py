@@ -22,12 +22,9 @@ sequence equals that of an unmonitored run and `distmon_monitor_errors_total` co
 
 import contextlib
 import copy
-import importlib
-import inspect
 import math
 import os
 import socket
-import sys
 import threading
 import time
 import urllib.request
@@ -42,7 +39,6 @@ from ddp_harness import (
     TinyLM,
     close,
     distmon_dir,
-    in_distmon_code,
     lm_loss,
     make_batch,
     reference_norms,
@@ -50,6 +46,7 @@ from ddp_harness import (
     snapshot_dict,
     sync_twin,
 )
+from fault_injection import FailureInjector
 from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -726,66 +723,6 @@ def test_port_fallback_and_port_zero_serve(port_run, label):
 FAULT_STEPS = 7
 FAULT_AT = (3, 4)  # rank 1 only
 FAULT_RANK = 1
-
-
-class InjectedFailure(RuntimeError):
-    pass
-
-
-class FailureInjector:
-    """Make distmon's tensor math raise while `active`.
-
-    Patches every public function of `distmon.sums` (wherever distmon modules hold a
-    reference to it) and, for calls made from distmon code, torch's fused norm kernels
-    (`torch._foreach_powsum`, `torch._foreach_norm`).
-    """
-
-    def __init__(self):
-        self.active = False
-        self.raised = 0
-        self.patched = []
-        self._undo = []
-
-    def _raiser(self, orig, gated):
-        inj = self
-
-        def fail(*args, **kwargs):
-            if inj.active and (not gated or in_distmon_code(sys._getframe(1), inj.dm_dir)):
-                inj.raised += 1
-                raise InjectedFailure("injected failure in distmon code")
-            return orig(*args, **kwargs)
-
-        return fail
-
-    def install(self):
-        self.dm_dir = distmon_dir()
-        targets = {}
-        try:
-            norms = importlib.import_module("distmon.sums")
-        except ImportError:
-            norms = None
-        if norms is not None:
-            for name, obj in vars(norms).items():
-                if inspect.isfunction(obj) and obj.__module__ == norms.__name__ and not name.startswith("_"):
-                    targets[id(obj)] = self._raiser(obj, gated=False)
-        for modname, mod in list(sys.modules.items()):
-            if mod is None or not (modname == "distmon" or modname.startswith("distmon.")):
-                continue
-            for attr, val in list(vars(mod).items()):
-                if id(val) in targets:
-                    self._undo.append((mod, attr, val))
-                    setattr(mod, attr, targets[id(val)])
-                    self.patched.append(f"{modname}.{attr}")
-        for name in ("_foreach_powsum", "_foreach_norm"):
-            orig = getattr(torch, name, None)
-            if orig is not None:
-                self._undo.append((torch, name, orig))
-                setattr(torch, name, self._raiser(orig, gated=True))
-                self.patched.append(f"torch.{name} (from distmon)")
-
-    def uninstall(self):
-        for owner, attr, val in reversed(self._undo):
-            setattr(owner, attr, val)
 
 
 def _fault_job(rank, world_size):

@@ -63,7 +63,6 @@ def trained_module(model: torch.nn.Module) -> torch.nn.Module:
     model = uncompiled(stage.submod if stage is not None else model)
     if isinstance(model, DistributedDataParallel):
         return uncompiled(model.module)
-        return model.module
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
     return model
