@@ -123,6 +123,13 @@ def pipeline_layers(
                 "distmon: activations= is not supported with pipeline stages yet (each stage watches "
                 "other modules)"
             )
+        if stage.num_stages != stage.group_size:
+            raise ValueError(
+                f"distmon: this rank's pipeline stage is one of {stage.num_stages} stages on "
+                f"{stage.group_size} ranks: interleaved schedules (several stages per rank) are not "
+                "supported yet (distmon measures one stage per rank); use one stage per rank "
+                "(ScheduleGPipe, Schedule1F1B)"
+            )
         names = build_grouping(trained_module(model), cfg.groups, max_layers=1 << 30).layers
     except Exception as e:
         failure = e

@@ -149,3 +149,25 @@ def test_a_misdeclared_layout_is_caught_by_the_first_step_check_not_served(runs)
     assert snaps[-1]["monitor_errors"] >= 1
     # the right declaration of the same layout passes the same check
     assert all(s["valid"] for s in runs["tp"][0]["snaps"][:STEPS])
+
+
+def _interleaved_job(rank: int, world: int) -> str:
+    """Two stages on each rank (an interleaved schedule's layout): refused on every rank, alike."""
+    from layout_harness import GPT
+    from torch.distributed.pipelining import PipelineStage
+
+    import distmon
+
+    part = GPT()
+    stage = PipelineStage(part, rank, 2 * world, torch.device("cpu"))
+    try:
+        distmon.GradMonitor(stage, torch.optim.SGD(part.parameters(), lr=0.1), serve="none")
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_several_stages_per_rank_are_refused_at_construction_naming_the_way_out():
+    errors = run_ranks(_interleaved_job, 2, timeout=120)
+    assert errors[0] == errors[1] and "interleaved schedules" in errors[0], errors
+    assert "one stage per rank" in errors[0]
