@@ -37,7 +37,7 @@ from .sinks import Sink, SinkWorker
 from .snapshot import Snapshot
 from .sources import first_device, pipeline_stage, source_for, trained_module
 from .tracker import StepTracker
-from .verify import DirectNorm
+from .verify import DirectNorm, LayoutCheck
 
 __all__ = ["Built", "Hooks", "build_rank", "build_exports", "as_tuple", "unwrap_optimizer"]
 
@@ -207,7 +207,7 @@ def build_rank(
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
-        check=direct if source.partial else None,
+        check=LayoutCheck(direct, source.counted) if source.counted is not None else None,
     )
     agreed = cfg.agreed(grouping.layers, watched)
     coords = coordinates(

@@ -217,8 +217,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "loss_scale",
         "None",
-        "DDP only: a fixed factor your loss is multiplied by before `backward()` (not with `scaler`); "
-        "figures are divided by it",
+        "a fixed factor your loss is multiplied by before `backward()` (not with `scaler`); figures "
+        "are divided by it",
         agreed=True,
     ),
     Option(

@@ -113,7 +113,7 @@ class StepTracker:
         activations: ActivationWatch | None = None,
         activation_every: int = 1,
         update_ratio: UpdateRatio | None = None,
-        check: Callable[[], float] | None = None,
+        check: Callable[[], tuple[float, float]] | None = None,
     ) -> None:
         self.plan, self.sums, self.source, self.errors = plan, sums, source, errors
         self.export_every = export_every
@@ -132,7 +132,8 @@ class StepTracker:
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
         self._export = export  # hands an export's host copy to the export thread
-        # a partial layout's first-step check (verify.py): the job's squared norm computed another way
+        # a partial layout's first-step check (verify.py): the job's squared norm as distmon reads
+        # the layout and computed another way, from the same gradients
         self._check = check
         self.misread: str | None = None  # why the check refused every figure (None: it did not)
         self._blank = plan.step.blank(sums.device)
@@ -208,22 +209,23 @@ class StepTracker:
             self._first_step_check()
 
     def _first_step_check(self) -> None:
-        """Once, on the first step measured on every rank with a finite figure: distmon's global
-        figure against a placement-aware one (a host sync and collectives, at the same point on
-        every rank: the decision rests on the step's all-reduced figures, the same everywhere)."""
+        """Once, on the first step measured on every rank with a finite figure: the global norm as
+        distmon reads the layout against a placement-aware one, both from the gradients as they
+        are now (a host sync and collectives, at the same point on every rank: the decision rests
+        on all-reduced figures, the same everywhere)."""
         try:
             measured_sq = float(self.total_sq())
             if self.ring.row(self.step + 1)[Head.VALID].item() != 1.0 or not math.isfinite(measured_sq):
                 return  # not this step: the next one
             check, self._check = self._check, None
-            direct_sq = check()
+            read_sq, direct_sq = check()
             # every rank decides alike: a part some rank computes differently (copies that are
             # not equal) is a misread layout too
-            wrong = torch.tensor([0.0 if agrees(measured_sq, direct_sq) else 1.0], device=self.sums.device)
+            wrong = torch.tensor([0.0 if agrees(read_sq, direct_sq) else 1.0], device=self.sums.device)
             if self.exchange.collective:
                 dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.exchange.buffers.group)
             if wrong.item():
-                self.misread = refusal(measured_sq, direct_sq)
+                self.misread = refusal(read_sq, direct_sq)
                 self.errors.note("layout check", 1, self.misread)
                 self.ring.row(self.step + 1)[Head.VALID].fill_(0.0)
                 self._valid[self.ring.slot(self.step + 1)] = False

@@ -1,8 +1,12 @@
-"""The first-step check of a layout: distmon's global figure against a direct, placement-aware one.
+"""The first-step check of a layout: distmon's reading of it against a direct, placement-aware norm.
 
 distmon adds up, over the job, the parts of the reduced gradient each rank counts (``layout.py``).
-Once, on the first step whose figures are finite and measured on every rank, the same total is
-computed another way, as torchtitan's ``clip_grad_norm_`` computes it: the norm of every DTensor
+Once, on the first step whose figures are finite and measured on every rank, when the optimizer
+step begins, that sum is taken again from the gradients as they are then (each rank's counted
+parts, one all-reduce) and computed another way, as torchtitan's ``clip_grad_norm_`` computes
+it. Both read the same gradients: a loop that clipped them after distmon measured them in
+backward (Lightning's ``gradient_clip_val``, ``torch.nn.utils.clip_grad_norm_``) changes both
+alike, not the verdict. The other way: the norm of every DTensor
 gradient of this rank's model part from DTensor's own placement rules (``full_tensor()``, one
 mesh at a time), plus the plain gradients every rank of the part holds alike, summed over the
 pipeline stages; parameters declared ``replicated_over`` a group, whose placement is the very
@@ -23,7 +27,7 @@ import torch.distributed as dist
 
 from .layout import declared_group, spec_of
 
-__all__ = ["DirectNorm", "agrees", "refusal"]
+__all__ = ["DirectNorm", "LayoutCheck", "agrees", "refusal"]
 
 TOLERANCE = 1e-3  # fp32 sums in different orders agree far closer; a misread layout far less
 
@@ -91,6 +95,26 @@ class DirectNorm:
         return float(part.cpu()) + shared
 
 
+class LayoutCheck:
+    """The job's squared global norm twice, from the gradients as they are now: as distmon's reading
+    of the layout adds it up (each rank's ``counted`` parts, one SUM all-reduce over the job) and
+    placement-aware (``direct``). Collectives on every rank, once.
+    """
+
+    def __init__(self, direct: DirectNorm, counted: Sequence[bool]) -> None:
+        self.direct, self.counted = direct, list(counted)
+
+    def __call__(self) -> tuple[float, float]:
+        """(distmon's reading, the placement-aware norm), squared."""
+        read = torch.zeros((), dtype=torch.float64)
+        for (_, p), counts in zip(self.direct.named, self.counted):
+            if counts and p.grad is not None:
+                read += _sq(getattr(p.grad, "_local_tensor", p.grad)).cpu()  # this rank's part
+        read = read.to(_device(self.direct.named))
+        dist.all_reduce(read)
+        return float(read.cpu()), self.direct()
+
+
 def _sq(grad: torch.Tensor) -> torch.Tensor:
     """A plain gradient's float64 sum of squares: a sparse one's coalesced values (duplicates
     summed), a complex one's real and imaginary parts."""
@@ -102,12 +126,12 @@ def _device(named: Sequence[tuple[str, torch.nn.Parameter]]) -> torch.device:
     return next((p.device for _, p in named), torch.device("cpu"))
 
 
-def refusal(measured_sq: float, direct_sq: float) -> str:
+def refusal(read_sq: float, direct_sq: float) -> str:
     """Why figures are refused after the first-step check found them wrong."""
-    ours, direct = math.sqrt(max(measured_sq, 0.0)), math.sqrt(max(direct_sq, 0.0))
+    ours, direct = math.sqrt(max(read_sq, 0.0)), math.sqrt(max(direct_sq, 0.0))
     return (
-        f"distmon: the first-step check of the parallel layout failed: distmon's global norm is "
-        f"{ours:.6g}, the placement-aware one {direct:.6g}. "
+        f"distmon: the first-step check of the parallel layout failed: the global norm as distmon "
+        f"reads the layout is {ours:.6g}, the placement-aware one {direct:.6g}. "
         "distmon misread where this model's gradients live (a replicated_over= declaration that does "
         "not hold, or a wrapper it does not know): every figure is now reported invalid, none served"
     )

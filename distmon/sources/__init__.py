@@ -116,7 +116,7 @@ class CompositeSource:
     def __init__(self, primary: Source, extra: Source) -> None:
         self.primary, self.extra = primary, extra
         self.module, self.group, self.world_size = primary.module, primary.group, primary.world_size
-        self.device, self.partial = primary.device, primary.partial
+        self.device, self.partial, self.counted = primary.device, primary.partial, primary.counted
         self.divide_factor_set = primary.divide_factor_set
         self.dp_rank, self.meshes = primary.dp_rank, primary.meshes
 
@@ -149,7 +149,7 @@ class PipelineSource:
     def __init__(self, inner: Source, stage: object, receiver: Receiver) -> None:
         self.inner, self.stage, self.receiver = inner, stage, receiver
         self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
-        self.device, self.partial = inner.device, inner.partial
+        self.device, self.partial, self.counted = inner.device, inner.partial, inner.counted
         self.divide_factor_set = inner.divide_factor_set
         self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
         self._scale: Callable[[int], None] | None = None

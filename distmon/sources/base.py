@@ -118,6 +118,9 @@ class Source(Protocol):
     world_size: int
     device: torch.device
     partial: bool
+    # per tracked parameter (the grouping's order): whether this rank's part of its reduced
+    # gradient counts in the job's figures (None: the source is not partial, every part does)
+    counted: Sequence[bool] | None
     dp_rank: int  # this rank's place among the data-parallel ranks (a label: dp_rank)
     meshes: tuple[object, ...]  # the device meshes its wrappers use (coordinates come from them)
     divide_factor_set: bool

@@ -319,7 +319,7 @@ class DDPSource:
         # counted: DDP is one dimension of a larger job (tensor parallelism, a pipeline stage):
         # every rank adds the parts it counts, over the job's default group; else the job is
         # DDP's group, on whose every rank the reduced gradient is whole
-        self.partial = counted is not None
+        self.partial, self.counted = counted is not None, counted
         self.group: dist.ProcessGroup = dist.group.WORLD if self.partial else model.process_group
         self.world_size = self.group.size()
         self.device = first_device(model.module)

@@ -143,7 +143,7 @@ class FSDPSource:
     def __init__(
         self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping, counted: Sequence[bool]
     ) -> None:
-        self.module = model
+        self.module, self.counted = model, counted
         self.units: list[tuple[FSDPModule, FSDPParamGroup]] = []
         for name, m in model.named_modules():
             if not isinstance(m, FSDPModule):

@@ -136,7 +136,7 @@ class LocalSource:
         alongside: bool = False,
     ) -> None:
         self.module = module
-        self.partial = counted is not None
+        self.partial, self.counted = counted is not None, counted
         # one process: no collective; several: the job's default group, where every rank is
         self.group = dist.group.WORLD if self.partial else None
         self.world_size = dist.get_world_size() if self.partial else 1
