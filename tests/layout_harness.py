@@ -205,6 +205,19 @@ class Built:
     def named_params(self) -> list[tuple[str, torch.Tensor]]:
         return self._named
 
+    def grad_sq(self) -> dict[str, float]:
+        """Per parameter this rank holds, the float64 sum of squares of its whole gradient."""
+        return {n: float(full_grad(p).pow(2).sum()) for n, p in self.named_params() if p.grad is not None}
+
+    def whole_weights(self) -> dict[str, torch.Tensor]:
+        return full_weights(self)
+
+    def local_reference(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        return local_reference(self, weights, step)
+
+    def coords(self) -> dict[str, int | None]:
+        return {"dp_rank": self.dp, "tp_rank": self.tp, "pp_stage": self.stage}
+
     def train_step(self, step: int, poison: bool = False) -> float | None:
         """One optimizer step on this rank's batch (the dp coordinate's); the loss where it is known."""
         x, y = make_batch(self.dp, step, batch=BATCH, vocab=VOCAB)
@@ -284,24 +297,22 @@ def local_reference(built: Built, weights: dict[str, torch.Tensor], step: int) -
     return {name: float(tp_part(grads[name].grad, p).pow(2).sum()) for name, p in built.named_params()}
 
 
-def _train(layout: Layout, monitor_kw: dict | None) -> dict:
+def _train(layout: Layout, monitor_kw: dict | None, build: type = Built) -> dict:
     """STEPS steps bare (``monitor_kw`` None) or with distmon; then, with distmon, the spy window
-    and the NaN step."""
+    and the NaN step. ``build`` lays the model out (:class:`Built` or one with its methods)."""
     import distmon
 
-    built = Built(layout)
+    built = build(layout)
     out: dict = {"losses": [], "sq": [], "local": [], "clip": []}
     mon = None
     if monitor_kw is not None:
         mon = distmon.GradMonitor(built.monitored, built.opt, **monitor_kw, **built.monitor_options())
     for step in range(1, STEPS + 1):
-        weights = full_weights(built) if mon is not None else None
+        weights = built.whole_weights() if mon is not None else None
         out["losses"].append(built.train_step(step))
         if mon is not None:
-            out["sq"].append(
-                {n: float(full_grad(p).pow(2).sum()) for n, p in built.named_params() if p.grad is not None}
-            )
-            out["local"].append(local_reference(built, weights, step))
+            out["sq"].append(built.grad_sq())
+            out["local"].append(built.local_reference(weights, step))
             out["clip"].append(float(mon.clip_grad_norm_(1e9)))
         built.opt.step()
         built.opt.zero_grad()
@@ -327,18 +338,18 @@ def _train(layout: Layout, monitor_kw: dict | None) -> dict:
     out["scrape"] = (
         [s for s in scrape_metrics(mon.port) if s[0] == "distmon_rank_grad_norm"] if mon.port else None
     )
-    out["coords"] = {"dp_rank": built.dp, "tp_rank": built.tp, "pp_stage": built.stage}
+    out["coords"] = built.coords()
     mon.close()
     return out
 
 
-def layout_job(rank: int, world: int, layouts: list[Layout], log_dir: str) -> dict:
+def layout_job(rank: int, world: int, layouts: list[Layout], log_dir: str, build: type = Built) -> dict:
     """Every layout in turn on this rank's process group (one spawn for several layouts)."""
     results = {}
     for layout in layouts:
         log = f"{log_dir}/{layout.name}.jsonl"
-        bare = _train(layout, None)
-        mon = _train(layout, MONITORED | {"log_path": log})
+        bare = _train(layout, None, build)
+        mon = _train(layout, MONITORED | {"log_path": log}, build)
         mon["same_losses"] = bare["losses"] == mon["losses"]
         mon["same_params"] = all(torch.equal(a, b) for a, b in zip(bare["params"], mon.pop("params")))
         if rank == 0:
@@ -361,8 +372,8 @@ def combined(outs: list[dict], step: int) -> dict[str, float]:
     return merged
 
 
-def by_layer(per_param: dict[str, float]) -> dict[str, float]:
-    sq = dict.fromkeys(LAYERS, 0.0)
+def by_layer(per_param: dict[str, float], layers: tuple[str, ...] = LAYERS) -> dict[str, float]:
+    sq = dict.fromkeys(layers, 0.0)
     for name, v in per_param.items():
         sq[layer_of(name)] += v
     return sq

@@ -112,8 +112,10 @@ class LocalSource:
     the user declared), each rank's gradient is its part: its local figures are all of it, and
     the job's reduced figures add up the parts it counts (the rest are copies counted elsewhere).
     ``alongside`` a DDP source (parameters DDP leaves to the model's own code, experts say), it
-    reads them when the optimizer step begins, after that code reduced them (no later clipping
-    is known to it), and adds its sums to the DDP backward's.
+    reads their local gradients when each backward ends, before that code reduces them after
+    backward (Megatron's and DeepSpeed's way; a reduction inside backward is read as local), and
+    their reduced ones when the optimizer step begins, after it (no later clipping is known to
+    it); both are added to the DDP backward's sums at the step.
 
     Example:
         >>> from distmon.grouping import build_grouping
@@ -167,11 +169,11 @@ class LocalSource:
         )
         self._handles: list[RemovableHandle] = []
         self._queued = False  # this backward's end is awaited
+        self._local_read: tuple[Runs, list[torch.Tensor]] | None = None  # alongside: the last backward's
 
     def install(self) -> None:
-        if self.alongside:
-            return  # read when the step begins
-        self._order.install()  # NaN attribution names the first non-finite layer in backward order
+        if not self.alongside:  # alongside DDP, DDP's source learns the order of every layer
+            self._order.install()  # NaN attribution names the first non-finite layer in backward order
         for p in self._params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
@@ -182,10 +184,22 @@ class LocalSource:
         self._handles.clear()
 
     def read_at_step(self) -> None:
-        """Alongside DDP: read the parameters the model's own code reduced (else nothing: the
-        gradients were read when the step's last backward ended)."""
-        if self.alongside and self.receiver.active:
-            self._backward_done()
+        """Alongside DDP: hand over the local sums the step's last backward left, and read the
+        reduced gradients the model's own code made (else nothing: the gradients were read when
+        the step's last backward ended)."""
+        if not (self.alongside and self.receiver.active):
+            return
+        receiver, local, self._local_read = self.receiver, self._local_read, None
+        try:
+            counted = (self._counted or self._grads).read()
+            if local is not None:
+                receiver.add_local(*local)
+            elif counted is not None:  # gradients no backward accumulated: no local figure
+                receiver.local_unmeasured()
+            if counted is not None:
+                receiver.add_reduced(*counted)
+        except Exception:
+            receiver.fail("gradient read (parameters the model reduces)")
 
     def read_pending(self) -> None:
         """Nothing is left: every backward's end was awaited in autograd."""
@@ -208,6 +222,9 @@ class LocalSource:
         receiver = self.receiver
         try:
             read = self._grads.read()
+            if self.alongside:  # before the model's own reduction; handed over at the step
+                self._local_read = read
+                return
             if read is None:
                 return  # no gradient at all: nothing measured, the step is invalid
             runs, sums = read
