@@ -125,10 +125,27 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fsdp_benchmark_runs_and_reports_its_row():
-    proc = _run(os.path.join(REPO, "benchmarks", "fsdp_overhead.py"), "--sizes", "1M", "--rounds", "2")
+@pytest.mark.parametrize(
+    "layout, size, header",
+    [
+        ("fsdp", "1M", "FSDP2, 2 gloo ranks (mesh dp=2)"),
+        # 4 ranks on a (dp=2, tp=2) mesh: the smoke size keeps it to seconds on 2 cores
+        ("tp-fsdp", "smoke", "TP + FSDP2, 4 gloo ranks (mesh dp=2 x tp=2)"),
+    ],
+)
+def test_fsdp_benchmark_runs_and_reports_its_row(layout, size, header):
+    script = os.path.join(REPO, "benchmarks", "fsdp_overhead.py")
+    proc = _run(script, "--layout", layout, "--sizes", size, "--rounds", "2")
+    # exit 1 also when distmon's snapshot of the check step was invalid on a rank or its
+    # grad_norm missed the gathered gradients' norm: a benchmark of a refusing monitor means nothing
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    row = [line for line in proc.stdout.splitlines() if line.startswith("| 1M |")]
+    assert proc.stdout.startswith(header), proc.stdout
+    row = [line for line in proc.stdout.splitlines() if line.startswith(f"| {size} |")]
     assert len(row) == 1, proc.stdout
-    ratio = float(row[0].split("|")[5])
+    cells = [c.strip() for c in row[0].split("|")]
+    ratio = float(cells[5])
     assert 0.5 < ratio < 2.0, row  # a measured ratio, not a placeholder
+    lo, hi = map(float, cells[6].split("-"))
+    assert lo <= ratio <= hi, row
+    figures, err = cells[10].split()
+    assert figures == "valid" and float(err.strip("()")) < 1e-4, row
