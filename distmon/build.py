@@ -162,6 +162,7 @@ def build_rank(
     sums = BackwardSums(
         n_layers=n_layers, device=device, loss_scale=loss_scale, errors=errors, fixed_order=fixed
     )
+    stage = pipeline_stage(model)
     source = source_for(
         model,
         receiver=sums,
@@ -169,7 +170,7 @@ def build_rank(
         comm_hook=cfg.comm_hook,
         comm_state=cfg.comm_state,
         replicated_over=cfg.replicated_over,
-        stage=pipeline_stage(model),
+        stage=stage,
     )
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
@@ -185,7 +186,6 @@ def build_rank(
         update_ratio=extra.ratio is not None,
     )
     det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
-    stage = pipeline_stage(model)
     direct = DirectNorm(
         list(zip(grouping.param_names, grouping.params)),
         declared=cfg.replicated_over or {},
