@@ -151,9 +151,9 @@ class StepHooks:
     def _install(self) -> None:
         for opt in self.optimizers:
             if self.guard is None:
-                pre = opt.register_step_pre_hook(self._pre_hook)
-                post = opt.register_step_post_hook(self._post_hook)
-                self._undo += [pre.remove, post.remove]
+                # each undo noted as soon as its hook is in: a later failure removes it
+                self._undo.append(opt.register_step_pre_hook(self._pre_hook).remove)
+                self._undo.append(opt.register_step_post_hook(self._post_hook).remove)
             else:
                 opt.step = self._guarded(opt, opt.step)
                 self._undo.append(functools.partial(opt.__dict__.pop, "step", None))

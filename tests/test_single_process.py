@@ -500,3 +500,60 @@ def test_the_norm_served_is_the_gradient_before_a_framework_clips_it(accumulatio
             assert snap.valid and close(snap.grad_norm, before[0], 1e-5), (snap.grad_norm, before)
             for layer, norm in before[1].items():
                 assert close(snap.layer_grad_norms[layer], norm, 1e-5)
+
+
+class _FlakyOptimizer(torch.optim.SGD):
+    """An SGD whose step post-hook cannot be registered until ``fail`` is cleared."""
+
+    fail = True
+
+    def register_step_post_hook(self, hook):
+        if self.fail:
+            raise RuntimeError("no step post-hooks on this optimizer")
+        return super().register_step_post_hook(hook)
+
+
+class _FlakyLinear(torch.nn.Linear):
+    """A module whose forward hooks cannot be registered until ``fail`` is cleared."""
+
+    fail = True
+
+    def register_forward_hook(self, hook, **kwargs):
+        if self.fail:
+            raise RuntimeError("no forward hooks on this module")
+        return super().register_forward_hook(hook, **kwargs)
+
+
+def _distmon_threads():
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("distmon")]
+
+
+@pytest.mark.parametrize("where", ["optimizer", "activations"])
+def test_a_failure_half_way_through_installing_leaves_nothing_and_a_retry_works(where):
+    """The optimizer's pre-hook (or, with a guard, its wrapped step) is in when the next hook fails."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_FlakyLinear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    opt = _FlakyOptimizer(net.parameters(), lr=0.1)
+    net[0].fail = opt.fail = False
+    options = {"port": free_port(), "linger_s": 0}
+    if where == "optimizer":
+        opt.fail = True
+    else:  # the guard wrapped opt.step; then the activation hooks fail
+        net[0].fail = True
+        options.update(guard="skip", activations=["0"])
+    with pytest.raises(RuntimeError, match="no (step post-|forward )hooks"):
+        distmon.GradMonitor(net, opt, **options)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert "step" not in vars(opt) and not net[0]._forward_hooks
+    assert _distmon_threads() == []
+    net[0].fail = opt.fail = False
+    mon = distmon.GradMonitor(net, opt, **options)  # the same port: it was released
+    x, y = batch(1)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    want = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in net.parameters()))
+    opt.step()
+    snap = mon.flush()
+    mon.close()
+    assert snap.step == 1 and snap.valid and math.isclose(snap.grad_norm, want, rel_tol=1e-6)
