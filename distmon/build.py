@@ -35,7 +35,7 @@ from .ring import ExportBatch
 from .rows import RowPlan
 from .sinks import Sink, SinkWorker
 from .snapshot import Snapshot
-from .sources import first_device, pipeline_stage, source_for, trained_module
+from .sources import PipelineSource, first_device, pipeline_stage, source_for, trained_module
 from .tracker import StepTracker
 from .verify import DirectNorm, LayoutCheck
 
@@ -172,6 +172,8 @@ def build_rank(
         replicated_over=cfg.replicated_over,
         stage=stage,
     )
+    if stage is not None:  # the schedule scales the stage's gradients: followed
+        source = PipelineSource(source, stage, sums)
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
     plan = RowPlan.build(

@@ -37,6 +37,7 @@ __all__ = [
     "uncompiled",
     "pipeline_stage",
     "CompositeSource",
+    "PipelineSource",
 ]
 
 
@@ -236,8 +237,8 @@ def source_for(
     reduce-scatters and in its sharded gradients, anything else when each backward ends: a
     single process's module; on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
     module, parameters declared ``replicated_over`` a group. Where a rank holds a part of the
-    reduced gradient (shards, a stage, a copy counted elsewhere) the source is *partial*; a
-    pipeline ``stage``'s follows its schedule's scaling of the gradients.
+    reduced gradient (shards, a stage, a copy counted elsewhere) the source is *partial*. A
+    pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by the caller.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -245,28 +246,6 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
-    source = _source_for(
-        model,
-        receiver=receiver,
-        grouping=grouping,
-        comm_hook=comm_hook,
-        comm_state=comm_state,
-        replicated_over=replicated_over,
-        stage=stage,
-    )
-    return source if stage is None else PipelineSource(source, stage, receiver)
-
-
-def _source_for(
-    model: torch.nn.Module,
-    *,
-    receiver: Receiver,
-    grouping: Grouping,
-    comm_hook: CommHook | None = None,
-    comm_state: object = None,
-    replicated_over: dict[str, dist.ProcessGroup] | None = None,
-    stage: object | None = None,
-) -> Source:
     model = uncompiled(model)  # torch.compile(model): the module it compiles is measured
     if stage is not None:
         model = uncompiled(stage.submod)
