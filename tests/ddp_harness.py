@@ -231,11 +231,11 @@ def _reduction_on_ddp_behalf():
     hook reproduces DDP's built-in reduction (which would run without distmon), and its FSDP
     reduce-scatter and post_backward wrappers call FSDP's own, so their collectives are the
     training's, not the monitor's."""
-    from distmon.sources.ddp import ddp_allreduce_hook
+    from distmon.sources.ddp import _allreduce
     from distmon.sources.fsdp import _MeasuringReduceScatter, _NotingPostBackward
 
     return {
-        ddp_allreduce_hook.__code__,
+        _allreduce.__code__,
         _MeasuringReduceScatter.__call__.__code__,
         _NotingPostBackward.__call__.__code__,
     }

@@ -57,13 +57,17 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     Example:
         >>> ddp.register_comm_hook(ddp.process_group, ddp_allreduce_hook)   # doctest: +SKIP
     """
+    return _allreduce(process_group, bucket).get_future().then(lambda fut: fut.value()[0])
+
+
+def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
+    """:func:`ddp_allreduce_hook`'s arithmetic, its all-reduce started; the work returned."""
     buffer = bucket.buffer()
     if buffer.is_sparse:
         buffer.div_(process_group.size())
     else:
         buffer.mul_(1.0 / process_group.size())
-    work = dist.all_reduce(buffer, group=process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return dist.all_reduce(buffer, group=process_group, async_op=True)
 
 
 @dataclass
@@ -246,12 +250,42 @@ class HookSlot:
     same model takes the slot over instead of registering a second hook.
     """
 
-    __slots__ = ("source", "inner_hook", "inner_state")
+    __slots__ = ("source", "inner_hook", "inner_state", "profiled")
 
     def __init__(self, source: "DDPSource | None", inner_hook: CommHook, inner_state: object) -> None:
         self.source = source
         self.inner_hook = inner_hook
         self.inner_state = inner_state
+        self.profiled: list[dist.Work] = []  # this backward's all-reduces issued under torch.profiler
+
+    def start(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """Call the inner hook; DDP's own reduction issued under ``torch.profiler`` is completed
+        (``Work.wait()``) before the backward returns.
+
+        gloo marks a work's future complete (what DDP waits for) before it ends the work's
+        profiler event on its worker thread: a profiler window the training loop closes right
+        after ``backward()`` is then torn down while that thread still writes into it, a heap
+        corruption that kills the process later (torch 2.13; a pipeline job with DDP stages and
+        windows closing after the schedule's step: the soak test crashed ~5 runs out of 5).
+        ``Work.wait()`` returns only once the work has ended its event.
+        """
+        if self.inner_hook is ddp_allreduce_hook and torch._C._autograd._profiler_enabled():
+            try:
+                if not self.profiled:  # the first of this backward: complete them all when it ends
+                    torch.autograd.Variable._execution_engine.queue_callback(self.wait_profiled)
+            except RuntimeError:  # not inside a backward: DDP's reduction as it is
+                pass
+            else:
+                work = _allreduce(self.inner_state, bucket)
+                self.profiled.append(work)
+                return work.get_future().then(lambda fut: fut.value()[0])
+        return self.inner_hook(self.inner_state, bucket)
+
+    def wait_profiled(self) -> None:
+        """Complete the all-reduces :meth:`start` issued under the profiler (when a backward ends)."""
+        works, self.profiled = self.profiled, []
+        for work in works:
+            work.wait()
 
 
 def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -266,7 +300,7 @@ def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Futur
     """
     source = slot.source
     measure_reduced = source.measure_local(bucket) if source is not None else None
-    fut = slot.inner_hook(slot.inner_state, bucket)
+    fut = slot.start(bucket)
     return fut if measure_reduced is None else fut.then(measure_reduced)
 
 
