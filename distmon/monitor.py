@@ -112,7 +112,8 @@ class GradMonitor:
         # every keyword option, as given (None: not given); read before any other local exists
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
         self._closed = True  # until every rank has started
-        group = process_group(model)  # where the ranks agree: the model's type is the same on every rank
+        # where the ranks agree: the model's type (and whether a layout is declared) is the same on every rank
+        group = process_group(model, declared=bool(replicated_over))
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()

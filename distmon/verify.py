@@ -62,15 +62,17 @@ class DirectNorm:
         from torch.distributed.tensor import DTensor
 
         by_mesh: dict[int, list[torch.Tensor]] = {}
-        plain = torch.zeros((), dtype=torch.float64)
-        declared: list[tuple[str, float, float]] = []  # (name, sum of squares, sum): copies are equal
+        part = torch.zeros((), dtype=torch.float64, device=_device(self.named))
+        names: list[str] = []
+        stats: list[torch.Tensor] = []  # per declared gradient (sum of squares, sum): copies are equal
         for name, p in self.named:
             g = p.grad
             if g is None:
                 continue
             if declared_group(name, self.declared) is not None:
                 local = (g.to_local() if isinstance(g, DTensor) else g).double()
-                declared.append((name, float(local.pow(2).sum()), float(local.sum())))
+                names.append(name)
+                stats.append(torch.stack([local.pow(2).sum(), local.sum()]))
                 continue
             spec = spec_of(p)
             if not isinstance(g, DTensor) and spec is not None:  # a parameter DDP localized
@@ -78,23 +80,22 @@ class DirectNorm:
             if isinstance(g, DTensor):
                 by_mesh.setdefault(id(g.device_mesh), []).append(g)
             else:  # every rank of this model part holds it alike (DDP reduced it)
-                plain += _sq(g).cpu()
-        part = plain
+                part += _sq(g)
         for grads in by_mesh.values():  # torchtitan's way: DTensor's own rules, one mesh at a time
             # get_total_norm, in float64: it keeps the gradients' dtype (a bf16 square: 0.4% off, > TOLERANCE)
             norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads]
             norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
             full = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            part = part + full.double().cpu() ** 2
+            part += full.to(part) ** 2
         if self.stage_group is not None:
-            part = part.to(_device(self.named))
             dist.all_reduce(part, group=self.stage_group)
         shared = 0.0
         if self.declared:  # every rank's declared gradients, each distinct one counted once
-            everyone: list[list[tuple[str, float, float]]] = [[] for _ in range(dist.get_world_size())]
+            declared = list(zip(names, map(tuple, torch.stack(stats).tolist()))) if stats else []
+            everyone: list[list[tuple[str, tuple[float, float]]]] = [[] for _ in range(dist.get_world_size())]
             dist.all_gather_object(everyone, declared)
-            shared = sum(sq for _, sq, _ in {entry for told in everyone for entry in told})
-        return float(part.cpu()) + shared
+            shared = sum(sq for _, (sq, _) in {entry for told in everyone for entry in told})
+        return float(part) + shared  # the one host sync (and the declared ones' copy above)
 
 
 class LayoutCheck:
@@ -108,13 +109,12 @@ class LayoutCheck:
 
     def __call__(self) -> tuple[float, float]:
         """(distmon's reading, the placement-aware norm), squared."""
-        read = torch.zeros((), dtype=torch.float64)
+        read = torch.zeros((), dtype=torch.float64, device=_device(self.direct.named))
         for (_, p), counts in zip(self.direct.named, self.counted):
             if counts and p.grad is not None:
-                read += _sq(getattr(p.grad, "_local_tensor", p.grad)).cpu()  # this rank's part
-        read = read.to(_device(self.direct.named))
+                read += _sq(getattr(p.grad, "_local_tensor", p.grad))  # this rank's part
         dist.all_reduce(read)
-        return float(read.cpu()), self.direct()
+        return float(read), self.direct()
 
 
 def _sq(grad: torch.Tensor) -> torch.Tensor:

@@ -69,14 +69,17 @@ def trained_module(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _nd(ddp: DistributedDataParallel) -> bool:
-    """Whether this DDP model is one dimension of a larger job: tensor-parallel parameters it
-    localized, or parameters it leaves to the model's own code (experts)."""
-    return bool(getattr(ddp, "parameters_to_ignore", None)) or any(map(spec_of, ddp.module.parameters()))
+def _ddp_is_the_job(ddp: DistributedDataParallel, *, declared: bool) -> bool:
+    """Whether DDP is the whole job, every rank holding the whole reduced gradient; not when it is
+    one dimension of a larger one: tensor-parallel parameters it localized, parameters it leaves
+    to the model's own code (experts), parameters the user ``declared`` replicated over a group."""
+    ignored = bool(getattr(ddp, "parameters_to_ignore", None))
+    return not (declared or ignored or any(map(spec_of, ddp.module.parameters())))
 
 
-def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
-    """The group the ranks of ``model``'s job agree over: DDP's own, else the job's (None in one process).
+def process_group(model: torch.nn.Module, *, declared: bool = False) -> dist.ProcessGroup | None:
+    """The group the ranks of ``model``'s job agree over: DDP's own when DDP is the whole job, else
+    the job's (None in one process); ``declared``: ``replicated_over=`` was given.
 
     Known from the model's type alone, before any option is read, so that a rank whose options
     fail still meets the others there.
@@ -87,7 +90,7 @@ def process_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
     """
     if pipeline_stage(model) is None:
         model = uncompiled(model)
-        if isinstance(model, DistributedDataParallel) and not _nd(model):
+        if isinstance(model, DistributedDataParallel) and _ddp_is_the_job(model, declared=declared):
             return model.process_group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
@@ -111,52 +114,70 @@ def _ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
     return [p for p in params if p.requires_grad]
 
 
-class CompositeSource:
+class _Wrapping:
+    """A source built around another: it reduces, groups and counts as ``inner`` does, and reads
+    what ``inner`` reads (subclasses add to it)."""
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+        self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
+        self.device, self.partial, self.counted = inner.device, inner.partial, inner.counted
+        self.divide_factor_set = inner.divide_factor_set
+        self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
+
+    def install(self) -> None:
+        self.inner.install()
+
+    def remove(self) -> None:
+        self.inner.remove()
+
+    def read_at_step(self) -> None:
+        self.inner.read_at_step()
+
+    def read_pending(self) -> None:
+        self.inner.read_pending()
+
+
+class CompositeSource(_Wrapping):
     """A data-parallel source and a reader of the parameters it does not reduce (``alongside``)."""
 
     def __init__(self, primary: Source, extra: Source) -> None:
-        self.primary, self.extra = primary, extra
-        self.module, self.group, self.world_size = primary.module, primary.group, primary.world_size
-        self.device, self.partial, self.counted = primary.device, primary.partial, primary.counted
-        self.divide_factor_set = primary.divide_factor_set
-        self.dp_rank, self.meshes = primary.dp_rank, primary.meshes
+        super().__init__(primary)
+        self.extra = extra
 
     def install(self) -> None:
-        self.primary.install()
+        super().install()
         try:
             self.extra.install()
         except BaseException:
-            self.primary.remove()
+            super().remove()
             raise
 
     def remove(self) -> None:
         self.extra.remove()
-        self.primary.remove()
+        super().remove()
 
     def read_at_step(self) -> None:
-        self.primary.read_at_step()
+        super().read_at_step()
         self.extra.read_at_step()
 
     def read_pending(self) -> None:
-        self.primary.read_pending()
+        super().read_pending()
         self.extra.read_pending()
 
 
-class PipelineSource:
+class PipelineSource(_Wrapping):
     """A pipeline stage's source: the gradients its schedule divides by the micro-batch count when
     the step's backwards are done (``stage.scale_grads``) are what the optimizer steps with, so the
     sums taken before are divided alike, and what is left to read is read after it."""
 
     def __init__(self, inner: Source, stage: object, receiver: Receiver) -> None:
-        self.inner, self.stage, self.receiver = inner, stage, receiver
-        self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
-        self.device, self.partial, self.counted = inner.device, inner.partial, inner.counted
-        self.divide_factor_set = inner.divide_factor_set
-        self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
+        super().__init__(inner)
+        self.stage, self.receiver = stage, receiver
         self._scale: Callable[[int], None] | None = None
 
     def install(self) -> None:
-        self.inner.install()
+        super().install()
         inner_scale = self.stage.scale_grads
 
         def scale_grads(grad_scale_factor: int) -> None:
@@ -173,13 +194,7 @@ class PipelineSource:
     def remove(self) -> None:
         if self._scale is not None and vars(self.stage).get("scale_grads") is self._scale:
             del self.stage.scale_grads
-        self.inner.remove()
-
-    def read_at_step(self) -> None:
-        self.inner.read_at_step()
-
-    def read_pending(self) -> None:
-        self.inner.read_pending()
+        super().remove()
 
 
 def _undeclared(name: str, world: int) -> ValueError:
@@ -264,8 +279,7 @@ def source_for(
                 "before the first forward"
             )
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
-        nd = stage is not None or bool(declared) or bool(outside) or any(map(spec_of, grouping.params))
-        if not nd:  # DDP is the whole job: every rank holds the whole reduced gradient
+        if stage is None and not outside and _ddp_is_the_job(model, declared=bool(declared)):
             return DDPSource(
                 model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
             )

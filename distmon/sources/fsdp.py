@@ -295,13 +295,12 @@ class FSDPSource:
             if in_compiled_autograd():
                 raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
             receiver.begin_backward()
-            if self._queued:
-                pass
-            elif torch._C._current_graph_task_id() != -1:  # read the shards once the backward assigned them
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if not self._queued:
+                if torch._C._current_graph_task_id() != -1:  # read the shards once the backward assigned them
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                else:  # FSDP's post-backward run outside autograd (a pipeline stage's last one)
+                    self._pending = True
                 self._queued = True
-            else:  # FSDP's post-backward run outside autograd (a pipeline stage's last one)
-                self._queued = self._pending = True
             if unit in self._seen:  # reduce-scatter on every micro-batch: see read_at_step
                 self._repeated = True
                 return

@@ -227,14 +227,11 @@ class LocalSource:
                 return
             if read is None:
                 return  # no gradient at all: nothing measured, the step is invalid
-            runs, sums = read
             counted = read if self._counted is None else self._counted.read()
-            if not self.alongside:
-                receiver.begin_backward()
-            receiver.add_local(runs, sums)
+            receiver.begin_backward()
+            receiver.add_local(*read)
             if counted is not None:
                 receiver.add_reduced(*counted)
-            if not self.alongside:
-                receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
+            receiver.end_backward(scaled=True)  # before scaler.unscale_: in loss-scaled units
         except Exception:
             receiver.fail("gradient read (single process)")
