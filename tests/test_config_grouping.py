@@ -139,6 +139,37 @@ def test_constructor_errors_are_clear():
     assert "comm_hook=" in has_hook
 
 
+def _declared_on_ddp_pairs(rank: int, world: int, log_dir: str) -> tuple[int, list[str]]:
+    """DDP over pairs of ranks, a parameter declared replicated over the whole job."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    net = DDP(nn.Linear(4, 2), process_group=pairs[rank // 2])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    log = os.path.join(log_dir, f"rank{rank}.jsonl")
+    mon = distmon.GradMonitor(
+        net, opt, serve="none", log_path=log, replicated_over={r"^bias$": dist.group.WORLD}
+    )
+    for step in range(3):
+        net(torch.randn(8, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    snap = mon.flush()
+    mon.close()
+    return snap.world_size, sorted(os.listdir(log_dir))
+
+
+@pytest.mark.slow
+def test_a_declared_layout_on_ddp_subgroups_is_one_job(tmp_path):
+    # the ranks agree over the job, not over each DDP pair: one rank 0, one JSONL writer (before:
+    # rank 2, rank 0 of its pair, wrote a second log). Whether the figures are valid is the
+    # first-step check's business (two DDP pairs hold two models' gradients), not this test's.
+    for world_size, logs in run_ranks(_declared_on_ddp_pairs, 4, str(tmp_path)):
+        assert (world_size, logs) == (4, ["rank0.jsonl"])
+
+
 def test_endpoint_security_options_from_arguments_and_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DISTMON_TLS_CERT", "/etc/distmon/server.pem")
     monkeypatch.setenv("DISTMON_TLS_KEY", "/etc/distmon/server.key")
