@@ -45,7 +45,7 @@ from overheadbench.runner import round_order
 from overheadbench.sizes import SIZES
 from overheadbench.stats import paired_ratio
 
-use_checkout()  # this checkout's distmon and launch/model.py
+use_checkout()  # this checkout's distmon and launch/model.py, train.py
 
 TP = 2  # the tp dimension of --layout tp-fsdp
 LAYOUTS = {"fsdp": ("FSDP2", 2), "tp-fsdp": ("TP + FSDP2", 2 * TP)}  # name -> (title, default ranks)
@@ -249,7 +249,9 @@ def run(args: argparse.Namespace) -> bool:
         print("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
         for row in rows:
             print(row.markdown())
-    dist.destroy_process_group()
+    from train import shutdown_distributed  # the models are gone: the gloo workers stop first
+
+    shutdown_distributed()
     return all(row.ok for row in rows)
 
 

@@ -211,10 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             + f" in {res.wall_s / 60:.1f} min",
             flush=True,
         )
-    import torch.distributed as dist
+    from train import shutdown_distributed  # launch/train.py, on the path by use_checkout()
 
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 
