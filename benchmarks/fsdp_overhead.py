@@ -41,11 +41,11 @@ import time
 from dataclasses import dataclass
 
 from overheadbench.paths import use_checkout
-from overheadbench.runner import round_order
+from overheadbench.runner import leave, round_order
 from overheadbench.sizes import SIZES
 from overheadbench.stats import paired_ratio
 
-use_checkout()  # this checkout's distmon and launch/model.py, train.py
+use_checkout()  # this checkout's distmon and launch/model.py
 
 TP = 2  # the tp dimension of --layout tp-fsdp
 LAYOUTS = {"fsdp": ("FSDP2", 2), "tp-fsdp": ("TP + FSDP2", 2 * TP)}  # name -> (title, default ranks)
@@ -249,9 +249,6 @@ def run(args: argparse.Namespace) -> bool:
         print("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
         for row in rows:
             print(row.markdown())
-    from train import shutdown_distributed  # the models are gone: the gloo workers stop first
-
-    shutdown_distributed()
     return all(row.ok for row in rows)
 
 
@@ -262,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", ranks]
         rest = argv if argv is not None else sys.argv[1:]
         return subprocess.call([*cmd, os.path.abspath(__file__), *rest])
-    return 0 if run(args) else 1
+    leave(0 if run(args) else 1)
 
 
 if __name__ == "__main__":

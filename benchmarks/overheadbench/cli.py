@@ -13,7 +13,7 @@ from .measure import now_s
 from .paths import BENCH_DIR, REPO, use_checkout
 from .report import profile_lines, render_readme, size_table, write_reports
 from .results import RunResult, SizeResult
-from .runner import Bench
+from .runner import Bench, leave
 from .sizes import MODES, SIZES
 from .stats import analyse
 from .verdicts import acceptance
@@ -211,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             + f" in {res.wall_s / 60:.1f} min",
             flush=True,
         )
-    from train import shutdown_distributed  # launch/train.py, on the path by use_checkout()
-
-    shutdown_distributed()
-    return 0
+    leave(0)
 
 
 def print_size(s: SizeResult, hist_freq: int) -> None:

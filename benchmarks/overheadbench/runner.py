@@ -6,10 +6,11 @@ import datetime
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from .approaches import APPROACHES, Approach, Distmon, Lightning
 from .distmon_internals import exports_next_step
@@ -19,6 +20,25 @@ from .memory import mem_available, release_host_memory, tensor_bytes
 from .profiling import profile_breakdown
 from .results import CopySamples, Health, ProfileBreakdown, RankSamples, SizeInfo, SizeRun, StepMemory
 from .sizes import SIZES, timed_rounds
+
+
+def leave(code: int) -> NoReturn:
+    """End a benchmark rank: destroy the process group, flush, exit with ``code``, skipping
+    interpreter finalization.
+
+    A gloo worker thread can still be releasing a finished collective when the interpreter
+    finalizes; releasing a tensor Python has dropped needs the GIL, and a thread that asks for
+    it then is ``pthread_exit``-ed inside C++ code: SIGABRT, "terminate called without an
+    active exception" (torch 2.13; pytorch/pytorch#190489). ``fsdp_overhead.py`` ended that way
+    in 3 of 38 runs. Everything a rank reports is printed or written before this.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def round_order(r: int, k: int) -> list[int]:
