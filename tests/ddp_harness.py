@@ -86,6 +86,25 @@ def sample_value(samples, name, **labels):
     return found[0]
 
 
+def leave(code):
+    """Destroy the process group and exit with ``code`` without interpreter finalization.
+
+    A rank's results are written before this. In finalization torch 2.13's gloo worker threads
+    can still drop the last reference to a finished work's tensors and abort the process
+    ("terminate called without an active exception", SIGABRT with no Python frame;
+    pytorch/pytorch#190489, #179291): seen once in four full-suite runs, after the job. The
+    benchmarks leave the same way (``benchmarks/overheadbench/runner.py``, ``leave``).
+    """
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env):
     # Hermetic: distmon must be configured by the test's arguments only.
     for k in list(os.environ):
@@ -119,18 +138,7 @@ def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env
     with open(tmp, "wb") as f:
         pickle.dump(result, f)
     os.replace(tmp, os.path.join(workdir, f"result-{rank}.pkl"))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    faulthandler.cancel_dump_traceback_later()
-    # The result is written: leave without interpreter finalization, where torch 2.13's gloo
-    # worker threads can still drop the last reference to a finished work's tensors and abort
-    # the process ("terminate called without an active exception", SIGABRT with no Python
-    # frame; pytorch/pytorch#190489, #179291). Seen once in four full-suite runs, after the job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)
 
 
 def _stacks(workdir, world_size):

@@ -30,7 +30,8 @@ def leave(code: int) -> NoReturn:
     finalizes; releasing a tensor Python has dropped needs the GIL, and a thread that asks for
     it then is ``pthread_exit``-ed inside C++ code: SIGABRT, "terminate called without an
     active exception" (torch 2.13; pytorch/pytorch#190489). ``fsdp_overhead.py`` ended that way
-    in 3 of 38 runs. Everything a rank reports is printed or written before this.
+    in 3 of 47 runs. Everything a rank reports is printed or written before this. The tests'
+    ranks leave the same way (``tests/ddp_harness.py``, ``leave``).
     """
     import torch.distributed as dist
 

@@ -57,7 +57,7 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     Example:
         >>> ddp.register_comm_hook(ddp.process_group, ddp_allreduce_hook)   # doctest: +SKIP
     """
-    return _allreduce(process_group, bucket).get_future().then(lambda fut: fut.value()[0])
+    return _bucket_future(_allreduce(process_group, bucket))
 
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
@@ -68,6 +68,11 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
     else:
         buffer.mul_(1.0 / process_group.size())
     return dist.all_reduce(buffer, group=process_group, async_op=True)
+
+
+def _bucket_future(work: dist.Work) -> torch.futures.Future[torch.Tensor]:
+    """The future a comm hook returns for ``work``: the reduced bucket."""
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 @dataclass
@@ -278,7 +283,7 @@ class HookSlot:
             else:
                 work = _allreduce(self.inner_state, bucket)
                 self.profiled.append(work)
-                return work.get_future().then(lambda fut: fut.value()[0])
+                return _bucket_future(work)
         return self.inner_hook(self.inner_state, bucket)
 
     def wait_profiled(self) -> None:

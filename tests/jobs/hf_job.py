@@ -48,7 +48,7 @@ sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_
 
 import accelerate_example  # noqa: E402
 import hf_trainer_example  # noqa: E402
-from ddp_harness import scrape_metrics  # noqa: E402
+from ddp_harness import leave, scrape_metrics  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import distmon  # noqa: E402
@@ -266,9 +266,7 @@ def main(out: str) -> None:
     sys.stderr.flush()
     if distributed:
         dist.barrier()
-        # Results are written: leave without interpreter finalization, where torch 2.13's gloo
-        # threads can abort the process (see tests/ddp_harness.py, _rank_entry).
-        os._exit(0)
+        leave(0)  # results are written: no interpreter finalization (see ddp_harness.leave)
 
 
 if __name__ == "__main__":
