@@ -33,7 +33,7 @@ from .noise_scale import NoiseScale
 from .prometheus_exporter import GradCollector, MetricsAggregate
 from .ring import ExportBatch
 from .rows import RowPlan
-from .sinks import Sink, SinkWorker
+from .sinks import NonfiniteNotice, Sink, SinkWorker
 from .snapshot import Snapshot
 from .sources import PipelineSource, first_device, pipeline_stage, source_for, trained_module
 from .tracker import StepTracker
@@ -262,6 +262,8 @@ def build_exports(
         )
         prepared.server.attach(GradCollector(aggregate))
         inline.append(aggregate.add)
+    if me.rank == 0:  # one line for the job, from the rank that writes its log
+        inline.append(NonfiniteNotice())
     workers = [SinkWorker("on_anomaly callbacks", callbacks, errors, want=_has_events)]
     if prepared.log is not None:
         workers.append(SinkWorker("JSONL log", prepared.log, errors, close=prepared.log.close))

@@ -301,10 +301,6 @@ class DeviceDetector:
         # cross-rank log-norm variance of each group, EMA over steps
         self.dev_var = torch.full((len(groups),), math.nan, dtype=torch.float32, device=self._device)
         self._consistency = [_trimmed_consistency(len(g)) for g in groups]
-        small = torch.ones(self.world, dtype=torch.bool, device=self._device)
-        for g in groups:
-            small[list(g)] = len(g) < 3
-        self._small = small
 
     def update(self, rows: torch.Tensor) -> None:
         """Judge a run of consecutive valid steps' reduced figures, write their columns, advance the state.
@@ -388,7 +384,7 @@ class DeviceDetector:
                 self.update_ranks(rows[i : i + self._max_run])
             return
         score, rank, top = self._rank_outliers(rows)
-        outlier = (top > self.cfg.outlier_score) & ~self._small[rank]
+        outlier = top > self.cfg.outlier_score
         outlier[: max(0, self.cfg.warmup_steps - self.rank_updates)] = False
         self.rank_updates += len(rows)
         out = rows[:, self.step_row.detector]
@@ -401,11 +397,11 @@ class DeviceDetector:
         ok = gathered[..., self.fields.valid] == 1.0
         x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
-        score = torch.zeros_like(x)
+        score = torch.full_like(x, math.nan)  # NaN: a rank of a group of 2 or fewer has no score
         for g, ranks in enumerate(self._groups):
-            if len(ranks) >= 2:
+            if len(ranks) >= 3:  # with two, each is as far from their median as the other
                 score[:, ranks] = self._group_scores(x[:, ranks], g)
-        best_score, best = score.max(1)
+        best_score, best = score.nan_to_num(0.0).max(1)
         return score, best, best_score
 
     def _group_scores(self, x: torch.Tensor, g: int) -> torch.Tensor:

@@ -350,7 +350,8 @@ class MetricServer:
     ) -> MetricServer:
         """Load ``security``, then serve an (initially empty) registry on ``addr:port``.
 
-        ``port`` 0 takes an ephemeral port; ``fallback`` the next free one after ``port``.
+        ``port`` 0 takes an ephemeral port; ``fallback`` the next free one after ``port`` (of
+        ``tries``), else an ephemeral one.
         ``timeout_s`` bounds a connection's life from its accept, ``header_timeout_s`` (at
         most ``timeout_s``) the time until its request head is in. A taken port raises
         ``OSError`` with ``errno.EADDRINUSE``; any other bind failure
@@ -359,7 +360,8 @@ class MetricServer:
         """
         tls, auth = (security or EndpointSecurity()).load()
         family, host = _resolve(addr, port)
-        candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) if fallback and port else [])
+        # the next ports, then an ephemeral one: with fallback a taken port never fails the job
+        candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) + [0] if fallback and port else [])
         last: OSError | None = None
         for p in candidates:
             try:
@@ -383,13 +385,11 @@ class MetricServer:
                 timeout_s=timeout_s,
                 header_timeout_s=header_timeout_s,
             )
-        hint = (
-            f"ports {port}-{candidates[-1]} are all in use"
-            if fallback
-            else f"port {port} on {addr} is already in use; pass port=0 (ephemeral), another "
-            f"port (DISTMON_PORT), or port_fallback=True to take the next free one"
-        )
-        raise OSError(errno.EADDRINUSE, f"distmon: {hint}") from last
+        raise OSError(
+            errno.EADDRINUSE,
+            f"distmon: port {port} on {addr} is already in use; pass port=0 (ephemeral), another "
+            f"port (DISTMON_PORT), or port_fallback=True (the default) to take a free one",
+        ) from last
 
     def attach(self, collector: Collector) -> None:
         self.registry.register(collector)

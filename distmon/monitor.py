@@ -27,7 +27,7 @@ from .file_sd import target_host
 from .grouping import GroupSpec
 from .guard import GradientAnomalyError, warn_uncovered
 from .hostinfo import RankInfo
-from .lifecycle import Prepared, agree, announce, prepare, shut_down
+from .lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
 from .ring import ExportBatch
 from .sinks import AnomalyCallbacks
 from .snapshot import AnomalyEvent, Snapshot
@@ -172,6 +172,7 @@ class GradMonitor:
         self._hooks = hooks
         hooks.commit()
         self._closed = False
+        self._exit = ExitGuard(self._close, rank=me.rank, world=len(peers))  # if close() is never called
         warn_uncovered(list(zip(built.grouping.param_names, built.grouping.params)), built.optimizers)
         announce(prepared, peers=peers, run_id=self.run_id, url=self.metrics_url, errors=self._errors)
 
@@ -257,12 +258,9 @@ class GradMonitor:
         After ``close()`` it only returns :meth:`latest`.
         """
         if not self._closed:
-            self._export_now(gather=True)
+            self._tracker.export(gather=True)
+            self._export.drain(SINK_WAIT_S)
         return self.latest()
-
-    def _export_now(self, gather: bool) -> None:
-        self._tracker.export(gather)
-        self._export.drain(SINK_WAIT_S)
 
     def close(self, finished: bool = True) -> None:
         """Flush, stop measuring, mark the run finished, linger, stop serving. Idempotent.
@@ -271,26 +269,25 @@ class GradMonitor:
         stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark,
         the linger and the all-gather (the other ranks may not be closing: the steps since the
         last export are exported with this rank's figures only, the others' as not measured),
-        so the run reads as having died. Afterwards ``latest()``, ``step`` and
-        ``flush()`` report the final state, ``clip_grad_norm_`` raises, and the model keeps
-        training exactly as without distmon (a new monitor can be built on it).
+        so the run reads as having died. Afterwards ``latest()``, ``step`` and ``flush()`` report
+        the final state, ``clip_grad_norm_`` raises, and the model trains exactly as without
+        distmon. Never called: it runs at exit, said on stderr (``lifecycle.ExitGuard``).
         """
+        self._close(finished, gather=finished)
+
+    def _close(self, finished: bool, gather: bool, timeout_s: float | None = None) -> None:
         if self._closed:
             return
+        self._exit.disarm()
         try:
-            self._export_now(gather=finished)
+            self._tracker.export(gather, timeout_s)
+            self._export.drain(SINK_WAIT_S)
         finally:
             self._closed = True
             self._tracker.close()
             self._hooks.remove()
-            shut_down(
-                self._prepared,
-                export=self._export,
-                aggregate=self._aggregate,
-                cfg=self.config,
-                finished=finished,
-                errors=self._errors,
-            )
+            shut_down(self._prepared, export=self._export, aggregate=self._aggregate, cfg=self.config,
+                      finished=finished, errors=self._errors)
 
     def __enter__(self) -> GradMonitor:
         return self

@@ -67,9 +67,11 @@ class Snapshot:
             measurement, or FSDP2 reduce-scattering on every micro-batch (no single
             reduce-scatter input holds the step's local gradient).
         run_id, world_size: the run this step belongs to.
-        scores: detector scores: "zscore" and "median_ratio" of the global norm, "layer_zmax"
-            the largest layer z-score.
-        rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'.
+        scores: detector scores: "zscore" and "median_ratio" of the global norm (NaN until an
+            earlier export gave the running median its first norms), "layer_zmax" the largest
+            layer z-score.
+        rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'
+            (those holding the same shards); NaN in a group of fewer than 3 ranks.
         gradient_noise_scale: B_simple (McCandlish et al. 2018) from the EMAs below, in the units
             of ``batch_size``; NaN without ``batch_size`` or while not yet meaningful.
         layer_gradient_noise_scale: layer -> its B_simple (with ``rank_layers=True``).

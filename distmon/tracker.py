@@ -401,7 +401,7 @@ class StepTracker:
         rows = self.ring.span(first, through)
         self.judge.reduced(rows, self._valid[a : a + len(rows)])
 
-    def export(self, gather: bool = True) -> None:
+    def export(self, gather: bool = True, timeout_s: float | None = None) -> None:
         """Judge the finished rows not yet exported, copy them to the host (non-blocking), hand them over.
 
         Every rank's rows of steps not yet gathered are all-gathered first: a collective, so
@@ -410,9 +410,9 @@ class StepTracker:
         has: its own figures, the other ranks' as not measured. The exported rows are then
         reset to the blank row (ordered after the copy on the device), ready for the steps
         that reuse them. Fewer than ``export_every`` steps are ever pending, so the row of a
-        step in progress is never among them.
+        step in progress is never among them. ``timeout_s`` bounds the wait for the other ranks.
         """
-        self.exchange.gather_rest(self.step, gather)
+        self.exchange.gather_rest(self.step, gather, timeout_s)
         first, last = self._exported_through + 1, self.step
         if last < first:
             return

@@ -284,6 +284,7 @@ def jobs(stack):
                 str(w / "explode.jsonl"),
             ],
             {"DISTMON_FILE_SD_DIR": sd, "DISTMON_RUN_ID": EXPLODE, "DISTMON_LINGER_S": str(LINGER_EXPLODE)},
+            nproc=3,  # rank outlier scores are served for groups of 3+ ranks: the dashboard's panel has data
         ),
         "killed": TorchrunJob(
             "killed",

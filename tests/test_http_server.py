@@ -457,6 +457,19 @@ def test_bind_errors_say_what_they_are():
             assert fallback.port > server.port
         finally:
             fallback.close()
+        # every port it would try next is taken too: an ephemeral one, never a failed job
+        with contextlib.ExitStack() as taken:
+            for p in (server.port + 1, server.port + 2):
+                s = taken.enter_context(socket.socket())
+                with contextlib.suppress(OSError):
+                    s.bind(("127.0.0.1", p))
+                    s.listen(1)
+            last_resort = MetricServer.bind("127.0.0.1", server.port, True, tries=3)
+            try:
+                assert last_resort.port not in (server.port, server.port + 1, server.port + 2), last_resort.port
+                assert last_resort.port > 0
+            finally:
+                last_resort.close()
     with pytest.raises(socket.gaierror) as e:
         MetricServer.bind("not-an-ip", 9290, False)
     msg = str(e.value)

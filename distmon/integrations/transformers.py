@@ -17,7 +17,9 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.training_args import ParallelMode
 
 from ..monitor import GradMonitor
 from . import checked_options
@@ -39,6 +41,23 @@ def _trainer() -> Trainer:
     )
 
 
+def _check_distributed(args: TrainingArguments) -> None:
+    """Several processes under torchrun, but the Trainer set up no distributed training: say why.
+
+    On a machine without a GPU transformers sets up DDP only with ``use_cpu=True``; without it
+    every process trains its own copy of the model alone (it logs "distributed training: False").
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and args.parallel_mode != ParallelMode.DISTRIBUTED:
+        raise RuntimeError(
+            f"distmon: torchrun started {world} processes, but the Trainer is not training distributed "
+            f"(TrainingArguments.parallel_mode is {args.parallel_mode.value}): each process trains its own "
+            "copy of the model alone, and there is no job-wide gradient to monitor. On a machine without "
+            "a GPU, transformers trains distributed only with --use_cpu (TrainingArguments(use_cpu=True)): "
+            "add it and run again"
+        )
+
+
 class DistmonCallback(TrainerCallback):
     """Builds a :class:`distmon.GradMonitor` with ``options`` when training begins, closes it at its end.
 
@@ -58,6 +77,7 @@ class DistmonCallback(TrainerCallback):
         lr_scheduler: object = None,
         **kwargs: object,
     ) -> None:
+        _check_distributed(args)
         trainer = _trainer()
         options = {"lr_scheduler": lr_scheduler, **self.options} if lr_scheduler is not None else self.options
         self.monitor = GradMonitor(trainer.model_wrapped, optimizer or trainer.optimizer, **options)

@@ -323,9 +323,13 @@ def source_for(
     alone = stage is not None and getattr(stage, "group_size", 0) == world  # one rank per stage
     if stage is None and not declared and not any(map(spec_of, grouping.params)):
         raise TypeError(
-            f"distmon: GradMonitor on {world} ranks needs a DistributedDataParallel or FSDP2 "
-            f"(fully_shard) model, tensor-parallel DTensor parameters, or a pipeline stage; got "
-            f"{type(model).__name__} (a plain module is measured alone only in a single process)"
+            f"distmon: GradMonitor on {world} ranks got a plain {type(model).__name__}: nothing reduces "
+            "its gradients over the ranks, so each rank would train, and be measured, alone. Wrap the "
+            "model first (DistributedDataParallel(model), or fully_shard(model)) and build GradMonitor "
+            "after wrapping, with the wrapped model. If a framework wraps it for you, it was not told to "
+            "train distributed: on a machine without a GPU the Hugging Face Trainer and accelerate need "
+            "--use_cpu (TrainingArguments(use_cpu=True)), Lightning strategy='ddp'. Tensor-parallel "
+            "DTensor parameters and pipeline stages are measured as they are (README: Parallel layouts)"
         )
     counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=alone)
     return LocalSource(model, receiver=receiver, grouping=grouping, counted=counted)
