@@ -25,7 +25,7 @@ from .errors import ErrorCounter
 from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
-from .hostinfo import RankInfo
+from .hostinfo import RankInfo, restart_count
 from .layout import Coordinates, coordinates
 from .lifecycle import Prepared, served_ranks, stage_layers
 from .loss_scale import LossScale
@@ -258,6 +258,7 @@ def build_exports(
             ranks=served,
             window_s=cfg.window_s,
             rank=me.rank,
+            restart=restart_count(),
             own_errors=errors.value,
         )
         prepared.server.attach(GradCollector(aggregate))
@@ -282,6 +283,7 @@ def build_exports(
         detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
         watched=tracker.activations.names if tracker.activations else (),
         coords=coords if any(coords) else None,
+        restart=restart_count(),
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
     return thread, aggregate

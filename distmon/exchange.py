@@ -251,6 +251,10 @@ class Exchange:
         self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()
 
+    def resume_at(self, step: int) -> None:
+        """Go on after ``step`` (a resumed run): its rows and collectives were an earlier process's."""
+        self.gathered_through = self._export_at = self.started = step
+
     # -- a step begins ----------------------------------------------------------------------
     def start(self, step: int) -> None:
         """Rank 0's vote, this rank's row kept for the export, the step's collective issued."""

@@ -143,11 +143,29 @@ class StepTracker:
         if activations is not None:
             activations.active = 1 % activation_every == 0  # step 1's forwards
         self.step = 0
+        self.measured_steps = 0  # steps whose reduced figures were measured (a backward ran)
         self._exported_through = 0
         self._judged_through = 0
         self._finished: list[tuple[float, SkipReason]] = [(0.0, "")] * export_every  # per slot
         self._valid = [False] * export_every  # per slot: the reduced figures were measured
         self._new_step()
+
+    def resume_at(self, step: int) -> None:
+        """Count on from ``step``, the last step of the run this one resumes.
+
+        Only before a step here measured anything: steps without a backward may have been
+        counted (``torch.distributed.checkpoint`` initializes an empty optimizer's state with an
+        ``optimizer.step()`` at lr 0 while it loads); their rows are dropped.
+        """
+        assert self.measured_steps == 0, "resume_at after a measured step"
+        self.exchange.complete()  # such a step's collective, before its rows are dropped
+        self.ring.reset(1, self.export_every, self._blank)
+        self._valid = [False] * self.export_every
+        self.step = self._exported_through = self._judged_through = step
+        self.exchange.resume_at(step)
+        self._new_step()
+        if self.activations is not None:
+            self.activations.active = (step + 1) % self.activation_every == 0
 
     @property
     def active(self) -> bool:
@@ -331,6 +349,7 @@ class StepTracker:
     def _count(self, skip: SkipReason) -> None:
         """The step is over: count it, ready the next one, export on schedule."""
         self.step += 1
+        self.measured_steps += self._valid[self.ring.slot(self.step)]
         self._finished[self.ring.slot(self.step)] = (time.time(), skip)
         self._new_step()
         watch = self.activations
