@@ -17,7 +17,8 @@ from torch.distributed import ProcessGroup
 
 from . import hostinfo
 from .activations import ActivationSpec
-from .build import Built, Hooks, build_exports, build_rank, pipeline_layers
+from .build import Hooks, build_exports, build_rank, read_rank
+from .census import alone, read_job
 from .clip import Clipper
 from .config import GuardMode, Scheduler, ServeMode
 from .detectors import DetectorConfig
@@ -32,7 +33,7 @@ from .resume import load_monitor_state, monitor_state
 from .ring import ExportBatch
 from .sinks import AnomalyCallbacks
 from .snapshot import AnomalyEvent, Snapshot
-from .sources import CommHook, first_device, process_group, trained_module
+from .sources import CommHook, enclosing, first_device, process_group, trained_module
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
@@ -81,6 +82,8 @@ class GradMonitor:
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         replicated_over: dict[str, ProcessGroup] | None = None,
+        distinct_over: dict[str, ProcessGroup] | None = None,
+        job_group: ProcessGroup | None = None,
         export_every: int | None = None,
         export_interval_s: float | None = None,
         groups: GroupSpec = None,
@@ -113,22 +116,31 @@ class GradMonitor:
         # every keyword option, as given (None: not given); read before any other local exists
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
         self._closed = True  # until every rank has started
-        # where the ranks agree: the model's type (and whether a layout is declared) is the same on every rank
-        group = process_group(model, declared=bool(replicated_over))
+        # the object that holds what was passed (a stage's module: its PipelineStage), measured as if passed
+        model = enclosing(model)
+        group = process_group(job_group)  # the job: where its ranks read the layout and agree
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
-        layers = pipeline_layers(model, options, me=me, group=group)  # a pipeline stage's job
-        # Everything that can fail, on this rank: built, bound, hooked where it can be undone.
-        built: Built | None
-        hooks: Hooks | None
-        built, hooks, proposal, prepared, failure = None, None, None, Prepared(), None  # rank 0's run id wins
+        # Everything that can fail, on this rank: read, then (once the job read its layout) built,
+        # bound, hooked where it can be undone.
+        planned, built, hooks, proposal, prepared, failure = None, None, None, None, Prepared(), None
         try:
-            built = build_rank(model, optimizer, options, errors=self._errors, exports=exports, layers=layers)
-            proposal = hostinfo.resolve_run_id(built.cfg.run_id)
-            prepared = prepare(built.cfg, me, proposal)
-            hooks = Hooks(built)
-            hooks.install()  # all or nothing
+            planned = read_rank(model, optimizer, options)
+        except Exception as e:
+            failure = e
+        # every rank, whatever happened to it: the layout read from the whole job (collectives)
+        parts = planned.parts if planned is not None else None
+        job = read_job(parts, group) if group is not None else parts and alone(parts)
+        try:
+            if failure is None and job is not None:  # None: another rank failed (agree() raises its error)
+                if job.refusal is not None:
+                    raise job.refusal
+                built = build_rank(planned, job, errors=self._errors, exports=exports)
+                proposal = hostinfo.resolve_run_id(built.cfg.run_id)  # rank 0's run id wins
+                prepared = prepare(built.cfg, me, proposal)
+                hooks = Hooks(built)
+                hooks.install()  # all or nothing
         except Exception as e:
             failure = e
             hooks = None

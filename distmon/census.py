@@ -1,0 +1,473 @@
+"""The layout read from the whole job at start-up, and the job's norm counted by value.
+
+Whatever object ``GradMonitor`` is handed (a DDP or FSDP2 model, a pipeline stage's module, a
+``PipelineStage``, a tensor-parallel module), distmon first reads from it where each gradient
+lives (:func:`distmon.sources.read_layout`): for each tracked parameter, whether this rank's
+part counts in the job's figures or is a copy counted on another rank. That reading rests on
+what the object says about the job (its group is the job; a mesh dimension its mesh does not
+span holds copies). Before anything is installed, every rank checks it against what the job
+holds, over the job's process group (the default group: the whole job):
+
+* the layers every rank holds: the job's layers are their union, in pipeline order;
+* per parameter, which ranks hold it, where their part sits (:func:`layout.part_position`) and a
+  fingerprint of its values (:func:`fingerprint`). Copies are bit-identical at construction (DDP
+  broadcasts them, FSDP2 and tensor parallelism shard or replicate identically seeded weights);
+  different parts are not. Among the ranks that hold one position of a parameter, every distinct
+  value must be counted exactly once (:func:`judge`).
+
+Where the reading and the values disagree, a value that no rank counts because the copy it was
+taken for exists nowhere is counted on the lowest rank holding it (unambiguous: a stage's own
+parameters, say); every other disagreement is refused at construction, naming the parameter and
+the declaration that resolves it (``distinct_over=``, ``replicated_over=``, ``job_group=``).
+Declarations are trusted here and checked by the first step's gradients (:class:`JobNorm`).
+
+The cost is bounded whatever the world size: one all-gather of four integers per rank, one
+broadcast per distinct set of layers when the ranks hold different ones (a pipeline's stages),
+then each parameter's record travels to one rank chosen by a hash of its name, which judges
+every holder of that name and sends the verdicts back (two all-to-alls of a few integers per
+parameter and rank). No rank ever holds every rank's list of parameters.
+
+The first step's check (:mod:`distmon.verify`) uses the same routing: :func:`distinct_sq` adds
+up the sums of squares of every rank's gradients, each distinct (position, value) once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .hostinfo import _collective_device
+
+__all__ = [
+    "Parts",
+    "JobReading",
+    "read_job",
+    "alone",
+    "judge",
+    "fingerprint",
+    "digest",
+    "distinct_sq",
+    "Verdict",
+]
+
+_P = (1 << 61) - 1  # a prime: sums reduced modulo it stay exact in int64
+_CHUNK = 1 << 20  # elements fingerprinted at once (one int64 copy of this many)
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def digest(*parts: object) -> int:
+    """A 63-bit hash of ``parts``' repr, the same in every process (Python's ``hash`` is not).
+
+    Example:
+        >>> digest("emb.weight", (24, 8)) == digest("emb.weight", (24, 8)) != digest("emb.bias")
+        True
+    """
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+
+
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 checksums of ``t``'s bits (on its device, no host sync): equal tensors give equal
+    fingerprints on every rank (integer sums do not depend on the order of a reduction), and
+    different ones differ but with negligible probability: a plain sum and one weighted by
+    position, modulo a 61-bit prime.
+
+    Example:
+        >>> a = torch.tensor([1.0, 2.0])
+        >>> torch.equal(fingerprint(a), fingerprint(a.clone())), torch.equal(fingerprint(a), fingerprint(a.flip(0)))
+        (True, False)
+    """
+    t = t.detach()
+    if t.is_sparse:
+        t = t.coalesce()
+        return fingerprint(t.indices()).mul(3).add_(fingerprint(t.values())).remainder_(_P)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.reshape(-1)
+    size = flat.element_size()
+    bits = flat.view(_INT[size] if size in _INT else torch.int32)  # 8 bytes: two int32 halves
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    w = _weights.get(t.device)
+    if w is None:  # 1..251 by position: |bits * w| < 2**39, a chunk's sum < 2**59
+        w = _weights[t.device] = torch.arange(_CHUNK, device=t.device).remainder_(251).add_(1)
+    for start in range(0, bits.numel(), _CHUNK):
+        piece = bits[start : start + _CHUNK].to(torch.int64)
+        out[0] += piece.sum()
+        out[1] += piece.mul_(w[: piece.numel()]).sum()
+        out.remainder_(_P)
+    return out
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What one rank tells the job about its tracked parameters (the grouping's order) at start-up.
+
+    ``counted``/``why``: the reading of the object passed (counts here, or why it is a copy
+    counted elsewhere); ``declared``: matched by ``replicated_over=``/``distinct_over=``;
+    ``undeclared``: reduced by no wrapper, no DTensor, not declared (this rank's own unless other
+    ranks hold it too); ``plain``: the refusal of a plain module on several ranks, raised if
+    other ranks hold its parameters; ``unstaged``: the refusal of a module that holds parameters
+    other ranks do not while ``torch.distributed.pipelining`` is in use without a
+    ``PipelineStage`` around it; ``stage``: this rank's pipeline stage (None: not known).
+    """
+
+    names: Sequence[str]
+    tensors: Sequence[torch.Tensor]  # this rank's part of each parameter's values
+    positions: Sequence[tuple]
+    layer_of: Sequence[str]  # each parameter's layer
+    layers: tuple[str, ...]  # this rank's layers, in model order
+    counted: Sequence[bool]
+    why: Sequence[str]
+    declared: Sequence[bool]
+    undeclared: Sequence[bool]
+    plain: str | None = None
+    unstaged: str | None = None
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class JobReading:
+    """The job's layout as every rank confirmed it.
+
+    ``layers``: the job's layers, every part's, in pipeline order; ``parts``: how many different
+    sets of layers the ranks hold (stages; 1 for a job whose ranks hold the same layers);
+    ``part``: this rank's (0-based, in that order); ``counted``: per tracked parameter, whether
+    this rank's part counts in the job's figures; ``refusal``: what is wrong, naming the parameter
+    and the fix (raised at construction on this rank).
+    """
+
+    layers: tuple[str, ...]
+    counted: tuple[bool, ...]
+    parts: int = 1
+    part: int = 0
+    refusal: Exception | None = None
+
+
+def alone(parts: Parts) -> JobReading:
+    """The reading of a job of one rank: nothing to confirm."""
+    return JobReading(layers=parts.layers, counted=tuple(parts.counted))
+
+
+# -- the judgement of one parameter name's holders ------------------------------------------------
+
+# a record per (rank, parameter): what its owner judges
+NAME, SLOT, FP0, FP1, COUNTED, DECLARED, LAYER, UNDECLARED, RANK = range(9)
+N_FIELDS = 9
+
+
+class Verdict:
+    """What the owner of a parameter name says of one rank's record (with ``other``, a rank
+    concerned, and ``holders``, how many ranks hold the name)."""
+
+    OK = 0
+    COUNT = 1  # taken for a copy of a part that no rank counts: counted here
+    UNDECLARED = 2  # no wrapper, no placement, no declaration, and other ranks hold it too
+    COPIES_DIFFER = 3  # taken for a copy, but its values differ from the copy that counts
+    COUNTED_TWICE = 4  # identical values counted on several ranks, nothing declared
+    AMBIGUOUS = 5  # one position held with different values, each counted, nothing declared
+    LAYER = 6  # another rank puts the parameter in another layer (groups= differs)
+
+
+def judge(records: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+    """Per record, ``(verdict, other rank, holders)``: every holder of a parameter name at once.
+
+    Among the records of one position (``SLOT``), each distinct value (``FP0``, ``FP1``) must be
+    counted by exactly one rank: none (a value taken for a copy of another) is counted on its
+    lowest rank when its position holds no other value and nobody counts any (the copy it was
+    taken for does not exist), refused otherwise; several counting one value, or several values
+    counted at one position, are refused unless declared (the declaration is trusted here).
+
+    Example:
+        >>> r = lambda rank, fp, counted: (7, 1, fp, 0, counted, 0, 5, 0, rank)
+        >>> judge([r(0, 11, 1), r(1, 11, 0)])                 # a copy and the one that counts
+        [(0, 0, 2), (0, 0, 2)]
+        >>> judge([r(0, 11, 1), r(1, 12, 0)])[1][0] == Verdict.COPIES_DIFFER
+        True
+    """
+    out = [(Verdict.OK, -1, 0)] * len(records)
+    by_name: dict[int, list[int]] = {}
+    for i, rec in enumerate(records):
+        by_name.setdefault(rec[NAME], []).append(i)
+    for idx in by_name.values():
+        holders = len({records[i][RANK] for i in idx})
+        verdict = {i: (Verdict.OK, -1) for i in idx}
+        first = min(idx, key=lambda i: records[i][RANK])
+        for i in idx:
+            if records[i][LAYER] != records[first][LAYER]:
+                verdict[i] = (Verdict.LAYER, records[first][RANK])
+            elif records[i][UNDECLARED] and holders > 1:
+                other = next(records[j][RANK] for j in idx if records[j][RANK] != records[i][RANK])
+                verdict[i] = (Verdict.UNDECLARED, other)
+        slots: dict[int, list[int]] = {}
+        for i in idx:
+            slots.setdefault(records[i][SLOT], []).append(i)
+        for members in slots.values():
+            _judge_slot(records, members, verdict)
+        for i in idx:
+            out[i] = (*verdict[i], holders)
+    return out
+
+
+def _judge_slot(records: Sequence[Sequence[int]], members: list[int], verdict: dict) -> None:
+    """The verdicts on the holders of one position of one parameter (see :func:`judge`)."""
+    values: dict[tuple[int, int], list[int]] = {}
+    for i in sorted(members, key=lambda i: records[i][RANK]):
+        values.setdefault((records[i][FP0], records[i][FP1]), []).append(i)
+    counting = {v: [i for i in held if records[i][COUNTED]] for v, held in values.items()}
+    anyone = [c[0] for c in counting.values() if c]
+
+    def say(i: int, code: int, other: int) -> None:
+        if verdict[i][0] == Verdict.OK:  # the first thing wrong with a record is the one said
+            verdict[i] = (code, records[other][RANK])
+
+    for v, held in values.items():
+        count = counting[v]
+        if not count:
+            if not anyone and len(values) == 1:
+                verdict[held[0]] = (Verdict.COUNT, -1) if verdict[held[0]][0] == Verdict.OK else verdict[held[0]]
+            else:
+                other = anyone[0] if anyone else next(i for i in members if i not in held)
+                for i in held:
+                    say(i, Verdict.COPIES_DIFFER if anyone else Verdict.AMBIGUOUS, other)
+        elif len(count) > 1 and not all(records[i][DECLARED] for i in count):
+            for i in count[1:]:
+                say(i, Verdict.COUNTED_TWICE, count[0])
+    if len(anyone) > 1:
+        for i in anyone[1:]:
+            if not (records[i][DECLARED] and records[anyone[0]][DECLARED]):
+                say(i, Verdict.AMBIGUOUS, anyone[0])
+
+
+# -- routing records to the owner of their key, and the answers back --------------------------------
+
+
+def _route(
+    records: torch.Tensor, owners: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    """Send each row of ``records`` (int64, on the host) to rank ``owners[row]`` of ``group``.
+
+    Returns what this rank received (every sender's rows, in rank order), how many rows came from
+    each rank, how many went to each, and the order the rows were sent in (for :func:`_answer`).
+    Two all-to-alls: the counts, then the rows.
+    """
+    world = dist.get_world_size(group)
+    device = _collective_device(group)
+    order = torch.argsort(owners, stable=True)
+    sent = torch.bincount(owners, minlength=world)
+    came = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_to_all_single(came, sent.to(device), group=group)
+    came = came.cpu()
+    got = torch.empty(int(came.sum()), records.shape[1], dtype=torch.int64, device=device)
+    dist.all_to_all_single(
+        got,
+        records[order].contiguous().to(device),
+        output_split_sizes=came.tolist(),
+        input_split_sizes=sent.tolist(),
+        group=group,
+    )
+    return got.cpu(), came.tolist(), sent.tolist(), order
+
+
+def _answer(answers: torch.Tensor, came: list[int], sent: list[int], order: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Send each received row's answer back to the rank it came from; this rank's answers come back
+    in the order of its own records (one all-to-all)."""
+    device = _collective_device(group)
+    back = torch.empty(sum(sent), answers.shape[1], dtype=torch.int64, device=device)
+    dist.all_to_all_single(
+        back, answers.contiguous().to(device), output_split_sizes=sent, input_split_sizes=came, group=group
+    )
+    mine = torch.empty_like(back.cpu())
+    mine[order] = back.cpu()
+    return mine
+
+
+# -- the start-up reading ---------------------------------------------------------------------------
+
+
+def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None:
+    """Every rank's reading of the layout, checked against what the job holds (collectives on every
+    rank of ``group``, whatever happened locally: ``parts`` None when this rank failed before).
+
+    Returns None when some rank failed (every rank then raises that rank's error at ``agree``),
+    else the job's reading, whose ``refusal`` names what is wrong on this rank.
+    """
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    device = _collective_device(group)
+    # 1. who failed, each rank's stage and the digest of its layers (one all-gather)
+    blob = pickle.dumps(parts.layers) if parts is not None else b""
+    head = torch.tensor(
+        [
+            int(parts is None),
+            -1 if parts is None or parts.stage is None else parts.stage,
+            digest(parts.layers) if parts is not None else 0,
+            len(blob),
+        ],
+        dtype=torch.int64,
+    )
+    heads = torch.empty(world * 4, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(heads, head.to(device), group=group)
+    heads = heads.cpu().reshape(world, 4)
+    if int(heads[:, 0].max()):
+        return None
+    assert parts is not None
+    # 2. the job's layers: every distinct set once, stages first to last (one broadcast each)
+    kinds: dict[int, list[int]] = {}
+    for r in range(world):
+        kinds.setdefault(int(heads[r, 2]), []).append(r)
+    ordered = sorted(kinds.values(), key=lambda rs: (int(heads[rs[0], 1]) if heads[rs[0], 1] >= 0 else world, rs[0]))
+    layers: dict[str, None] = {}
+    part = 0
+    for k, ranks in enumerate(ordered):
+        if me in ranks:
+            part = k
+        if len(ordered) == 1:
+            layers = dict.fromkeys(parts.layers)
+            break
+        src = ranks[0]
+        size = int(heads[src, 3])
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == src else torch.empty(size, dtype=torch.uint8)
+        data = data.to(device)
+        dist.broadcast(data, src=dist.get_global_rank(group, src), group=group)
+        layers.update(dict.fromkeys(pickle.loads(bytes(data.cpu().tolist())) if me != src else parts.layers))
+    # 3. per parameter: its holders, positions and values, judged by the owner of its name
+    n = len(parts.names)
+    prints = torch.stack([fingerprint(t) for t in parts.tensors]).cpu() if n else torch.zeros(0, 2, dtype=torch.int64)
+    rows = [
+        (
+            digest(name),
+            digest(name, pos),
+            int(prints[i, 0]),
+            int(prints[i, 1]),
+            int(parts.counted[i]),
+            int(parts.declared[i]),
+            digest(layer),
+            int(parts.undeclared[i]),
+            me,
+        )
+        for i, (name, pos, layer) in enumerate(zip(parts.names, parts.positions, parts.layer_of))
+    ]
+    records = torch.tensor(rows, dtype=torch.int64).reshape(n, N_FIELDS)
+    got, came, sent, order = _route(records, records[:, NAME].remainder(world), group)
+    answers = torch.tensor(judge(got.tolist()), dtype=torch.int64).reshape(-1, 3)
+    verdicts = _answer(answers, came, sent, order, group).tolist()
+    counted = tuple(
+        bool(parts.counted[i]) or code == Verdict.COUNT for i, (code, _, _) in enumerate(verdicts)
+    )
+    return JobReading(
+        layers=tuple(layers),
+        counted=counted,
+        parts=len(ordered),
+        part=part,
+        refusal=_refusal(parts, verdicts, world),
+    )
+
+
+def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception | None:
+    """What this rank refuses, naming the parameters (at most three) and the fix."""
+    if parts.plain is not None and any(holders > 1 for _, _, holders in verdicts):
+        return TypeError(parts.plain)
+    if parts.unstaged is not None and any(holders < world for _, _, holders in verdicts):
+        return ValueError(parts.unstaged)
+    wrong: dict[int, list[int]] = {}
+    for i, (code, _, _) in enumerate(verdicts):
+        if code not in (Verdict.OK, Verdict.COUNT):
+            wrong.setdefault(code, []).append(i)
+    if not wrong:
+        return None
+    code, idx = min(wrong.items())
+    names = [parts.names[i] for i in idx]
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    i = idx[0]
+    holders = verdicts[i][2]
+    if code == Verdict.LAYER:
+        return ValueError(
+            f"distmon: options differ between ranks: groups (DISTMON_GROUPS) puts parameter {shown} in "
+            f"layer {parts.layer_of[i]!r} here and in another layer on rank {verdicts[i][1]}: every "
+            "rank must group its parameters alike"
+        )
+    distinct = "distinct_over={r'<name pattern>': process_group}"
+    replicated = "replicated_over={r'<name pattern>': process_group}"
+    if code == Verdict.UNDECLARED:
+        return ValueError(
+            f"distmon: parameter {shown} is reduced by no DDP or FSDP wrapper and is no DTensor, and "
+            f"{holders} ranks of the {world}-rank job hold it: distmon cannot tell which of them hold "
+            "copies of its gradient. Declare it: GradMonitor(..., "
+            f"{replicated}) names the group over which the model's own code makes it identical (a "
+            "group of one rank: its gradient is this rank's own); GradMonitor(..., "
+            f"{distinct}) says each rank of that group holds a different part of it (experts over "
+            "their expert-parallel group)"
+        )
+    if code == Verdict.COPIES_DIFFER:
+        return ValueError(
+            f"distmon: parameter {shown} holds other values here than on rank {verdicts[i][1]}, of "
+            f"which distmon reads it as a copy ({parts.why[i]}). If each of these ranks holds a "
+            f"different part of it (experts over an expert-parallel group), declare it: "
+            f"GradMonitor(..., {distinct}) with the group whose ranks hold different parts; if they "
+            "are copies, make them identical before building GradMonitor (the same seed on every "
+            "rank, or a broadcast)"
+        )
+    if code == Verdict.COUNTED_TWICE:
+        return ValueError(
+            f"distmon: parameter {shown} holds the same values here as on rank {verdicts[i][1]}, and "
+            "both ranks count it as a part of their own: nothing says whether they hold copies of "
+            f"one gradient. If they do, declare the group they are copies over: GradMonitor(..., "
+            f"{replicated}); if they hold different parts that start alike, GradMonitor(..., "
+            f"{distinct}). Separate jobs sharing one default process group (a sweep trained side "
+            "by side) are each measured on their own with GradMonitor(..., job_group=the job's "
+            "process group)"
+        )
+    return ValueError(
+        f"distmon: parameter {shown} is held here with other values than on rank {verdicts[i][1]}, at "
+        "the same place, and both ranks count it as a part of their own: distmon cannot tell "
+        f"different parts of it (experts: declare GradMonitor(..., {distinct}) with the group whose "
+        "ranks hold different parts) from copies that differ (make them identical: the same seed "
+        "on every rank) or from separate jobs sharing one default process group (GradMonitor(..., "
+        "job_group=the job's process group))"
+    )
+
+
+# -- the job's norm, counted by value -----------------------------------------------------------------
+
+
+def distinct_sq(
+    slots: Sequence[int], parts: Sequence[torch.Tensor | None], group: dist.ProcessGroup | None
+) -> float:
+    """The sum of squares of every rank's ``parts`` over ``group``, each distinct (slot, value) once:
+    copies of one part are bitwise equal, different parts are not (collectives on every rank;
+    the same float on every rank). ``slots``: where each part sits (a digest of its parameter's
+    name and position); None parts (no gradient) add nothing.
+
+    Example:
+        >>> distinct_sq([1], [torch.ones(2)], None)   # one process: its own
+        2.0
+    """
+    present = [(s, t) for s, t in zip(slots, parts) if t is not None]
+    records = torch.zeros(len(present), 4, dtype=torch.int64)
+    if present:  # one host read of every part's fingerprint and sum of squares
+        records[:, 0] = torch.tensor([s for s, _ in present], dtype=torch.int64)
+        records[:, 1:3] = torch.stack([fingerprint(t) for _, t in present]).cpu()
+        records[:, 3] = torch.stack([_sq(t) for _, t in present]).cpu().view(torch.int64)
+    if group is None:
+        return float(records[:, 3].view(torch.float64).sum())
+    got, _, _, _ = _route(records, records[:, 0].remainder(dist.get_world_size(group)), group)
+    seen: dict[tuple[int, int, int], float] = {}
+    for (slot, a, b), value in zip(got[:, :3].tolist(), got[:, 3].view(torch.float64).tolist()):
+        seen.setdefault((slot, a, b), value)
+    total = torch.tensor([sum(seen.values())], dtype=torch.float64, device=_collective_device(group))
+    dist.all_reduce(total, group=group)
+    return float(total.cpu())
+
+
+def _sq(grad: torch.Tensor) -> torch.Tensor:
+    """A part's float64 sum of squares (on its device): a sparse one's coalesced values, a complex
+    one's real and imaginary parts."""
+    g = grad.coalesce().values() if grad.is_sparse else grad
+    g = torch.view_as_real(g) if g.is_complex() else g
+    return g.double().pow(2).sum()
