@@ -388,9 +388,9 @@ def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception |
     holders = verdicts[i][2]
     if code == Verdict.LAYER:
         return ValueError(
-            f"distmon: options differ between ranks: groups (DISTMON_GROUPS) puts parameter {shown} in "
-            f"layer {parts.layer_of[i]!r} here and in another layer on rank {verdicts[i][1]}: every "
-            "rank must group its parameters alike"
+            f"distmon: options differ between ranks: groups puts parameter {shown} in layer "
+            f"{parts.layer_of[i]!r} here and in another layer on rank {verdicts[i][1]}: every rank "
+            "must group its parameters alike"
         )
     distinct = "distinct_over={r'<name pattern>': process_group}"
     replicated = "replicated_over={r'<name pattern>': process_group}"
@@ -406,8 +406,8 @@ def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception |
         )
     if code == Verdict.COPIES_DIFFER:
         return ValueError(
-            f"distmon: parameter {shown} holds other values here than on rank {verdicts[i][1]}, of "
-            f"which distmon reads it as a copy ({parts.why[i]}). If each of these ranks holds a "
+            f"distmon: parameter {shown} holds other values here than on the rank whose copy counts "
+            f"(distmon reads it as a copy: {parts.why[i]}). If each of these ranks holds a "
             f"different part of it (experts over an expert-parallel group), declare it: "
             f"GradMonitor(..., {distinct}) with the group whose ranks hold different parts; if they "
             "are copies, make them identical before building GradMonitor (the same seed on every "
@@ -415,8 +415,8 @@ def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception |
         )
     if code == Verdict.COUNTED_TWICE:
         return ValueError(
-            f"distmon: parameter {shown} holds the same values here as on rank {verdicts[i][1]}, and "
-            "both ranks count it as a part of their own: nothing says whether they hold copies of "
+            f"distmon: parameter {shown} holds the same values here as on another rank, and both "
+            "count it as a part of their own: nothing says whether they hold copies of "
             f"one gradient. If they do, declare the group they are copies over: GradMonitor(..., "
             f"{replicated}); if they hold different parts that start alike, GradMonitor(..., "
             f"{distinct}). Separate jobs sharing one default process group (a sweep trained side "
@@ -424,8 +424,8 @@ def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception |
             "process group)"
         )
     return ValueError(
-        f"distmon: parameter {shown} is held here with other values than on rank {verdicts[i][1]}, at "
-        "the same place, and both ranks count it as a part of their own: distmon cannot tell "
+        f"distmon: parameter {shown} is held here with other values than on another rank, at the "
+        "same place, and both count it as a part of their own: distmon cannot tell "
         f"different parts of it (experts: declare GradMonitor(..., {distinct}) with the group whose "
         "ranks hold different parts) from copies that differ (make them identical: the same seed "
         "on every rank) or from separate jobs sharing one default process group (GradMonitor(..., "

@@ -112,7 +112,8 @@ def enclosing(model: object) -> object:
     Users hand over what they have next to the optimizer (torchtitan's ``model_parts``, the
     unwrapped model a Hugging Face callback gets): distmon measures it as if the wrapper had been
     passed, found among the live objects (one pass over them, at construction: only while
-    ``torch.distributed.pipelining`` is in use, or for a plain module on several ranks).
+    ``torch.distributed.pipelining`` is in use, or for a module that is no DDP or FSDP2 model on
+    several ranks).
 
     Example:
         >>> net = torch.nn.Linear(2, 2); enclosing(net) is net   # nothing holds it
@@ -124,7 +125,6 @@ def enclosing(model: object) -> object:
     stages = getattr(sys.modules.get("torch.distributed.pipelining.stage"), "_PipelineStageBase", None)
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     plain = several and not isinstance(inner, DistributedDataParallel) and not is_fsdp(inner)
-    plain = plain and not any(map(spec_of, inner.parameters()))
     if stages is None and not plain:
         return model
     found: list[object] = []
@@ -186,7 +186,8 @@ class _Wrapping:
 
 
 class CompositeSource(_Wrapping):
-    """A data-parallel source and a reader of the parameters it does not reduce (``alongside``)."""
+    """A data-parallel source (DDP, FSDP2) and a reader of the parameters it does not reduce
+    (``alongside``: parameters the model's own code reduces after backward)."""
 
     def __init__(self, primary: Source, extra: Source) -> None:
         super().__init__(primary)
@@ -296,18 +297,22 @@ def _parts(
         match = declared_group(name, replicated_over)
         apart = declared_group(name, distinct_over)
         distinct = dist.get_process_group_ranks(apart[1]) if apart is not None else ()
+        # a part counts on the first of its copies by every account: its placements, its
+        # wrapper's group (DDP's), the group declared over which the model's code copies it
+        reasons = []
         if match is not None:
-            why = copy_reason(p, replicated=(match[1].rank(), f"the replicated_over group of {match[0]!r}"))
-        elif ddp is not None and id(p) in covered:
+            group = (match[1].rank(), f"the replicated_over group of {match[0]!r}")
+            reasons.append(copy_reason(p, replicated=group, distinct=distinct))
+        if ddp is not None and id(p) in covered:
             mesh = getattr(ddp, "device_mesh", None)
-            why = copy_reason(
-                p, replicated=(ddp.process_group.rank(), "DDP's process group"), mesh=mesh, distinct=distinct
-            )
-        elif spec_of(p) is not None or apart is not None:
-            why = copy_reason(p, distinct=distinct)
-        else:
+            group = (ddp.process_group.rank(), "DDP's process group")
+            reasons.append(copy_reason(p, replicated=group, mesh=mesh, distinct=distinct))
+        elif match is None and (spec_of(p) is not None or apart is not None):
+            reasons.append(copy_reason(p, distinct=distinct))
+        if not reasons:
             out.append((True, "", False, True))
             continue
+        why = next((r for r in reasons if r), "")
         out.append((not why, why, match is not None or apart is not None, False))
     return out
 
@@ -443,7 +448,14 @@ def source_for(
     if is_fsdp(model):
         from .fsdp import FSDPSource
 
-        return FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)
+        fsdp = FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)
+        if not fsdp.outside:
+            return fsdp
+        # parameters FSDP2 was told to ignore: the model's own code reduces them after backward
+        extra = LocalSource(
+            model, receiver=receiver, grouping=grouping, counted=counted, params=fsdp.outside, alongside=True
+        )
+        return CompositeSource(fsdp, extra)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return LocalSource(model, receiver=receiver, grouping=grouping)
     return LocalSource(model, receiver=receiver, grouping=grouping, counted=counted)
