@@ -173,7 +173,7 @@ def read_rank(model: torch.nn.Module, optimizer: object, options: dict[str, obje
         unstaged=unstaged,
         stage=stage.stage_index if stage is not None else None,
     )
-    return Planned(cfg, optimizers, model, stage, module, reading, parts)
+    return Planned(cfg=cfg, optimizers=optimizers, model=model, stage=stage, module=module, reading=reading, parts=parts)
 
 
 def build_rank(

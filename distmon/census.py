@@ -50,6 +50,7 @@ __all__ = [
     "alone",
     "judge",
     "fingerprint",
+    "fingerprints",
     "digest",
     "distinct_sq",
     "Verdict",
@@ -57,6 +58,7 @@ __all__ = [
 
 _P = (1 << 61) - 1  # a prime: sums reduced modulo it stay exact in int64
 _CHUNK = 1 << 20  # elements fingerprinted at once (one int64 copy of this many)
+_SMALL = 1 << 12  # tensors up to this many elements are fingerprinted together (their cost is per call)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -70,37 +72,100 @@ def digest(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
-_weights: dict[torch.device, torch.Tensor] = {}
-
-
-def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 checksums of ``t``'s bits (on its device, no host sync): equal tensors give equal
-    fingerprints on every rank (integer sums do not depend on the order of a reduction), and
-    different ones differ but with negligible probability: a plain sum and one weighted by
-    position, modulo a 61-bit prime.
-
-    Example:
-        >>> a = torch.tensor([1.0, 2.0])
-        >>> torch.equal(fingerprint(a), fingerprint(a.clone())), torch.equal(fingerprint(a), fingerprint(a.flip(0)))
-        (True, False)
-    """
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's bits as a flat integer tensor (8-byte elements as two 4-byte halves)."""
     t = t.detach()
-    if t.is_sparse:
-        t = t.coalesce()
-        return fingerprint(t.indices()).mul(3).add_(fingerprint(t.values())).remainder_(_P)
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.reshape(-1)
-    size = flat.element_size()
-    bits = flat.view(_INT[size] if size in _INT else torch.int32)  # 8 bytes: two int32 halves
-    out = torch.zeros(2, dtype=torch.int64, device=t.device)
-    w = _weights.get(t.device)
-    if w is None:  # 1..251 by position: |bits * w| < 2**39, a chunk's sum < 2**59
-        w = _weights[t.device] = torch.arange(_CHUNK, device=t.device).remainder_(251).add_(1)
+    return flat.view(_INT.get(flat.element_size(), torch.int32))
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, two int64 checksums of its bits (an ``[n, 2]`` tensor on the host): equal
+    tensors give equal fingerprints on every rank (integer sums do not depend on the order of a
+    reduction), different ones differ but with negligible probability: a plain sum and one
+    weighted by position (1..251), modulo a 61-bit prime. Small tensors (biases, norms) are
+    taken together, a million elements at a time on their device: their cost is per operation,
+    not per element (one host read per device at the end).
+
+    Example:
+        >>> a = torch.tensor([1.0, 2.0])
+        >>> p = fingerprints([a, a.clone(), a.flip(0)])
+        >>> torch.equal(p[0], p[1]), torch.equal(p[0], p[2])
+        (True, False)
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    batches: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+
+    def flush(key: tuple[torch.device, torch.dtype]) -> None:
+        batch = batches.pop(key, [])
+        if batch:
+            for (i, _), row in zip(batch, _batch_prints([bits for _, bits in batch])):
+                out[i] = row
+
+    for i, t in enumerate(tensors):
+        if t.is_sparse:
+            t = t.coalesce()
+            pair = fingerprints([t.indices(), t.values()])
+            out[i] = (pair[0] * 3 + pair[1]).remainder_(_P)
+            continue
+        bits = _bits(t)
+        if bits.numel() > _SMALL:  # a large tensor alone, a chunk at a time
+            out[i] = _large_print(bits)
+            continue
+        key = (bits.device, bits.dtype)
+        if sum(b.numel() for _, b in batches.get(key, [])) + bits.numel() > _CHUNK:
+            flush(key)
+        batches.setdefault(key, []).append((i, bits))
+    for key in list(batches):
+        flush(key)
+    return torch.stack([row.cpu() for row in out]) if out else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """One tensor's fingerprint (:func:`fingerprints`): two int64 on the host.
+
+    Example:
+        >>> a = torch.tensor([1.0, 2.0]); torch.equal(fingerprint(a), fingerprint(a.flip(0)))
+        False
+    """
+    return fingerprints([t])[0]
+
+
+def _batch_prints(bits: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fingerprints of small tensors of one integer dtype on one device, taken together."""
+    device = bits[0].device
+    sizes = torch.tensor([b.numel() for b in bits], dtype=torch.int64, device=device)
+    flat = torch.cat(bits).to(torch.int64)  # |bits| < 2**31
+    seg = torch.repeat_interleave(torch.arange(len(bits), device=device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    weight = (torch.arange(flat.numel(), device=device) - starts[seg]).remainder_(251).add_(1)
+    sums = torch.zeros(2, len(bits), dtype=torch.int64, device=device)
+    sums[0].index_add_(0, seg, flat)  # integer sums: exact in any order (< 2**60 here)
+    sums[1].index_add_(0, seg, flat.mul_(weight))
+    return list(sums.t().remainder(_P))
+
+
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """1..251 by position, the first ``n`` (kept per device, grown as needed)."""
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < n:
+        w = _WEIGHTS[device] = torch.arange(n, device=device).remainder_(251).add_(1)
+    return w[:n]
+
+
+def _large_print(bits: torch.Tensor) -> torch.Tensor:
+    """A large tensor's fingerprint, a chunk at a time (each chunk's sums < 2**60)."""
+    out = torch.zeros(2, dtype=torch.int64, device=bits.device)
+    weight = _weights(min(bits.numel(), _CHUNK), bits.device)
     for start in range(0, bits.numel(), _CHUNK):
         piece = bits[start : start + _CHUNK].to(torch.int64)
         out[0] += piece.sum()
-        out[1] += piece.mul_(w[: piece.numel()]).sum()
+        out[1] += piece.mul_(weight[: piece.numel()]).sum()
         out.remainder_(_P)
     return out
 
@@ -249,21 +314,27 @@ def _judge_slot(records: Sequence[Sequence[int]], members: list[int], verdict: d
 
 
 def _route(
-    records: torch.Tensor, owners: torch.Tensor, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
-    """Send each row of ``records`` (int64, on the host) to rank ``owners[row]`` of ``group``.
+    records: torch.Tensor, owners: torch.Tensor, group: dist.ProcessGroup, head: Sequence[int] = ()
+) -> tuple[torch.Tensor | None, torch.Tensor, list[int], list[int], torch.Tensor]:
+    """Send each row of ``records`` (int64, on the host) to rank ``owners[row]`` of ``group``, and
+    ``head`` (a few integers) to every rank.
 
-    Returns what this rank received (every sender's rows, in rank order), how many rows came from
-    each rank, how many went to each, and the order the rows were sent in (for :func:`_answer`).
-    Two all-to-alls: the counts, then the rows.
+    Returns what this rank received (every sender's rows, in rank order; None when some rank's
+    head says it failed: its first integer), every rank's head, how many rows came from each
+    rank, how many went to each, and the order the rows were sent in (for :func:`_answer`).
+    Two all-to-alls: the counts with the heads, then the rows.
     """
     world = dist.get_world_size(group)
     device = _collective_device(group)
     order = torch.argsort(owners, stable=True)
     sent = torch.bincount(owners, minlength=world)
-    came = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_to_all_single(came, sent.to(device), group=group)
-    came = came.cpu()
+    mine = torch.cat([sent.reshape(world, 1), torch.tensor(list(head), dtype=torch.int64).expand(world, len(head))], 1)
+    theirs = torch.empty_like(mine, device=device)
+    dist.all_to_all_single(theirs, mine.contiguous().to(device), group=group)
+    theirs = theirs.cpu()
+    came, heads = theirs[:, 0], theirs[:, 1:]
+    if len(head) and int(heads[:, 0].max()):
+        return None, heads, came.tolist(), sent.tolist(), order
     got = torch.empty(int(came.sum()), records.shape[1], dtype=torch.int64, device=device)
     dist.all_to_all_single(
         got,
@@ -272,10 +343,12 @@ def _route(
         input_split_sizes=sent.tolist(),
         group=group,
     )
-    return got.cpu(), came.tolist(), sent.tolist(), order
+    return got.cpu(), heads, came.tolist(), sent.tolist(), order
 
 
-def _answer(answers: torch.Tensor, came: list[int], sent: list[int], order: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _answer(
+    answers: torch.Tensor, *, came: list[int], sent: list[int], order: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Send each received row's answer back to the rank it came from; this rank's answers come back
     in the order of its own records (one all-to-all)."""
     device = _collective_device(group)
@@ -299,64 +372,37 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
     else the job's reading, whose ``refusal`` names what is wrong on this rank.
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    device = _collective_device(group)
-    # 1. who failed, each rank's stage and the digest of its layers (one all-gather)
+    # per parameter: its name, position, value and reading, for the owner of its name to judge
+    records = torch.zeros(0, N_FIELDS, dtype=torch.int64)
+    if parts is not None and parts.names:
+        prints = fingerprints(parts.tensors)
+        rows = [
+            (digest(name), digest(name, pos), 0, 0, int(counted), int(declared), digest(layer), int(undeclared), me)
+            for name, pos, layer, counted, declared, undeclared in zip(
+                parts.names, parts.positions, parts.layer_of, parts.counted, parts.declared, parts.undeclared
+            )
+        ]
+        records = torch.tensor(rows, dtype=torch.int64)
+        records[:, FP0 : FP1 + 1] = prints
+    # 1. the records to their owners, with who failed, each rank's stage and its layers' digest
     blob = pickle.dumps(parts.layers) if parts is not None else b""
-    head = torch.tensor(
-        [
-            int(parts is None),
-            -1 if parts is None or parts.stage is None else parts.stage,
-            digest(parts.layers) if parts is not None else 0,
-            len(blob),
-        ],
-        dtype=torch.int64,
-    )
-    heads = torch.empty(world * 4, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(heads, head.to(device), group=group)
-    heads = heads.cpu().reshape(world, 4)
-    if int(heads[:, 0].max()):
+    stage = -1 if parts is None or parts.stage is None else parts.stage
+    head = (int(parts is None), stage, digest(parts.layers) if parts is not None else 0, len(blob))
+    got, heads, came, sent, order = _route(records, records[:, NAME].remainder(world), group, head)
+    if got is None:
         return None
     assert parts is not None
-    # 2. the job's layers: every distinct set once, stages first to last (one broadcast each)
+    # 2. the owners' verdicts back (one all-to-all)
+    answers = torch.tensor(judge(got.tolist()), dtype=torch.int64).reshape(-1, 3)
+    verdicts = _answer(answers, came=came, sent=sent, order=order, group=group).tolist()
+    # 3. the job's layers: every distinct set once, stages first to last (a broadcast each)
     kinds: dict[int, list[int]] = {}
     for r in range(world):
         kinds.setdefault(int(heads[r, 2]), []).append(r)
     ordered = sorted(kinds.values(), key=lambda rs: (int(heads[rs[0], 1]) if heads[rs[0], 1] >= 0 else world, rs[0]))
-    layers: dict[str, None] = {}
-    part = 0
-    for k, ranks in enumerate(ordered):
-        if me in ranks:
-            part = k
-        if len(ordered) == 1:
-            layers = dict.fromkeys(parts.layers)
-            break
-        src = ranks[0]
-        size = int(heads[src, 3])
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == src else torch.empty(size, dtype=torch.uint8)
-        data = data.to(device)
-        dist.broadcast(data, src=dist.get_global_rank(group, src), group=group)
-        layers.update(dict.fromkeys(pickle.loads(bytes(data.cpu().tolist())) if me != src else parts.layers))
-    # 3. per parameter: its holders, positions and values, judged by the owner of its name
-    n = len(parts.names)
-    prints = torch.stack([fingerprint(t) for t in parts.tensors]).cpu() if n else torch.zeros(0, 2, dtype=torch.int64)
-    rows = [
-        (
-            digest(name),
-            digest(name, pos),
-            int(prints[i, 0]),
-            int(prints[i, 1]),
-            int(parts.counted[i]),
-            int(parts.declared[i]),
-            digest(layer),
-            int(parts.undeclared[i]),
-            me,
-        )
-        for i, (name, pos, layer) in enumerate(zip(parts.names, parts.positions, parts.layer_of))
-    ]
-    records = torch.tensor(rows, dtype=torch.int64).reshape(n, N_FIELDS)
-    got, came, sent, order = _route(records, records[:, NAME].remainder(world), group)
-    answers = torch.tensor(judge(got.tolist()), dtype=torch.int64).reshape(-1, 3)
-    verdicts = _answer(answers, came, sent, order, group).tolist()
+    layers: dict[str, None] = dict.fromkeys(parts.layers) if len(ordered) == 1 else {}
+    for ranks in ordered if len(ordered) > 1 else ():
+        layers.update(dict.fromkeys(_broadcast_layers(parts.layers, blob, ranks[0], int(heads[ranks[0], 3]), group)))
     counted = tuple(
         bool(parts.counted[i]) or code == Verdict.COUNT for i, (code, _, _) in enumerate(verdicts)
     )
@@ -364,9 +410,22 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
         layers=tuple(layers),
         counted=counted,
         parts=len(ordered),
-        part=part,
+        part=next(k for k, ranks in enumerate(ordered) if me in ranks),
         refusal=_refusal(parts, verdicts, world),
     )
+
+
+def _broadcast_layers(
+    mine: tuple[str, ...], blob: bytes, src: int, size: int, group: dist.ProcessGroup
+) -> tuple[str, ...]:
+    """Rank ``src``'s layers (``size`` bytes pickled), from it to every rank of ``group``."""
+    device = _collective_device(group)
+    if dist.get_rank(group) == src:
+        dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), src=dist.get_global_rank(group, src), group=group)
+        return mine
+    data = torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=dist.get_global_rank(group, src), group=group)
+    return pickle.loads(bytes(data.cpu().tolist()))
 
 
 def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception | None:
@@ -452,11 +511,11 @@ def distinct_sq(
     records = torch.zeros(len(present), 4, dtype=torch.int64)
     if present:  # one host read of every part's fingerprint and sum of squares
         records[:, 0] = torch.tensor([s for s, _ in present], dtype=torch.int64)
-        records[:, 1:3] = torch.stack([fingerprint(t) for _, t in present]).cpu()
+        records[:, 1:3] = fingerprints([t for _, t in present])
         records[:, 3] = torch.stack([_sq(t) for _, t in present]).cpu().view(torch.int64)
     if group is None:
         return float(records[:, 3].view(torch.float64).sum())
-    got, _, _, _ = _route(records, records[:, 0].remainder(dist.get_world_size(group)), group)
+    got, _, _, _, _ = _route(records, records[:, 0].remainder(dist.get_world_size(group)), group)
     seen: dict[tuple[int, int, int], float] = {}
     for (slot, a, b), value in zip(got[:, :3].tolist(), got[:, 3].view(torch.float64).tolist()):
         seen.setdefault((slot, a, b), value)
