@@ -21,11 +21,13 @@ parameters, say); every other disagreement is refused at construction, naming th
 the declaration that resolves it (``distinct_over=``, ``replicated_over=``, ``job_group=``).
 Declarations are trusted here and checked by the first step's gradients (:class:`JobNorm`).
 
-The cost is bounded whatever the world size: one all-gather of four integers per rank, one
-broadcast per distinct set of layers when the ranks hold different ones (a pipeline's stages),
-then each parameter's record travels to one rank chosen by a hash of its name, which judges
-every holder of that name and sends the verdicts back (two all-to-alls of a few integers per
-parameter and rank). No rank ever holds every rank's list of parameters.
+The cost is bounded whatever the world size: each parameter's record (nine integers) travels
+to one rank chosen by a hash of its name, which judges every holder of that name and sends the
+verdicts back: three all-to-alls (the first carries, next to the record counts, four integers
+per rank: whether it failed, its stage, a digest of its layers and their size), and one
+broadcast per distinct set of layers when the ranks hold different ones (a pipeline's stages).
+No rank ever holds every rank's list of parameters: a rank receives the records of the names it
+owns, about as many as it sends.
 
 The first step's check (:mod:`distmon.verify`) uses the same routing: :func:`distinct_sq` adds
 up the sums of squares of every rank's gradients, each distinct (position, value) once.

@@ -6,9 +6,11 @@ rank's part of a parameter's reduced gradient is a *replica* along the mesh dime
 the parameter is replicated (``Replicate`` placements, DDP's group, HSDP's replicate dimension,
 a group the user declares with ``replicated_over=``) and a distinct *shard* along the others
 (``Shard`` placements: FSDP's shard dimension, tensor parallelism, experts; pipeline stages hold
-disjoint parameters). So a part counts on exactly one replica: the one at coordinate 0 of every
-dimension it is replicated over. Each rank adds up the sums of squares of its counted parts, and
-one SUM all-reduce over the job gives the exact figures (:mod:`distmon.exchange`).
+disjoint parameters; a group declared with ``distinct_over=``). So a part counts on exactly one
+replica: the one at coordinate 0 of every dimension it is replicated over. Each rank adds up the
+sums of squares of its counted parts, and one SUM all-reduce over the job gives the exact figures
+(:mod:`distmon.exchange`). This is the reading of the object passed; the job confirms it at
+start-up against the values the ranks hold (:mod:`distmon.census`).
 
 Coordinates name a rank's place for people (per-rank series labels, the rank a NaN began on) and
 for the rank-outlier detector, which compares only ranks that hold the same shards: the same

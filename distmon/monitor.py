@@ -53,8 +53,11 @@ class GradMonitor:
 
     Args:
         model: the ``DistributedDataParallel`` model (it may have a comm hook already: pass
-            that as ``comm_hook``, DDP accepts one), an FSDP2 model, or in a single process the
-            plain module.
+            that as ``comm_hook``, DDP accepts one), an FSDP2 model, a pipeline stage (its
+            ``PipelineStage``, or the stage's module: distmon finds the stage that holds it), a
+            tensor-parallel module, or in a single process the plain module. Whatever it is, the
+            job is the default process group (``job_group`` says otherwise), and its layout is
+            read from every rank at construction (README: Parallel layouts).
         optimizer: the optimizer that steps the model, or a list of them: a training step is
             one backward and one ``step()`` of each.
         options: keyword-only, validated here; each is declared, with its ``DISTMON_*``

@@ -153,9 +153,11 @@ def _declared_on_ddp_pairs(rank: int, world: int, log_dir: str) -> tuple[str, li
     log = os.path.join(log_dir, f"rank{rank}.jsonl")
     try:
         distmon.GradMonitor(net, opt, serve="none", log_path=log, replicated_over={r"^bias$": dist.group.WORLD})
+        message = "accepted"
     except ValueError as e:
-        return str(e), sorted(os.listdir(log_dir))
-    return "accepted", sorted(os.listdir(log_dir))
+        message = str(e)
+    dist.barrier()  # every rank released what it opened
+    return message, sorted(os.listdir(log_dir))
 
 
 @pytest.mark.slow
