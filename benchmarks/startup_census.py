@@ -104,13 +104,17 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    print(f"GradMonitor start-up, {args.blocks} blocks ({4 * args.blocks} parameter tensors), "
-          f"median of {args.repeats} interleaved builds, slowest rank, ms")
+    print(
+        f"GradMonitor start-up, {args.blocks} blocks ({4 * args.blocks} parameter tensors), "
+        f"median of {args.repeats} interleaved builds, slowest rank, ms"
+    )
     print(f"{'ranks':>5} {'layout':>8} {'with':>8} {'without':>8} {'added':>8}")
     for world in args.ranks:
         tmp = tempfile.mkdtemp()
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-        mp.start_processes(_rank, args=(world, args.blocks, args.repeats, store, out), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _rank, args=(world, args.blocks, args.repeats, store, out), nprocs=world, start_method="spawn"
+        )
         with open(out) as f:
             results = json.load(f)
         for layout, times in results.items():

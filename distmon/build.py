@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from ._version import __version__
 from .backward import BackwardSums
+from .census import JobReading, Parts
 from .config import MonitorConfig, features
 from .decode import RowDecoder
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector
@@ -29,7 +29,6 @@ from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
 from .hostinfo import RankInfo, restart_count
-from .census import JobReading, Parts
 from .layout import Coordinates, coordinates, part_position
 from .lifecycle import Prepared, served_ranks
 from .loss_scale import LossScale
@@ -39,11 +38,28 @@ from .ring import ExportBatch
 from .rows import RowPlan
 from .sinks import NonfiniteNotice, Sink, SinkWorker
 from .snapshot import Snapshot
-from .sources import PipelineSource, Reading, first_device, pipeline_stage, read_layout, source_for, trained_module
+from .sources import (
+    PipelineSource,
+    Reading,
+    first_device,
+    pipeline_stage,
+    read_layout,
+    source_for,
+    trained_module,
+)
 from .tracker import StepTracker
 from .verify import DirectNorm, LayoutCheck
 
-__all__ = ["Built", "Planned", "Hooks", "read_rank", "build_rank", "build_exports", "as_tuple", "unwrap_optimizer"]
+__all__ = [
+    "Built",
+    "Planned",
+    "Hooks",
+    "read_rank",
+    "build_rank",
+    "build_exports",
+    "as_tuple",
+    "unwrap_optimizer",
+]
 
 ExportQueue = queue.Queue[ExportBatch | None]
 
@@ -142,6 +158,12 @@ def read_rank(model: torch.nn.Module, optimizer: object, options: dict[str, obje
     optimizers = _optimizers(optimizer)
     module = trained_module(model)
     local = build_grouping(module, cfg.groups, max_layers=1 << 30)  # the job's cap applies to the union
+    meta = [name for name, p in zip(local.param_names, local.params) if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"distmon: parameters {meta[:3]} are on the meta device (no values yet): build GradMonitor "
+            "after the model's weights are materialized and initialized (to_empty(), init_weights())"
+        )
     reading = read_layout(
         model,
         grouping=local,
@@ -173,7 +195,9 @@ def read_rank(model: torch.nn.Module, optimizer: object, options: dict[str, obje
         unstaged=unstaged,
         stage=stage.stage_index if stage is not None else None,
     )
-    return Planned(cfg=cfg, optimizers=optimizers, model=model, stage=stage, module=module, reading=reading, parts=parts)
+    return Planned(
+        cfg=cfg, optimizers=optimizers, model=model, stage=stage, module=module, reading=reading, parts=parts
+    )
 
 
 def build_rank(

@@ -298,7 +298,9 @@ def _judge_slot(records: Sequence[Sequence[int]], members: list[int], verdict: d
         count = counting[v]
         if not count:
             if not anyone and len(values) == 1:
-                verdict[held[0]] = (Verdict.COUNT, -1) if verdict[held[0]][0] == Verdict.OK else verdict[held[0]]
+                verdict[held[0]] = (
+                    (Verdict.COUNT, -1) if verdict[held[0]][0] == Verdict.OK else verdict[held[0]]
+                )
             else:
                 other = anyone[0] if anyone else next(i for i in members if i not in held)
                 for i in held:
@@ -330,7 +332,9 @@ def _route(
     device = _collective_device(group)
     order = torch.argsort(owners, stable=True)
     sent = torch.bincount(owners, minlength=world)
-    mine = torch.cat([sent.reshape(world, 1), torch.tensor(list(head), dtype=torch.int64).expand(world, len(head))], 1)
+    mine = torch.cat(
+        [sent.reshape(world, 1), torch.tensor(list(head), dtype=torch.int64).expand(world, len(head))], 1
+    )
     theirs = torch.empty_like(mine, device=device)
     dist.all_to_all_single(theirs, mine.contiguous().to(device), group=group)
     theirs = theirs.cpu()
@@ -371,29 +375,25 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
     rank of ``group``, whatever happened locally: ``parts`` None when this rank failed before).
 
     Returns None when some rank failed (every rank then raises that rank's error at ``agree``),
-    else the job's reading, whose ``refusal`` names what is wrong on this rank.
+    else the job's reading, whose ``refusal`` names what is wrong on this rank. Raises, after the
+    first collective, what failed on this rank while it made its records.
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    # per parameter: its name, position, value and reading, for the owner of its name to judge
-    records = torch.zeros(0, N_FIELDS, dtype=torch.int64)
-    if parts is not None and parts.names:
-        prints = fingerprints(parts.tensors)
-        rows = [
-            (digest(name), digest(name, pos), 0, 0, int(counted), int(declared), digest(layer), int(undeclared), me)
-            for name, pos, layer, counted, declared, undeclared in zip(
-                parts.names, parts.positions, parts.layer_of, parts.counted, parts.declared, parts.undeclared
-            )
-        ]
-        records = torch.tensor(rows, dtype=torch.int64)
-        records[:, FP0 : FP1 + 1] = prints
+    records, failure = torch.zeros(0, N_FIELDS, dtype=torch.int64), None
+    try:
+        if parts is not None:
+            records = _records(parts, me)
+    except Exception as e:  # raised once every rank knows (a hang otherwise)
+        parts, failure = None, e
     # 1. the records to their owners, with who failed, each rank's stage and its layers' digest
     blob = pickle.dumps(parts.layers) if parts is not None else b""
     stage = -1 if parts is None or parts.stage is None else parts.stage
     head = (int(parts is None), stage, digest(parts.layers) if parts is not None else 0, len(blob))
     got, heads, came, sent, order = _route(records, records[:, NAME].remainder(world), group, head)
-    if got is None:
+    if failure is not None:
+        raise failure
+    if got is None or parts is None:
         return None
-    assert parts is not None
     # 2. the owners' verdicts back (one all-to-all)
     answers = torch.tensor(judge(got.tolist()), dtype=torch.int64).reshape(-1, 3)
     verdicts = _answer(answers, came=came, sent=sent, order=order, group=group).tolist()
@@ -401,10 +401,13 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
     kinds: dict[int, list[int]] = {}
     for r in range(world):
         kinds.setdefault(int(heads[r, 2]), []).append(r)
-    ordered = sorted(kinds.values(), key=lambda rs: (int(heads[rs[0], 1]) if heads[rs[0], 1] >= 0 else world, rs[0]))
+    ordered = sorted(
+        kinds.values(), key=lambda rs: (int(heads[rs[0], 1]) if heads[rs[0], 1] >= 0 else world, rs[0])
+    )
     layers: dict[str, None] = dict.fromkeys(parts.layers) if len(ordered) == 1 else {}
     for ranks in ordered if len(ordered) > 1 else ():
-        layers.update(dict.fromkeys(_broadcast_layers(parts.layers, blob, ranks[0], int(heads[ranks[0], 3]), group)))
+        told = _broadcast_layers(parts.layers, blob, src=ranks[0], size=int(heads[ranks[0], 3]), group=group)
+        layers.update(dict.fromkeys(told))
     counted = tuple(
         bool(parts.counted[i]) or code == Verdict.COUNT for i, (code, _, _) in enumerate(verdicts)
     )
@@ -417,13 +420,39 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
     )
 
 
+def _records(parts: Parts, rank: int) -> torch.Tensor:
+    """Per parameter: its name, position, value and reading, for the owner of its name to judge."""
+    p = parts
+    rows = [
+        (
+            digest(name),
+            digest(name, p.positions[i]),
+            0,
+            0,
+            int(p.counted[i]),
+            int(p.declared[i]),
+            digest(p.layer_of[i]),
+            int(p.undeclared[i]),
+            rank,
+        )
+        for i, name in enumerate(p.names)
+    ]
+    records = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), N_FIELDS)
+    records[:, FP0 : FP1 + 1] = fingerprints(parts.tensors)
+    return records
+
+
 def _broadcast_layers(
-    mine: tuple[str, ...], blob: bytes, src: int, size: int, group: dist.ProcessGroup
+    mine: tuple[str, ...], blob: bytes, *, src: int, size: int, group: dist.ProcessGroup
 ) -> tuple[str, ...]:
     """Rank ``src``'s layers (``size`` bytes pickled), from it to every rank of ``group``."""
     device = _collective_device(group)
     if dist.get_rank(group) == src:
-        dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), src=dist.get_global_rank(group, src), group=group)
+        dist.broadcast(
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device),
+            src=dist.get_global_rank(group, src),
+            group=group,
+        )
         return mine
     data = torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(data, src=dist.get_global_rank(group, src), group=group)

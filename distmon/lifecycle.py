@@ -364,4 +364,3 @@ class ExitGuard:
             else "process group already destroyed: this rank's own figures of the last steps only",
         )
         self._close(not died, not died and group, EXIT_GATHER_S)
-

@@ -133,8 +133,11 @@ class GradMonitor:
         except Exception as e:
             failure = e
         # every rank, whatever happened to it: the layout read from the whole job (collectives)
-        parts = planned.parts if planned is not None else None
-        job = read_job(parts, group) if group is not None else parts and alone(parts)
+        parts, job = (planned.parts if planned is not None else None), None
+        try:
+            job = read_job(parts, group) if group is not None else parts and alone(parts)
+        except Exception as e:
+            failure = e
         try:
             if failure is None and job is not None:  # None: another rank failed (agree() raises its error)
                 if job.refusal is not None:

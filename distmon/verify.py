@@ -119,7 +119,10 @@ class LayoutCheck:
     """
 
     def __init__(
-        self, named: Sequence[tuple[str, torch.nn.Parameter]], counted: Sequence[bool], group: dist.ProcessGroup
+        self,
+        named: Sequence[tuple[str, torch.nn.Parameter]],
+        counted: Sequence[bool],
+        group: dist.ProcessGroup,
     ) -> None:
         self.params, self.counted, self.group = [p for _, p in named], list(counted), group
         self.reference = JobNorm(named, group)

@@ -73,7 +73,14 @@ class Case:
     @property
     def name(self) -> str:
         mesh = "x".join(f"{k}{n}" for k, n in self.dims)
-        parts = [mesh, self.dp, self.experts, f"decl-{self.declare}" if self.declare else "", self.passed, self.dtype]
+        parts = [
+            mesh,
+            self.dp,
+            self.experts,
+            f"decl-{self.declare}" if self.declare else "",
+            self.passed,
+            self.dtype,
+        ]
         return "/".join(p for p in parts if p and p != "none")
 
 
@@ -184,9 +191,15 @@ class SpaceBuilt:
         case, dims = self.case, dict(self.case.dims)
         if self.tp is not None:
             for block in self.module.blocks.values():
-                parallelize_module(block, self.mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+                parallelize_module(
+                    block, self.mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+                )
             self.groups["tp"] = self.mesh["tp"].get_group()
-        dp_mesh = self.mesh["dp"] if "dp" in dims else (self.mesh["dp_replicate", "dp_shard"] if "dp_shard" in dims else None)
+        dp_mesh = (
+            self.mesh["dp"]
+            if "dp" in dims
+            else (self.mesh["dp_replicate", "dp_shard"] if "dp_shard" in dims else None)
+        )
         self.trained = self.wrapped = self.module
         if case.dp in ("fsdp", "hsdp"):
             for block in self.module.blocks.values():
@@ -281,7 +294,7 @@ class SpaceBuilt:
                 self.schedule.step(x)
             else:
                 self.schedule.step(target=y, losses=losses)
-            value = float(sum(l.detach() for l in losses)) if losses else None
+            value = float(sum(loss.detach() for loss in losses)) if losses else None
         if self.case.experts.startswith("plain_out"):  # the model's own reduction of the experts
             for p in self.module.moe.experts.parameters():
                 dist.all_reduce(p.grad, group=self.groups["edp"])
@@ -313,7 +326,9 @@ def _train(case: Case, log: str | None) -> dict:
     mon = None
     if log is not None:
         try:
-            mon = distmon.GradMonitor(built.monitored, built.opt, log_path=log, **MONITORED, **built.options())
+            mon = distmon.GradMonitor(
+                built.monitored, built.opt, log_path=log, **MONITORED, **built.options()
+            )
         except Exception as e:  # refused at construction: on every rank alike
             return {"refused": f"{type(e).__name__}: {e}"}
     for step in range(1, STEPS + 1):
@@ -377,8 +392,13 @@ def judge_case(case: Case, outs: list[dict]) -> tuple[str, str]:
     if [o["wrote"] for o in outs] != [True] + [False] * (len(outs) - 1):
         return "VIOLATION", f"log writers: ranks {[r for r, o in enumerate(outs) if o['wrote']]}"
     snaps = outs[0]["snaps"]
-    if [s["step"] for s in snaps] != list(range(1, STEPS + 1)) or any(s["world_size"] != case.world for s in snaps):
-        return "VIOLATION", f"steps {[s['step'] for s in snaps]}, world sizes {[s['world_size'] for s in snaps]}"
+    if [s["step"] for s in snaps] != list(range(1, STEPS + 1)) or any(
+        s["world_size"] != case.world for s in snaps
+    ):
+        return (
+            "VIOLATION",
+            f"steps {[s['step'] for s in snaps]}, world sizes {[s['world_size'] for s in snaps]}",
+        )
     valid = [s["valid"] for s in snaps]
     if not any(valid):
         reason = outs[0]["misread"] or ""

@@ -152,7 +152,9 @@ def _declared_on_ddp_pairs(rank: int, world: int, log_dir: str) -> tuple[str, li
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     log = os.path.join(log_dir, f"rank{rank}.jsonl")
     try:
-        distmon.GradMonitor(net, opt, serve="none", log_path=log, replicated_over={r"^bias$": dist.group.WORLD})
+        distmon.GradMonitor(
+            net, opt, serve="none", log_path=log, replicated_over={r"^bias$": dist.group.WORLD}
+        )
         message = "accepted"
     except ValueError as e:
         message = str(e)

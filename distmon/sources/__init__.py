@@ -131,7 +131,9 @@ def enclosing(model: object) -> object:
     for obj in gc.get_objects():  # DDP and PipelineStage objects are tracked by the collector
         if stages is not None and isinstance(obj, stages):
             held = uncompiled(obj.submod)
-            if held is inner or (isinstance(held, DistributedDataParallel) and uncompiled(held.module) is inner):
+            if held is inner or (
+                isinstance(held, DistributedDataParallel) and uncompiled(held.module) is inner
+            ):
                 found.append(obj)
         elif plain and isinstance(obj, DistributedDataParallel) and uncompiled(obj.module) is inner:
             found.append(obj)
@@ -368,14 +370,24 @@ def read_layout(
             rank = ddp.process_group.rank()
             why = f"rank {rank} of DDP's process group (its rank 0 counts it)" if rank else ""
             return Reading((not why,) * n, (why,) * n, (False,) * n, (False,) * n, whole=True)
-        parts = _parts(grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=ddp, covered=covered)
+        parts = _parts(
+            grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=ddp, covered=covered
+        )
     else:
         trained_module(model)  # a TypeError for what is no module
         if world == 1 and not is_fsdp(model):
             return Reading((True,) * n, ("",) * n, (False,) * n, (False,) * n)
-        parts = _parts(grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=None, covered=set())
+        parts = _parts(
+            grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=None, covered=set()
+        )
     plain = None
-    if ddp is None and stage is None and not declared and not is_fsdp(model) and not any(map(spec_of, grouping.params)):
+    if (
+        ddp is None
+        and stage is None
+        and not declared
+        and not is_fsdp(model)
+        and not any(map(spec_of, grouping.params))
+    ):
         plain = _plain_module(model, world)
     counted, why, decl, undeclared = (tuple(column) for column in zip(*parts)) if parts else ((),) * 4
     return Reading(counted, why, decl, undeclared, plain=plain)
@@ -413,7 +425,11 @@ def source_for(
     """
     if reading is None:
         reading = read_layout(
-            model, grouping=grouping, replicated_over=replicated_over, distinct_over=distinct_over, stage=stage
+            model,
+            grouping=grouping,
+            replicated_over=replicated_over,
+            distinct_over=distinct_over,
+            stage=stage,
         )
     counted = reading.counted if counted is None else counted
     model = uncompiled(stage.submod if stage is not None else model)
