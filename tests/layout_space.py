@@ -2,7 +2,7 @@
 gloo ranks, trained bare and with distmon, and judged against a reference made another way.
 
 A :class:`Case` combines a device mesh (``pp``, ``dp`` or HSDP's ``dp_replicate``/``dp_shard``,
-``tp``, or an expert mesh ``edp`` x ``ep``), what reduces over the data-parallel ranks (DDP,
+``tp``, or an expert mesh ``edp`` x ``ep``; one or two pipeline stages), what reduces over the data-parallel ranks (DDP,
 FSDP2, HSDP or nothing), tensor parallelism (``fc1`` column-wise, ``fc2`` row-wise, the plain
 parameters declared replicated over ``tp`` or not, or misdeclared), pipeline stages (the
 ``PipelineStage`` or the stage's module passed), mixture-of-experts layers (DTensor experts on an
@@ -97,6 +97,7 @@ def _topologies() -> list[tuple[tuple[tuple[str, int], ...], dict[str, tuple]]]:
         ((("dp", 2), ("tp", 2)), {"dp": ("fsdp",), "declare": ("", "tp")}),
         ((("tp", 4),), {"declare": ("", "tp", "self")}),
         ((("pp", 2), ("dp", 2)), {"dp": ("ddp", "fsdp"), "passed": both}),
+        ((("pp", 1), ("dp", 4)), {"dp": ("ddp", "fsdp"), "passed": both}),  # one stage
         ((("pp", 2), ("tp", 2)), {"declare": ("", "tp"), "passed": both}),
         (
             (("edp", 2), ("ep", EP)),
@@ -172,7 +173,8 @@ class SpaceBuilt:
             self.dp = self.dp * dict(case.dims)[k] + self.coord[k]
         torch.manual_seed(0)
         full = (MoEGPT() if case.experts else GPT()).to(self.dtype)
-        self.module = make_stage(full, self.stage) if self.stage is not None else full
+        self.stages = dict(case.dims).get("pp", 0)
+        self.module = make_stage(full, self.stage) if self.stages > 1 else full
         self.groups: dict[str, dist.ProcessGroup] = {}
         if case.experts:
             self._experts()
@@ -256,7 +258,7 @@ class SpaceBuilt:
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
         group = self.mesh["pp"].get_group()
-        self.pipe = PipelineStage(self.wrapped, self.stage, 2, torch.device("cpu"), group=group)
+        self.pipe = PipelineStage(self.wrapped, self.stage, self.stages, torch.device("cpu"), group=group)
         # torch's DDP inside a stage takes one micro-batch (it asserts with more)
         return ScheduleGPipe(self.pipe, n_microbatches=1 if self.case.dp == "ddp" else 2, loss_fn=lm_loss)
 
@@ -290,7 +292,9 @@ class SpaceBuilt:
             value = float(loss.detach())
         else:
             losses: list[torch.Tensor] = []
-            if self.stage == 0:
+            if self.stages == 1:
+                self.schedule.step(x, target=y, losses=losses)
+            elif self.stage == 0:
                 self.schedule.step(x)
             else:
                 self.schedule.step(target=y, losses=losses)
@@ -430,9 +434,9 @@ def judge_case(case: Case, outs: list[dict]) -> tuple[str, str]:
 def table(rows: list[tuple[Case, str, str]]) -> str:
     """The outcome table, one line per case, and the count of each outcome."""
     width = max(len(c.name) for c, _, _ in rows)
-    lines = [f"{'layout'.ljust(width)}  outcome    detail"]
-    for case, outcome, detail in rows:
-        lines.append(f"{case.name.ljust(width)}  {outcome.ljust(9)}  {detail[:110]}")
+    lines = [f"{'ranks':>5}  {'layout'.ljust(width)}  outcome    detail"]
+    for case, outcome, detail in sorted(rows, key=lambda row: (row[0].world, row[0].name)):
+        lines.append(f"{case.world:>5}  {case.name.ljust(width)}  {outcome.ljust(9)}  {detail[:100]}")
     tally = {k: sum(1 for _, o, _ in rows if o == k) for k in ("exact", "refused", "invalid", "VIOLATION")}
     lines.append(", ".join(f"{k}: {v}" for k, v in tally.items()) + f" (of {len(rows)})")
     return "\n".join(lines)

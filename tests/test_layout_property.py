@@ -22,7 +22,7 @@ from layout_space import MUST_BE_EXACT, MUST_BE_REFUSED, Case, cases, judge_case
 
 pytestmark = pytest.mark.slow
 
-PER_WORLD = {2: 4, 4: 48, 8: 6}  # 58 layouts: every 2-rank one, 48 of the 76 on 4 ranks, 6 of 12 on 8
+PER_WORLD = {2: 4, 4: 48, 8: 6}  # 58 layouts: every 2-rank one, 48 of the 84 on 4 ranks, 6 of 12 on 8
 TIMEOUT_S = {2: 240, 4: 600, 8: 600}
 
 
