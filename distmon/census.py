@@ -254,7 +254,7 @@ def judge(records: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
     Example:
         >>> r = lambda rank, fp, counted: (7, 1, fp, 0, counted, 0, 5, 0, rank)
         >>> judge([r(0, 11, 1), r(1, 11, 0)])                 # a copy and the one that counts
-        [(0, 0, 2), (0, 0, 2)]
+        [(0, -1, 2), (0, -1, 2)]
         >>> judge([r(0, 11, 1), r(1, 12, 0)])[1][0] == Verdict.COPIES_DIFFER
         True
     """

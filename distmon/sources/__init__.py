@@ -127,15 +127,20 @@ def enclosing(model: object) -> object:
     plain = several and not isinstance(inner, DistributedDataParallel) and not is_fsdp(inner)
     if stages is None and not plain:
         return model
+    # DDP and PipelineStage objects are tracked by the collector: one pass over every tracked
+    # object, comparing types only (a set lookup: ~0.1 s per million objects)
+    kinds = (_subclasses(stages) if stages is not None else set()) | (
+        _subclasses(DistributedDataParallel) if plain else set()
+    )
     found: list[object] = []
-    for obj in gc.get_objects():  # DDP and PipelineStage objects are tracked by the collector
-        if stages is not None and isinstance(obj, stages):
+    for obj in [obj for obj in gc.get_objects() if type(obj) in kinds]:
+        if pipeline_stage(obj) is not None:
             held = uncompiled(obj.submod)
             if held is inner or (
                 isinstance(held, DistributedDataParallel) and uncompiled(held.module) is inner
             ):
                 found.append(obj)
-        elif plain and isinstance(obj, DistributedDataParallel) and uncompiled(obj.module) is inner:
+        elif uncompiled(obj.module) is inner:
             found.append(obj)
     staged = [obj for obj in found if pipeline_stage(obj) is not None]
     if len(staged) > 1 or (not staged and len(found) > 1):
@@ -144,6 +149,17 @@ def enclosing(model: object) -> object:
             "the module passed to GradMonitor: pass the one that trains it"
         )
     return (staged or found or [model])[0]
+
+
+def _subclasses(cls: type) -> set[type]:
+    """``cls`` and every class derived from it, as defined now."""
+    out, todo = {cls}, [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
 
 
 def pipeline_stage(model: object) -> object | None:
