@@ -239,11 +239,12 @@ def _reduction_on_ddp_behalf():
     hook reproduces DDP's built-in reduction (which would run without distmon), and its FSDP
     reduce-scatter and post_backward wrappers call FSDP's own, so their collectives are the
     training's, not the monitor's."""
-    from distmon.sources.ddp import _allreduce
+    from distmon.sources.ddp import _allreduce, _bucket_future
     from distmon.sources.fsdp import _MeasuringReduceScatter, _NotingPostBackward
 
     return {
         _allreduce.__code__,
+        _bucket_future.__code__,  # the reduced bucket as the hook's result, as torch's allreduce_hook
         _MeasuringReduceScatter.__call__.__code__,
         _NotingPostBackward.__call__.__code__,
     }

@@ -1,8 +1,9 @@
 """A failure in any of distmon's hook paths never reaches training (issue #22).
 
 Each path distmon runs inside training is made to raise (``fault_injection.FailureInjector``)
-on one step: DDP's comm hook (the local side, the reduced side's callback on gloo's thread, the
-end of backward), FSDP2's reduce-scatter and post_backward wrappers and the read of its sharded
+on one step: DDP's comm hook (the local read at the last bucket, or in every bucket's hook where
+``p.grad`` is the bucket; the reduced read in the autograd callback after DDP's; the end of
+backward), FSDP2's reduce-scatter and post_backward wrappers and the read of its sharded
 gradients when backward ends, the single process's gradient-accumulation hook and its
 end-of-backward read, the optimizer step pre- and post-hooks, the guarded step
 (``guard="skip"``), the GradScaler's step wrapper (on a step it skips) and the activation hooks.
@@ -40,14 +41,24 @@ CONFIGS = {
     "ddp": {
         "kind": "ddp",
         "plan": [
-            {"distmon.sources.ddp.sq_sums"},
+            {"distmon.sources.local.sq_sums"},  # the fused reads (local at the last bucket, reduced)
             {"torch._foreach_powsum"},
-            {"BucketLayouts.layout"},
-            {"BackwardSums.add_local"},
-            {"BackwardSums.add_reduced"},  # on gloo's callback thread
+            {"GradSums.read"},
+            {"BackwardSums.add_local"},  # in the comm hook
+            {"BackwardSums.add_reduced"},  # in the autograd callback after DDP's
             {"BackwardSums.end_backward"},
             *STEP_HOOKS,
             *ACTIVATIONS,
+        ],
+    },
+    # p.grad is the bucket: each bucket read in its own hook
+    "ddp_bucket_view": {
+        "kind": "ddp_bucket_view",
+        "plan": [
+            {"distmon.sources.ddp.sq_sums"},
+            {"BucketLayouts.layout"},
+            {"BackwardSums.add_local"},
+            {"GradSums.read"},
         ],
     },
     "ddp_guard": {"kind": "ddp", "guard": "skip", "plan": [{"StepTracker.judge_now"}, *STEP_HOOKS]},
@@ -126,8 +137,8 @@ def _full(t):
 
 
 def _wrap(net, kind):
-    if kind == "ddp":
-        return DDP(net, bucket_cap_mb=0.002)  # several buckets
+    if kind.startswith("ddp"):  # several buckets
+        return DDP(net, bucket_cap_mb=0.002, gradient_as_bucket_view=kind == "ddp_bucket_view")
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

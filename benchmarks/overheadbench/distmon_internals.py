@@ -16,30 +16,23 @@ from .measure import SelfTimer, timed
 def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[str]:
     """Time distmon's internal entry points into ``timer``; returns the sites that could not be.
 
-    Instance attributes shadow the methods; the comm hook and the optimizer hooks look them up
-    at call time. Sites: ``distmon::local_sums`` / ``distmon::reduced_sums`` (the comm hook's
-    sums of the local bucket and, in its future callback, of the reduced one),
-    ``distmon::before_step`` / ``distmon::after_step`` (the optimizer step hooks),
-    ``periodic::distmon::export`` (the export, nested in ``after_step``; each call's CPU
-    seconds also go to ``export_times``), ``background::publisher`` (the export thread).
+    Instance attributes shadow the methods; the comm hook, the autograd callback and the
+    optimizer hooks look them up at call time. Sites: ``distmon::local_sums`` (the comm hook's
+    own work on each bucket: nothing on most, the local gradients' read on the last one, or a
+    read of every bucket where ``p.grad`` is the bucket), ``distmon::reduced_sums`` (the read of
+    the reduced gradients when DDP's backward has finished), ``distmon::before_step`` /
+    ``distmon::after_step`` (the optimizer step hooks), ``periodic::distmon::export`` (the
+    export, nested in ``after_step``; each call's CPU seconds also go to ``export_times``),
+    ``background::publisher`` (the export thread).
     """
     uninstrumented: list[str] = []
     tr = getattr(mon, "_tracker", None)
     source = getattr(tr, "source", None)
-    if hasattr(source, "measure_local"):
-        local = timed(source.measure_local, timer, "distmon::local_sums")
-
-        def measure_local(bucket: Any) -> Any:
-            measure_reduced = local(bucket)  # the reduced-side callback, or None
-            return (
-                timed(measure_reduced, timer, "distmon::reduced_sums")
-                if callable(measure_reduced)
-                else measure_reduced
-            )
-
-        source.measure_local = measure_local
-    else:
-        uninstrumented.append("local_sums")
+    for attr, site in (("on_bucket", "distmon::local_sums"), ("_read_reduced", "distmon::reduced_sums")):
+        if hasattr(source, attr):
+            setattr(source, attr, timed(getattr(source, attr), timer, site))
+        else:
+            uninstrumented.append(site.split("::")[1])
     # The export (every export_every steps: totals and detectors over the rows since the last
     # one, host copy) runs inside after_step on few of the timed steps, so a median step hides
     # it: every export outside the profiler is timed here, and its mean is amortized.
