@@ -250,6 +250,14 @@ def _reduction_on_ddp_behalf():
     }
 
 
+def ddp_own_reduction(on):
+    """Whether distmon leaves DDP's own reduction alone on gloo in this process (no comm hook: the
+    path it takes on NCCL), or wraps it in its comm hook (its path on gloo)."""
+    from distmon.sources import ddp
+
+    (ddp.HOOKLESS_BACKENDS.add if on else ddp.HOOKLESS_BACKENDS.discard)("gloo")
+
+
 def in_distmon_code(frame, dm_dir):
     """True iff the nearest frame (walking outward from `frame`) that is not
     library plumbing belongs to distmon.

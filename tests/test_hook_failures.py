@@ -28,7 +28,7 @@ import math
 
 import pytest
 import torch
-from ddp_harness import TinyLM, close, lm_loss, make_batch, reference_norms, run_ranks
+from ddp_harness import TinyLM, close, ddp_own_reduction, lm_loss, make_batch, reference_norms, run_ranks
 from fault_injection import FailureInjector
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -49,6 +49,21 @@ CONFIGS = {
             {"BackwardSums.end_backward"},
             *STEP_HOOKS,
             *ACTIVATIONS,
+        ],
+    },
+    # DDP's own reduction, no comm hook (NCCL's path; on gloo when asked): a forward hook, a hook on
+    # the outputs, the reads among the backward's final callbacks
+    "ddp_own_reduction": {
+        "kind": "ddp",
+        "hookless": True,
+        "plan": [
+            {"distmon.sources.ddp._find_tensors"},  # the forward hook
+            {"distmon.sources.local.sq_sums"},
+            {"GradSums.read"},
+            {"BackwardSums.begin_backward"},
+            {"BackwardSums.add_local"},
+            {"BackwardSums.add_reduced"},
+            {"BackwardSums.end_backward"},
         ],
     },
     # p.grad is the bucket: each bucket read in its own hook
@@ -104,10 +119,14 @@ def _sites(kind):
     from distmon.sources.ddp import BucketLayouts
     from distmon.tracker import StepTracker
 
-    sites = [(BackwardSums, m) for m in ("add_local", "add_reduced", "end_backward")]
+    sites = [(BackwardSums, m) for m in ("begin_backward", "add_local", "add_reduced", "end_backward")]
     sites += [(StepTracker, m) for m in ("before_step", "after_step", "judge_now")]
     sites += [(ActivationWatch, "close_step"), (BucketLayouts, "layout"), (local.GradSums, "read")]
     sites.append((local, "in_compiled_autograd"))
+    if kind.startswith("ddp"):
+        import distmon.sources.ddp as ddp
+
+        sites.append((ddp, "_find_tensors"))
     if kind == "fsdp":
         import distmon.sources.fsdp as fsdp
 
@@ -171,6 +190,7 @@ def _train(rank, name, monitored):
     out = {"losses": [], "recs": [], "fired": []}
     mon = inj = None
     if monitored:
+        ddp_own_reduction(cfg.get("hookless", False))
         mon = distmon.GradMonitor(
             model,
             opt,
@@ -180,6 +200,8 @@ def _train(rank, name, monitored):
             guard=cfg.get("guard"),
             scaler=scaler,
         )
+        if cfg["kind"].startswith("ddp"):  # the path the configuration is about is the one taken
+            assert mon._tracker.source.hookless == bool(cfg.get("hookless")), name
         inj = FailureInjector(_sites(cfg["kind"]))
         inj.install()
     try:

@@ -6,19 +6,24 @@ launches (a comm hook runs between them, on every bucket) or chained on a bucket
 where the backward ends is hidden behind the kernels still queued. distmon's DDP path cost
 7-24% of a step on an H200 when it read each bucket twice in the comm hook (the local
 gradients, then the reduced ones in a continuation on the bucket's future): ~26 fused reads and
-26 Python callbacks per step on GPT-124M, against ~1% for the one-process path's single read
-where backward ends. CPU time cannot show this (every op runs synchronously there), so these
-tests pin the mechanism instead, on one in-process gloo rank:
+13 Python callbacks per step on GPT-124M, against ~1% for the one-process path's single read
+where backward ends (and ~1% for a Python comm hook alone, torch's ``allreduce_hook``). CPU time
+cannot show this (every op runs synchronously there), so these tests pin the mechanism
+instead, on one in-process gloo rank:
 
 * distmon chains no continuation on any bucket's future (``Future.then`` from distmon code);
-* with DDP's default ``gradient_as_bucket_view=False``, no tensor op of distmon's runs in the
-  comm hook of any bucket but the last, and the number it runs there and after it does not grow
-  with the number of buckets; with bucket views (``p.grad`` is the bucket) exactly one per bucket;
+* with its comm hook and DDP's default ``gradient_as_bucket_view=False``, no tensor op of
+  distmon's runs in the hook of any bucket but the last, and what runs there and after it does
+  not grow with the buckets; with bucket views (``p.grad`` is the bucket) exactly one per bucket;
+* with DDP's own reduction (no comm hook: distmon's path on NCCL, forced here on gloo), no op of
+  distmon's runs between two gradient accumulations: two fused reads among the final callbacks;
 * an ordinary step dispatches the same ops, in number and kind, for 4 and 16 layers (buckets,
-  parameters): nothing per layer, per parameter or per bucket anywhere in the step.
+  parameters): nothing per layer, per parameter or per bucket anywhere in the step;
+* a second backward through the same forward (``retain_graph``), which DDP does not reduce, is
+  not read.
 
-Each fails on the code before this design (a fused read per bucket in the hook and a ``then``
-continuation per bucket: 19 ops a step with 4 buckets, 43 with 16).
+The first four fail on the code before this design (a fused read per bucket in the hook and a
+``then`` continuation per bucket: 19 ops a step with 4 buckets, 43 with 16).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import distmon
+from distmon.sources import ddp as ddp_source
 
 # no export on the measured steps (an export step reads rows to the host by design), the time
 # rule's vote kept (its all-reduce is in every ordinary step) but never due
@@ -153,11 +159,45 @@ def test_the_backward_runs_distmons_ops_only_where_it_ends(one_rank: None, bucke
     assert per_size[4][-2:] == per_size[16][-2:], per_size
 
 
-def test_an_ordinary_step_runs_the_same_ops_whatever_the_model(one_rank: None) -> None:
+@pytest.fixture
+def hookless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP keeps its own reduction under distmon, no comm hook registered (NCCL's path), on gloo."""
+    monkeypatch.setattr(ddp_source, "HOOKLESS_BACKENDS", {"gloo", "nccl"})
+
+
+def test_without_a_comm_hook_nothing_of_distmons_runs_inside_the_backward(one_rank: None, hookless: None):
+    """DDP's own reduction (NCCL): no comm hook, and every op of distmon's in a backward runs after
+    the last gradient was accumulated (among the backward's final callbacks): two fused reads."""
+    for layers in (4, 16):
+        ddp, opt = _model(layers)
+        events = Events()
+        for p in ddp.parameters():
+            p.register_post_accumulate_grad_hook(lambda _: events.mark("accumulated"))
+        with distmon.GradMonitor(ddp, opt, **OPTIONS) as mon:
+            assert mon._tracker.source.hookless and not ddp._comm_hooks
+            _steps(ddp, opt, WARMUP)
+            events.events.clear()
+            with events:
+                _steps(ddp, opt, 1, events)
+            snap = mon.flush()
+        assert snap.valid and all(snap.rank_valid) and snap.monitor_errors == 0
+        segments = _backward_segments(events)
+        assert len(segments) == 2 * layers + 1  # a weight and a bias per layer
+        assert all(ops == [] for ops in segments[:-1]), segments
+        assert segments[-1] == ["aten._foreach_powsum.Scalar"] * 2, segments[-1]
+
+
+@pytest.mark.parametrize("own_reduction", [False, True], ids=["comm hook", "DDP's own reduction"])
+def test_an_ordinary_step_runs_the_same_ops_whatever_the_model(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, own_reduction: bool
+) -> None:
+    if own_reduction:
+        monkeypatch.setattr(ddp_source, "HOOKLESS_BACKENDS", {"gloo", "nccl"})
     counts = {}
     for layers in (4, 16):
         ddp, opt = _model(layers)
         with distmon.GradMonitor(ddp, opt, **OPTIONS) as mon:
+            assert mon._tracker.source.hookless == own_reduction
             _steps(ddp, opt, WARMUP)
             events = Events()
             with events:
@@ -168,3 +208,25 @@ def test_an_ordinary_step_runs_the_same_ops_whatever_the_model(one_rank: None) -
     assert counts[4] == counts[16], counts
     # two fused reads a step: the local gradients and the reduced ones
     assert counts[4]["aten._foreach_powsum.Scalar"] == 2, counts[4]
+
+
+@pytest.mark.parametrize("own_reduction", [False, True], ids=["comm hook", "DDP's own reduction"])
+def test_a_second_backward_through_the_same_forward_is_not_read(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch, own_reduction: bool
+) -> None:
+    """DDP reduces the first backward after a forward only; a second one through the same graph
+    (``retain_graph``) adds local gradients to the reduced ones, which no figure may report."""
+    if own_reduction:
+        monkeypatch.setattr(ddp_source, "HOOKLESS_BACKENDS", {"gloo", "nccl"})
+    ddp, opt = _model(4)
+    with distmon.GradMonitor(ddp, opt, **OPTIONS) as mon:
+        _steps(ddp, opt, WARMUP)
+        loss = ddp(torch.randn(8, 32)).pow(2).mean()
+        loss.backward(retain_graph=True)
+        first = sum(float(p.grad.double().pow(2).sum()) for p in ddp.parameters()) ** 0.5
+        loss.backward()
+        opt.step()
+        snap = mon.flush()
+    assert snap.valid and snap.monitor_errors == 0
+    assert snap.grad_norm == pytest.approx(first, rel=1e-5)
+    assert snap.rank_grad_norms[0] == pytest.approx(first, rel=1e-5)

@@ -16,11 +16,13 @@ from .measure import SelfTimer, timed
 def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[str]:
     """Time distmon's internal entry points into ``timer``; returns the sites that could not be.
 
-    Instance attributes shadow the methods; the comm hook, the autograd callback and the
-    optimizer hooks look them up at call time. Sites: ``distmon::local_sums`` (the comm hook's
-    own work on each bucket: nothing on most, the local gradients' read on the last one, or a
-    read of every bucket where ``p.grad`` is the bucket), ``distmon::reduced_sums`` (the read of
-    the reduced gradients when DDP's backward has finished), ``distmon::before_step`` /
+    Instance attributes shadow the methods; the comm hook, the forward and tensor hooks, the
+    autograd callbacks and the optimizer hooks look them up at call time. Sites:
+    ``distmon::local_sums`` (with distmon's comm hook, its own work on each bucket: nothing on
+    most, the local gradients' read on the last one, or a read of every bucket where ``p.grad``
+    is the bucket; with DDP's own reduction, the forward hook, the tensor hook where backward
+    begins and the local read where it ends), ``distmon::reduced_sums`` (the read of the reduced
+    gradients after DDP's backward), ``distmon::before_step`` /
     ``distmon::after_step`` (the optimizer step hooks), ``periodic::distmon::export`` (the
     export, nested in ``after_step``; each call's CPU seconds also go to ``export_times``),
     ``background::publisher`` (the export thread).
@@ -28,11 +30,13 @@ def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[st
     uninstrumented: list[str] = []
     tr = getattr(mon, "_tracker", None)
     source = getattr(tr, "source", None)
-    for attr, site in (("on_bucket", "distmon::local_sums"), ("_read_reduced", "distmon::reduced_sums")):
+    local = ("on_bucket", "_arm", "_backward_begins", "_before_ddp_finalize")
+    sites = [(a, "distmon::local_sums") for a in local] + [("_read_reduced", "distmon::reduced_sums")]
+    for attr, site in sites:
         if hasattr(source, attr):
             setattr(source, attr, timed(getattr(source, attr), timer, site))
         else:
-            uninstrumented.append(site.split("::")[1])
+            uninstrumented.append(attr)
     # The export (every export_every steps: totals and detectors over the rows since the last
     # one, host copy) runs inside after_step on few of the timed steps, so a median step hides
     # it: every export outside the profiler is timed here, and its mean is amortized.

@@ -167,13 +167,13 @@ def render_md(res: RunResult, png: str | None) -> str:
     L += [
         "Own-code time per step by site, CPU ms (wall ms, which adds blocking waits and preemption by other "
         "jobs), median over timed steps, mean over ranks; `local_sums` = the comm hook's own work on every "
-        "bucket (one fused read of the local gradients at the last bucket), `reduced_sums` = one fused read "
-        "of the reduced gradients when DDP's backward has finished, `before_step` = fold the local sums, pack and "
-        "start the step's collective (optimizer step pre-hook), `after_step` = optimizer step post-hook "
-        "without its export (fold the reduced sums into the step's row), `export` = "
-        "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
-        "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "
-        "thread decoding exported rows (off the training thread):",
+        "bucket, or without one its forward and backward hooks, and the one fused read of the local "
+        "gradients where the backward ends, `reduced_sums` = one fused read of the reduced gradients after "
+        "DDP's, `before_step` = fold the local sums, pack and start the step's collective (optimizer step "
+        "pre-hook), `after_step` = optimizer step post-hook without its export (fold the reduced sums into "
+        "the step's row), `export` = totals and detectors over the rows since the last export and the host "
+        "copy, once per `export_every` steps, mean CPU time of one export divided by `export_every` (no wall "
+        "figure), `publisher` = host thread decoding exported rows (off the training thread):",
         "",
     ]
     for s in sizes:

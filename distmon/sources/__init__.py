@@ -251,6 +251,7 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
+    compiled = uncompiled(model) is not model
     model = uncompiled(model)  # torch.compile(model): the module it compiles is measured
     if stage is not None:
         model = uncompiled(stage.submod)
@@ -271,7 +272,12 @@ def source_for(
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
         if stage is None and not outside and _ddp_is_the_job(model, declared=bool(declared)):
             return DDPSource(
-                model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+                model,
+                receiver=receiver,
+                grouping=grouping,
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                compiled=compiled,
             )
         counted = _counted(
             grouping,

@@ -20,6 +20,7 @@ No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` anno
 Python comm hook when it is registered, and a string annotation fails that check.
 """
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+from torch.utils.hooks import RemovableHandle
 
+from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
 from .base import OrderLearner, Receiver, first_device
@@ -43,6 +47,7 @@ __all__ = [
     "monitor_hook",
     "ddp_allreduce_hook",
     "RUN_SLACK",
+    "HOOKLESS_BACKENDS",
     "CommHook",
 ]
 
@@ -54,6 +59,11 @@ CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
 # for the same bytes in 1,000 pieces), so a run is kept about as short as the parameters it
 # holds: a weight keeps its bias, thousands of small tensors become runs of ~64K elements.
 RUN_SLACK = 1 << 16
+
+# Backends on which distmon leaves DDP's own reduction alone (no comm hook) when it can. Not gloo:
+# under torch.profiler its default reduction must be distmon's own, waited when backward ends
+# (HookSlot.start); tests put gloo here to run the hookless path on CPU.
+HOOKLESS_BACKENDS = {"nccl"}
 
 
 def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -73,11 +83,12 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
     """:func:`ddp_allreduce_hook`'s arithmetic, its all-reduce started; the work returned."""
-    buffer = bucket.buffer()
-    if buffer.is_sparse:
-        buffer.div_(process_group.size())
-    else:
-        buffer.mul_(1.0 / process_group.size())
+    buffer, size = bucket.buffer(), process_group.size()
+    if size > 1:  # on one rank DDP multiplies by 1.0 (x * 1.0 is x, bit for bit): a pass saved
+        if buffer.is_sparse:
+            buffer.div_(size)
+        else:
+            buffer.mul_(1.0 / size)
     return dist.all_reduce(buffer, group=process_group, async_op=True)
 
 
@@ -100,9 +111,8 @@ def sparse_parameters(module: torch.nn.Module) -> set[int]:
     """Ids of the parameters whose gradients are sparse, as DDP decides it (each gets a sparse
     bucket of its own): those of ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``."""
     kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    return {
-        id(p) for m in module.modules() if isinstance(m, kinds) and m.sparse for p in m.parameters(recurse=False)
-    }
+    sparse = [m for m in module.modules() if isinstance(m, kinds) and m.sparse]
+    return {id(p) for m in sparse for p in m.parameters(recurse=False)}
 
 
 @dataclass
@@ -319,31 +329,40 @@ def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
 
 
 class DDPSource:
-    """Measurements of a ``DistributedDataParallel`` model, around its comm hook.
+    """Measurements of a ``DistributedDataParallel`` model: two fused reads per backward.
 
-    Two reads per backward, each one fused pass over the gradients, both where the device has
-    the backward's kernels queued ahead of it:
+    Both reads are one fused pass over the gradients, where the backward ends (the device has
+    the backward's kernels queued ahead of it there), nothing per bucket:
 
     - **local**: this rank's gradients before the reduction. With DDP's default
-      ``gradient_as_bucket_view=False``, DDP copies each gradient into its bucket and leaves
-      ``p.grad`` alone until the backward's final callback copies the reduced bucket back: when
-      the comm hook sees the *last* bucket, every ``p.grad`` holds its local gradient (summed
-      over any ``no_sync`` micro-batches), and all of them are read there at once, before that
-      bucket's hook runs. With ``gradient_as_bucket_view=True`` (``p.grad`` is the bucket, which
-      the hook divides and reduces in place) and for sparse gradients (DDP divides them in
-      place), each bucket is read in its hook instead, before the user's hook runs.
-    - **reduced**: ``p.grad`` once DDP's final callback (``finalize_backward``) has written the
-      user's hook's result into it: read by an autograd callback queued behind DDP's, before
-      any clipping a framework does between backward and step. Reduced gradients are identical
-      on every rank, so global and per-layer norms need no collective.
+      ``gradient_as_bucket_view=False``, DDP reduces copies of the gradients in its buckets and
+      leaves ``p.grad`` alone until its final callback (``finalize_backward``) copies the
+      reduced buckets back: once every gradient is in, and before that callback, every
+      ``p.grad`` holds its local gradient (summed over any ``no_sync`` micro-batches).
+    - **reduced**: ``p.grad`` once ``finalize_backward`` has written the reduction's result
+      (the user's hook's) into it: read by an autograd callback queued behind DDP's, before any
+      clipping a framework does between backward and step. Reduced gradients are identical on
+      every rank, so global and per-layer norms need no collective.
 
-    Nothing is chained on the comm hook's future, and no collective is issued here: the
-    monitor's collective waits for the optimizer step, when DDP's reduction, and every
-    collective the user's hook started from its callbacks, is complete.
+    With DDP's own reduction on NCCL (no ``comm_hook=``), distmon registers **no comm hook**:
+    DDP keeps its C++ reduction (no Python call, no Python future per bucket, the division fused
+    into the copy into the bucket). A forward hook on the DDP module marks the outputs of a
+    forward whose backward DDP reduces; the first of them that backward reaches queues the
+    local read, which so runs before DDP's ``finalize_backward`` (queued later in that backward,
+    or, ``static_graph``, by the node the outputs feed). Elsewhere distmon wraps the reduction
+    in its comm hook (:func:`monitor_hook`, DDP accepts one): a hook of the user's, gloo (whose
+    default reduction distmon completes itself under ``torch.profiler``, see
+    :meth:`HookSlot.start`), a job DDP is one dimension of, ``gradient_as_bucket_view=True`` and
+    sparse gradients. The local read is then done when the hook sees the last bucket, before
+    that bucket's reduction; where ``p.grad`` is the bucket (``gradient_as_bucket_view=True``),
+    or a sparse gradient the reduction divides in place, each such bucket is read in its own
+    hook instead. Nothing is chained on a bucket's future either way, and no collective is
+    issued here: the monitor's collective waits for the optimizer step.
 
     The constructor checks that the model's comm hook can be wrapped (raises for someone
-    else's hook or an open monitor); :meth:`install` registers the hook, or takes over the slot
-    a closed monitor left on the model; :meth:`remove` leaves the slot.
+    else's hook or an open monitor); :meth:`install` registers the forward hook, or the comm
+    hook or takes over the slot a closed monitor left on the model; :meth:`remove` removes the
+    one, leaves the other.
 
     Example:
         >>> source = DDPSource(ddp, receiver=sums, grouping=grouping)   # doctest: +SKIP
@@ -361,6 +380,7 @@ class DDPSource:
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         counted: Sequence[bool] | None = None,
+        compiled: bool = False,
     ) -> None:
         self.model = model
         self.module = model.module
@@ -380,15 +400,30 @@ class DDPSource:
         reduced = {id(p) for p in ddp_parameters(model)}
         slots = [i for i, p in enumerate(grouping.params) if id(p) in reduced]
         sparse = sparse_parameters(model.module) & reduced
+        bucket_view = bool(getattr(model, "gradient_as_bucket_view", False))
+        self.hookless = (
+            comm_hook is None
+            and self._existing is None
+            and not (self.partial or bucket_view or sparse or compiled)
+            and not getattr(model, "_delay_all_reduce_all_params", False)
+            # Lightning's manual optimization runs the backward inside DDP's forward (and prepares
+            # DDP for it itself): no forward has ended when that backward begins
+            and getattr(model.module, "automatic_optimization", True) is not False
+            and dist.get_backend(model.process_group) in HOOKLESS_BACKENDS
+        )
         seqs = itertools.count()  # the run sets of one backward fold together: distinct seqs
         # buckets read in the comm hook: every bucket when p.grad is the bucket, else sparse ones
-        self._every_bucket = bool(getattr(model, "gradient_as_bucket_view", False))
-        self._sparse_buckets = bool(sparse) and not self._every_bucket
+        self._every_bucket = bucket_view
+        self._sparse_buckets = bool(sparse) and not bucket_view
         self.layouts = BucketLayouts(grouping, self.device, seqs)
         dense = [i for i in slots if id(grouping.params[i]) not in sparse]
-        self._local = None if self._every_bucket or not dense else self._reader(grouping, dense, seqs)
+        self._local = None if bucket_view or not dense else self._reader(grouping, dense, seqs)
         kept = [i for i in slots if counted is None or counted[i]]  # the parts this rank counts
         self._reduced = self._reader(grouping, kept, seqs)
+        self._forward_hook: RemovableHandle | None = None
+        self._armed_task = -2  # the backward whose local read is queued (its graph task's id)
+        self._read_since_step = True  # a backward was read since the last step began
+        self._told_unread = False
         # the layers' backward order, from the gradients' accumulation in the first backward
         self._order = OrderLearner(
             grouping.params, grouping.param_layer, len(grouping.layers), receiver.set_layer_order
@@ -404,6 +439,10 @@ class DDPSource:
 
     def install(self) -> None:
         self._order.install()
+        if self.hookless:
+            # looked up at each call (a benchmark times it), not bound once
+            self._forward_hook = self.model.register_forward_hook(lambda m, _, out: self._arm(m, out))
+            return
         slot = self._existing
         if slot is None:
             self.model.register_comm_hook(HookSlot(self, self.inner_hook, self.inner_state), monitor_hook)
@@ -412,16 +451,70 @@ class DDPSource:
 
     def remove(self) -> None:
         self._order.remove()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         hooks = getattr(self.model, "_comm_hooks", [])
         if hooks and isinstance(hooks[0][1], HookSlot) and hooks[0][1].source is self:
             hooks[0][1].source = None
 
     def read_at_step(self) -> None:
-        """Nothing: DDP's gradients were read in backward."""
+        """Nothing to read: DDP's gradients were read in backward. Without a comm hook, a step
+        whose gradients no marked forward led to is said once (the loop prepared DDP's backward
+        itself: its figures are NaN, not valid)."""
+        if not self.hookless:
+            return
+        read, self._read_since_step = self._read_since_step, False
+        if read or self._told_unread or not any(p.grad is not None for p in self._reduced.params):
+            return
+        self._told_unread = True
+        logger.warning(
+            "distmon: an optimizer step whose DDP backward distmon did not see (no forward of the DDP "
+            "model whose backward DDP reduces led to it): its figures are NaN. A loop that prepares "
+            "DDP's backward itself (reducer.prepare_for_backward) needs distmon's comm hook: pass "
+            "GradMonitor(..., comm_hook=distmon.sources.ddp.ddp_allreduce_hook)"
+        )
 
     def read_pending(self) -> None:
         """Nothing: DDP's gradients were read in backward."""
 
+    # -- without a comm hook: DDP's own reduction ----------------------------------------------
+    def _arm(self, model: DistributedDataParallel, output: object) -> None:
+        """After a forward whose backward DDP reduces (its own test): mark the outputs, so that the
+        first one the backward reaches queues the reads."""
+        if not (self.receiver.active and torch.is_grad_enabled() and model.require_backward_grad_sync):
+            return
+        try:
+            # the outputs of one forward share a token: the first backward through them is DDP's
+            # reduced one; another through the same graph (retain_graph) is not reduced, not read
+            hook = functools.partial(self._backward_begins, [False])
+            for t in _find_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(hook)
+        except Exception:
+            self.receiver.fail("DDP forward hook")
+
+    def _backward_begins(self, used: list[bool], grad: torch.Tensor) -> None:
+        """The backward reached a marked output: the first of a backward queues the local read,
+        which then runs once every gradient is in, before DDP's finalize_backward (queued later)."""
+        try:
+            task = torch._C._current_graph_task_id()
+            if used[0] and task != self._armed_task:
+                return  # a second backward through this forward's outputs: DDP does not reduce it
+            used[0] = True
+            if task != self._armed_task and self.receiver.active:
+                self._armed_task = task
+                self._queue(self._before_ddp_finalize)
+        except Exception:  # a tensor hook that raised would fail the user's backward
+            self.receiver.fail("DDP backward hook")
+
+    def _before_ddp_finalize(self) -> None:
+        """Among the backward's final callbacks, before DDP's: the local gradients, still in ``p.grad``."""
+        self._read_since_step = True
+        self._read_local()
+        self._queue(self._read_reduced)  # behind DDP's finalize_backward, queued by now
+
+    # -- with the comm hook --------------------------------------------------------------------
     def on_bucket(self, bucket: dist.GradBucket) -> None:
         """A bucket is about to be reduced (its hook is called next): read what must be read now.
 
@@ -454,22 +547,27 @@ class DDPSource:
 
     def _backward_end(self) -> None:
         """The last bucket: read the local gradients still in ``p.grad``; queue the reduced read."""
-        receiver = self.receiver
-        try:
-            receiver.begin_backward()
-            if self._every_bucket:
-                self.layouts.end_backward()
-            elif self._local is not None:
-                read = self._local.read()
-                if read is not None:
-                    receiver.add_local(*read)
-        except Exception:
-            receiver.fail("comm hook (local gradients)", reduced=False)
+        if self._every_bucket:
+            self.layouts.end_backward()
+        self._read_local()
         # DDP queues its finalize_backward (which writes the reduced gradients into p.grad) right
         # after this hook returns, or calls it at once when the hooks run inside one of its
         # callbacks (static_graph's first iteration): a callback queued now runs before it or
         # after it, and the one that callback queues in turn runs after it either way
         self._queue(self._queue_reduced_read)
+
+    # -- both ----------------------------------------------------------------------------------
+    def _read_local(self) -> None:
+        """The backward's local gradients in ``p.grad`` (those not read bucket by bucket): one fused read."""
+        receiver = self.receiver
+        try:
+            receiver.begin_backward()
+            if self._local is not None:
+                read = self._local.read()
+                if read is not None:
+                    receiver.add_local(*read)
+        except Exception:
+            receiver.fail("DDP local gradients", reduced=False)
 
     def _queue_reduced_read(self) -> None:
         """Among the backward's final callbacks: queue the reduced read behind DDP's finalize."""
@@ -481,8 +579,11 @@ class DDPSource:
         try:
             torch.autograd.Variable._execution_engine.queue_callback(callback)
         except Exception:
-            self.receiver.fail("comm hook (end of backward)", local=False)
-            self.receiver.end_backward()
+            self.receiver.fail("DDP end of backward", local=False)
+            try:
+                self.receiver.end_backward()
+            except Exception:
+                self.receiver.fail("DDP end of backward")
 
     def _read_reduced(self) -> None:
         """The reduced gradients, now in ``p.grad``: one fused read; the backward's sums are all in."""
@@ -496,4 +597,4 @@ class DDPSource:
         try:
             receiver.end_backward()
         except Exception:
-            receiver.fail("comm hook (end of backward)")
+            receiver.fail("DDP end of backward")
