@@ -259,6 +259,34 @@ class HandWritten(Approach):
         return Health(grad_norm=math.sqrt(float(self.sq.sum()) / world))
 
 
+class AllreduceHook(Approach):
+    """Reference, not a peer: DDP with torch's own ``allreduce_hook`` as its comm hook (what a
+    Python comm hook costs by itself: a Python call and a Python future per bucket, the division
+    a pass of its own)."""
+
+    name, label = "allreduce-hook", "DDP's own allreduce_hook (no monitoring)"
+    reports = "nothing (a Python comm hook that does DDP's reduction)"
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        super().attach(ddp, opt, names)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+class ClipItem(Approach):
+    name, label = "clip-item", "clip_grad_norm_(...).item() every step"
+    reports = "the global norm of the reduced gradients (host float, every step: one host sync)"
+
+    def after_backward(self):
+        import torch
+
+        t = cpu_s()
+        # a bound no gradient reaches: the norm is computed and the (unit) scale applied, nothing clipped
+        self.norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm=1e30).item()
+        self.timer.add("clip_grad_norm_+item", cpu_s() - t)
+
+
 class HookRead(Approach):
     """Reference, not a peer: the floor's one fused read, done where distmon reads.
 
@@ -307,6 +335,14 @@ APPROACHES: list[type[Approach]] = [
     Lightning,
     HandWritten,
     HookRead,
+    AllreduceHook,
+    ClipItem,
+]
+# what a run measures unless told (--approaches): the CPU modes' peers, the GPU preset's (issue #35)
+DEFAULT = [a.name for a in APPROACHES if a not in (AllreduceHook, ClipItem)]
+GPU = [
+    a.name
+    for a in (Baseline, Distmon, DistmonDetailed, DistmonActivations, AllreduceHook, HandWritten, ClipItem)
 ]
 LABELS = {a.name: a.label for a in APPROACHES}
 REPORTS = {a.name: a.reports for a in APPROACHES}

@@ -3,6 +3,7 @@ Performance section."""
 
 import json
 import os
+from collections.abc import Callable
 
 from .approaches import LABELS, REPORTS, label
 from .fmt import fmt_bytes, fmt_num, fmt_paired, fmt_range
@@ -11,13 +12,18 @@ from .results import RunResult, SizeResult
 from .verdicts import TARGET_SIZE
 
 
-def write_reports(res: RunResult, out_dir: str, readme_path: str | None) -> None:
-    """``overhead.json``, ``overhead.png`` and ``overhead.md`` in ``out_dir``; the README section at
-    ``readme_path`` when given."""
+def write_reports(
+    res: RunResult,
+    out_dir: str,
+    readme_path: str | None,
+    render: Callable[[RunResult, str | None], str] | None = None,
+) -> None:
+    """``overhead.json``, ``overhead.png`` and ``overhead.md`` (by ``render``, default
+    :func:`render_md`) in ``out_dir``; the README section at ``readme_path`` when given."""
     os.makedirs(out_dir, exist_ok=True)
     res.save(os.path.join(out_dir, "overhead.json"))
     png = plot(res, os.path.join(out_dir, "overhead.png"))
-    md = render_md(res, png)
+    md = (render or render_md)(res, png)
     with open(os.path.join(out_dir, "overhead.md"), "w") as f:
         f.write(md)
     if readme_path:

@@ -69,6 +69,8 @@ HOOKLESS_BACKENDS = {"nccl"}
 def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's own reduction written as a comm hook: scale by 1/size, sum over ``process_group``.
 
+    ``process_group`` None: the default group, as for torch's own hooks.
+
     DDP without a hook multiplies a dense gradient by ``1/size`` as it copies it into the
     bucket (a sparse one it divides), then all-reduces with SUM. torch's ``allreduce_hook``
     divides the dense bucket instead, which differs in the last bit whenever the size is not a
@@ -83,13 +85,14 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
     """:func:`ddp_allreduce_hook`'s arithmetic, its all-reduce started; the work returned."""
-    buffer, size = bucket.buffer(), process_group.size()
+    group = process_group if process_group is not None else dist.group.WORLD  # as torch's hooks take it
+    buffer, size = bucket.buffer(), group.size()
     if size > 1:  # on one rank DDP multiplies by 1.0 (x * 1.0 is x, bit for bit): a pass saved
         if buffer.is_sparse:
             buffer.div_(size)
         else:
             buffer.mul_(1.0 / size)
-    return dist.all_reduce(buffer, group=process_group, async_op=True)
+    return dist.all_reduce(buffer, group=group, async_op=True)
 
 
 def _bucket_future(work: dist.Work) -> torch.futures.Future[torch.Tensor]:
