@@ -96,6 +96,16 @@ class Distmon(Approach):
         self.mon.close()
 
 
+class DistmonOwnReduction(Distmon):
+    """distmon's path on NCCL (DDP keeps its own reduction, no comm hook), taken on gloo too."""
+
+    name, label = "distmon-own-reduction", "distmon, defaults, DDP's own reduction (its NCCL path)"
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        with distmon_internals.own_reduction():
+            super().attach(ddp, opt, names)
+
+
 class DistmonDetailed(Distmon):
     name, label = "distmon-detailed", "distmon, most detailed"
     reports = (
@@ -327,6 +337,7 @@ class HookRead(Approach):
 APPROACHES: list[type[Approach]] = [
     Baseline,
     Distmon,
+    DistmonOwnReduction,
     DistmonDetailed,
     DistmonActivations,
     Tutorial,
@@ -339,7 +350,7 @@ APPROACHES: list[type[Approach]] = [
     ClipItem,
 ]
 # what a run measures unless told (--approaches): the CPU modes' peers, the GPU preset's (issue #35)
-DEFAULT = [a.name for a in APPROACHES if a not in (AllreduceHook, ClipItem)]
+DEFAULT = [a.name for a in APPROACHES if a not in (DistmonOwnReduction, AllreduceHook, ClipItem)]
 GPU = [
     a.name
     for a in (Baseline, Distmon, DistmonDetailed, DistmonActivations, AllreduceHook, HandWritten, ClipItem)

@@ -8,6 +8,8 @@ timed and is reported so (``SizeInfo.uninstrumented``, asserted empty by
 ``tests/test_benchmark_smoke.py``); the end-to-end numbers do not depend on it.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from .measure import SelfTimer, timed
@@ -76,3 +78,18 @@ def activation_watch(mon: Any) -> Any:
     """distmon's forward activation hooks (``activations=True``), switched on and off by hand in
     ``benchmarks/activation_overhead.py``."""
     return mon._tracker.activations
+
+
+@contextlib.contextmanager
+def own_reduction() -> Iterator[None]:
+    """Monitors built inside leave DDP's own reduction alone on gloo too (no comm hook: distmon's
+    path on NCCL), so that a CPU run can time it."""
+    from distmon.sources import ddp
+
+    added = "gloo" not in ddp.HOOKLESS_BACKENDS
+    ddp.HOOKLESS_BACKENDS.add("gloo")
+    try:
+        yield
+    finally:
+        if added:
+            ddp.HOOKLESS_BACKENDS.discard("gloo")
