@@ -1,19 +1,24 @@
-"""DDP as a source of measurements: one comm hook around the user's, and two fused reads per backward.
+"""DDP as a source of measurements: two fused reads per backward, both where it ends.
 
-The *local* gradients (this rank's, before the reduction) are read when the comm hook sees
-DDP's last bucket: with DDP's default ``gradient_as_bucket_view=False`` every ``p.grad`` still
-holds its local gradient then (DDP reduces copies of them in its buckets), so one fused pass
-reads them all. The *reduced* gradients are read once DDP's backward has finished and written
-the user's hook's result into ``p.grad``: one more fused pass, in an autograd callback. Reduced
-gradients are identical on every rank, so global and per-layer norms need no collective. Only
-where ``p.grad`` is the bucket (``gradient_as_bucket_view=True``) or a sparse gradient that
-the reduction divides in place is a bucket read in its own hook, before the user's hook.
+The *local* gradients (this rank's, before the reduction) are read once every gradient is in
+and before DDP's final callback copies the reduced buckets back into ``p.grad``: with DDP's
+default ``gradient_as_bucket_view=False`` every ``p.grad`` still holds its local gradient then
+(DDP reduces copies of them in its buckets), so one fused pass reads them all. The *reduced*
+gradients are read once that callback has written the reduction's result into ``p.grad``: one
+more fused pass, in an autograd callback. Reduced gradients are identical on every rank, so
+global and per-layer norms need no collective.
+
+On NCCL, with DDP's own reduction, distmon registers no comm hook (:class:`DDPSource`): the
+first output of a marked forward that the backward reaches queues the reads. Elsewhere one comm
+hook wraps the user's (:func:`monitor_hook`) and does the local read when it sees the last
+bucket; only where ``p.grad`` is the bucket (``gradient_as_bucket_view=True``) or a sparse
+gradient that the reduction divides in place is a bucket read in its own hook.
 
 Why not more: on a GPU the host must stay ahead of the device queue. A read per bucket inside
-the backward and a Python continuation on each bucket's future are host work in the middle of
-the backward's kernel launches (DDP's buckets are where the backward is launch-bound); two
-fused reads at its end cost what the one-process path costs (``local.py``). The hook issues no
-collective of its own: the monitor's collective waits for the optimizer step, when DDP's
+the backward, a Python continuation on each bucket's future and a Python comm hook itself are
+host work between the backward's kernel launches, in full where the backward is launch-bound;
+two fused reads where it ends cost what the one-process path costs (``local.py``). No
+collective is issued here: the monitor's collective waits for the optimizer step, when DDP's
 reduction, and every collective the user's hook started from its callbacks, is complete.
 
 No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` annotation of a
@@ -64,6 +69,9 @@ RUN_SLACK = 1 << 16
 # under torch.profiler its default reduction must be distmon's own, waited when backward ends
 # (HookSlot.start); tests put gloo here to run the hookless path on CPU.
 HOOKLESS_BACKENDS = {"nccl"}
+# Without a comm hook: how many of a forward's outputs (those that need a gradient, in order)
+# are marked; a backward that reaches none of them is not read (and said once, at the step).
+MARKED_OUTPUTS = 16
 
 
 def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -491,9 +499,10 @@ class DDPSource:
             # the outputs of one forward share a token: the first backward through them is DDP's
             # reduced one; another through the same graph (retain_graph) is not reduced, not read
             hook = functools.partial(self._backward_begins, [False])
-            for t in _find_tensors(output):
-                if t.requires_grad:
-                    t.register_hook(hook)
+            # the first few that need a gradient (a model's cache of keys and values can be many more)
+            marked = itertools.islice((t for t in _find_tensors(output) if t.requires_grad), MARKED_OUTPUTS)
+            for t in marked:
+                t.register_hook(hook)
         except Exception:
             self.receiver.fail("DDP forward hook")
 
