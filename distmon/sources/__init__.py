@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..grouping import Grouping
 from ..layout import counts, declared_group, spec_of
 from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
-from .ddp import CommHook, DDPSource
+from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
 
 __all__ = [
@@ -102,16 +102,6 @@ def pipeline_stage(model: object) -> object | None:
     pipelining = sys.modules.get("torch.distributed.pipelining.stage")
     base = getattr(pipelining, "_PipelineStageBase", None)
     return model if base is not None and isinstance(model, base) else None
-
-
-def _ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
-    """The trainable parameters DDP reduces: the list it took when built (its module's parameters
-    less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
-    params = getattr(model, "_module_parameters", None)
-    if params is None:  # a DDP without the list: its module's, less the ignored names
-        ignored = getattr(model, "parameters_to_ignore", set())
-        params = [p for name, p in model.module.named_parameters() if name not in ignored]
-    return [p for p in params if p.requires_grad]
 
 
 class _Wrapping:
@@ -261,6 +251,7 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
+    compiled = uncompiled(model) is not model
     model = uncompiled(model)  # torch.compile(model): the module it compiles is measured
     if stage is not None:
         model = uncompiled(stage.submod)
@@ -269,7 +260,7 @@ def source_for(
     declared = dict(replicated_over or {})
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        reduced_by_ddp = {id(p) for p in _ddp_parameters(model)}
+        reduced_by_ddp = {id(p) for p in ddp_parameters(model)}
         tracked = {id(p) for p in grouping.params}
         if not reduced_by_ddp <= tracked:
             raise ValueError(
@@ -281,7 +272,12 @@ def source_for(
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
         if stage is None and not outside and _ddp_is_the_job(model, declared=bool(declared)):
             return DDPSource(
-                model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+                model,
+                receiver=receiver,
+                grouping=grouping,
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                compiled=compiled,
             )
         counted = _counted(
             grouping,
