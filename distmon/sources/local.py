@@ -53,7 +53,8 @@ class GradSums:
 
     Parameters without a gradient are left out (their layers get 0); the run set of each
     combination of parameters with a gradient is made once. ``local`` maps a gradient to the
-    tensor to read (a DTensor's local shard, say).
+    tensor to read (a DTensor's local shard, say); ``attr`` is the attribute that holds it
+    (``grad``; DeepSpeed's ``BF16_Optimizer`` accumulates in ``_hp_grad``).
 
     Example:
         >>> net = torch.nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward()
@@ -69,8 +70,10 @@ class GradSums:
         device: torch.device,
         local: Callable[[torch.Tensor], torch.Tensor] = local_part,
         seqs: Iterator[int] | None = None,
+        attr: str = "grad",
     ) -> None:
         self.params = params
+        self.attr = attr
         self.layer_of = layer_of
         self.device = device
         self.local = local
@@ -81,13 +84,13 @@ class GradSums:
 
     def read(self) -> tuple[Runs, list[torch.Tensor]] | None:
         """The runs and sums of the gradients present now, or None when no parameter has one."""
-        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        present = [i for i, p in enumerate(self.params) if getattr(p, self.attr, None) is not None]
         if not present:
             return None
         if not self._placements_checked:
             self._placements_checked = True
             _refuse_partial([self.params[i] for i in present])
-        grads = [self.local(self.params[i].grad) for i in present]
+        grads = [self.local(getattr(self.params[i], self.attr)) for i in present]
         dense = [torch.view_as_real(g) if g.is_complex() else g for g in grads if not g.is_sparse]
         dense_sums = iter(sq_sums(dense) if dense else ())
         sums = [sparse_sq_sum(g) if g.is_sparse else next(dense_sums) for g in grads]

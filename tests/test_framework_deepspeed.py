@@ -1,0 +1,333 @@
+"""DeepSpeed ZeRO 0-3, alone and under the Hugging Face Trainer and accelerate, run for real (issue #29).
+
+One torchrun job of 2 gloo ranks (``tests/jobs/deepspeed_job.py``) trains every configuration of
+its grid (ZeRO 0-3 x fp32/bf16 x accumulation 1/4; ZeRO 1-3 in bf16 with fp32 accumulation;
+ZeRO 0-2 with DeepSpeed MoE) with ``launch/examples/deepspeed_example.py``: without distmon,
+with it, and with a NaN in rank 1's loss at step 20, with the guard and without (DeepSpeed on
+its own). A second job (``tests/jobs/deepspeed_hf_job.py``) runs the Hugging Face Trainer with a
+ZeRO-2 config and accelerate with a ZeRO-3 plugin. Every figure is compared with references
+that do not come from distmon:
+
+- global and per-layer norms: float64 norms of ``deepspeed.utils.safe_get_full_grad`` (DeepSpeed
+  gathers its partitions) after each step's last backward, and DeepSpeed's own
+  ``engine.get_global_grad_norm()`` where it reports one;
+- each rank's local norms: float64 sums of every micro-batch's gradients from tensor hooks
+  (what autograd hands DeepSpeed); their mean over the ranks is the reduced gradient (fp32).
+
+``python -m pytest -s`` prints the closing table, per ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_harness import free_port, sample_value
+
+pytestmark = pytest.mark.slow  # real ranks and frameworks
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "jobs"))
+import deepspeed_job as job  # noqa: E402
+
+WORLD = 2
+TOL = 1e-6  # relative, the acceptance bound
+BF16_ACCUMULATION_TOL = 2e-2  # DeepSpeed sums micro-batches in bf16; the reference in float64
+CONFIGS = {job.name(c): c for c in job.grid()}
+MAIN = [n for n, c in CONFIGS.items() if c["main"]]
+NORM_SERIES = [
+    "distmon_grad_norm",
+    "distmon_layer_grad_norm",
+    "distmon_step_grad_norm_bucket",
+    "distmon_step_grad_norm_count",
+    "distmon_step_grad_norm_sum",
+    "distmon_grad_norm_window_max",
+    "distmon_optimizer_steps_total",
+    "distmon_nonfinite_steps_total",
+    "distmon_rank_grad_norm",
+    "distmon_rank_nonfinite_steps_total",
+]
+
+
+def _require_deepspeed() -> None:
+    missing = [m for m in ("deepspeed", "transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        msg = f"{', '.join(missing)} not installed (DS_BUILD_OPS=0 pip install -e '.[test]')"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DISTMON_", "ACCELERATE_"))
+        and k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        CUDA_VISIBLE_DEVICES="",
+        DS_ACCELERATOR="cpu",  # DeepSpeed's CPU accelerator, over gloo
+        PYTHONWARNINGS="ignore",
+    )
+    return env
+
+
+def _torchrun(script: Path, out: Path, timeout: float) -> None:
+    _require_deepspeed()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc-per-node={WORLD}"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [_numbers(json.loads(line)) for line in f]
+
+
+def _numbers(value: object) -> object:
+    """A JSONL value with its ``"nan"``/``"inf"`` strings as floats."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("deepspeed_grid")
+    _torchrun(ROOT / "tests" / "jobs" / "deepspeed_job.py", out, timeout=420)
+    ranks = [torch.load(out / f"deepspeed-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    logs = {p.stem: _rows(p) for p in out.glob("*.jsonl")}
+    return {"ranks": ranks, "logs": logs}
+
+
+@pytest.fixture(scope="module")
+def frameworks(tmp_path_factory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("deepspeed_frameworks")
+    _torchrun(ROOT / "tests" / "jobs" / "deepspeed_hf_job.py", out, timeout=300)
+    return {
+        fw: {
+            "ranks": [torch.load(out / f"{fw}-rank{r}.pt", weights_only=False) for r in range(WORLD)],
+            "rows": _rows(out / f"{fw}.jsonl"),
+        }
+        for fw in ("hf", "accelerate")
+    }
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a)
+
+
+def local_measured(cfg: dict[str, object]) -> bool:
+    """Where one reduction input holds the step's local gradient: ZeRO 0 and 1 reduce at the
+    boundary; ZeRO 2 and 3 reduce every micro-batch."""
+    return cfg["stage"] <= 1 or cfg["accumulation"] == 1
+
+
+def _job_layer_sq(ranks: list[dict], name: str, step: int, side: str) -> dict[str, float]:
+    """The job's reduced per-layer sums of squares of ``step``: a dense layer's from rank 0 (every
+    rank holds it), an expert layer's added up over the ranks (each holds its own expert)."""
+    mon = [r[name]["monitored"] for r in ranks]
+    experts = set(mon[0]["experts"])
+    return {
+        layer: sum(m["steps"][step - 1][side][layer] for m in mon) if layer in experts else value
+        for layer, value in mon[0]["steps"][step - 1][side].items()
+    }
+
+
+# configuration -> figure -> the worst relative difference (or a fact), for the closing table
+SUMMARY: dict[str, dict[str, object]] = defaultdict(dict)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_step_valid_global_and_layer_norms_equal_float64_and_deepspeed(grid, name):
+    ranks, rows = grid["ranks"], grid["logs"][f"{name}-monitored"]
+    assert [row["step"] for row in rows] == list(range(1, CONFIGS[name]["steps"] + 1))
+    worst = {"global vs float64": 0.0, "layers vs float64": 0.0, "vs DeepSpeed": 0.0}
+    reported = 0
+    for row in rows:
+        assert row["valid"] and not row["skipped"] and row["monitor_errors"] == 0, row
+        layers = _job_layer_sq(ranks, name, row["step"], "reduced")
+        norm = math.sqrt(sum(layers.values()))
+        worst["global vs float64"] = max(worst["global vs float64"], _rel(row["grad_norm"], norm))
+        assert list(row["layer_grad_norms"]) == list(layers)
+        for layer, sq in layers.items():
+            worst["layers vs float64"] = max(
+                worst["layers vs float64"], _rel(row["layer_grad_norms"][layer], math.sqrt(sq))
+            )
+        ds = ranks[0][name]["monitored"]["steps"][row["step"] - 1]["deepspeed_norm"]
+        if ds is not None and not CONFIGS[name]["moe"]:  # DeepSpeed's MoE norm: see the MoE test
+            reported += 1
+            worst["vs DeepSpeed"] = max(worst["vs DeepSpeed"], _rel(row["grad_norm"], ds))
+    assert max(worst.values()) < TOL, worst
+    SUMMARY[name].update(worst, deepspeed_reports=reported)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_rank_local_figures_equal_float64_where_one_reduction_input_holds_them(grid, name):
+    cfg, ranks, rows = CONFIGS[name], grid["ranks"], grid["logs"][f"{name}-monitored"]
+    measured = local_measured(cfg)
+    tol = BF16_ACCUMULATION_TOL if cfg["precision"] == "bf16" and cfg["accumulation"] > 1 else TOL
+    worst = {"rank": 0.0, "mean of locals vs reduced": 0.0}
+    for row in rows:
+        assert row["rank_valid"] == [measured] * WORLD, row
+        steps = [r[name]["monitored"]["steps"][row["step"] - 1] for r in ranks]
+        locals_ = [math.sqrt(sum(s["local"].values())) for s in steps]
+        # the references differ by rank (each rank's own batches): a rank's figure must be its own
+        assert abs(locals_[0] - locals_[1]) > 0.1 * locals_[0]
+        for rank, local in enumerate(locals_):
+            if measured:
+                worst["rank"] = max(worst["rank"], _rel(row["rank_grad_norms"][rank], local))
+            else:
+                assert math.isnan(row["rank_grad_norms"][rank]), row
+    assert worst["rank"] < tol, worst
+    SUMMARY[name]["local vs float64" if measured else "local (not measured)"] = worst["rank"]
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["precision"] == "fp32" and not c["moe"]])
+def test_the_local_references_average_to_the_reduced_gradient(grid, name):
+    """The method: autograd's local gradients (the references of every rank's local figures),
+    averaged over the ranks, are the gradient DeepSpeed reduced (fp32: to rounding)."""
+    ranks = [r[name]["monitored"]["steps"] for r in grid["ranks"]]
+    for steps in zip(*ranks):
+        mean = sum(s["local_vector"] for s in steps) / WORLD
+        reduced = steps[0]["reduced_vector"]
+        assert float((mean - reduced).norm() / reduced.norm()) < TOL, name
+        assert all(torch.equal(s["reduced_vector"], reduced) for s in steps)  # the same on every rank
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_training_bit_identical_to_the_script_without_distmon(grid, name):
+    steps = CONFIGS[name]["steps"]
+    for rank, result in enumerate(grid["ranks"]):
+        plain, monitored = result[name]["plain"], result[name]["monitored"]
+        assert torch.equal(monitored["params"], plain["params"]), (name, rank)
+        assert monitored["applied"] == plain["applied"] == [True] * steps, (name, rank)
+        assert monitored["lrs"] == plain["lrs"], (name, rank)
+        assert monitored["monitor_errors"] == 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_nan_on_rank_1_named_and_not_applied_with_the_guard(grid, name):
+    """The NaN is in rank 1's loss: every gradient of rank 1 is NaN, and the output layer is the
+    first layer backward reaches. It is named with its rank where the local figures are measured
+    (else by the reduced gradient alone: rank -1), and DeepSpeed takes the step without the
+    update on every rank: parameters, optimizer step count and learning rate as before it."""
+    cfg, rows = CONFIGS[name], grid["logs"][f"{name}-nan_guard"]
+    nan_step = cfg["nan_step"]
+    assert [row["step"] for row in rows] == list(range(1, nan_step + 2))
+    for row in rows:
+        bad = row["step"] == nan_step
+        assert row["valid"] and row["monitor_errors"] == 0, row
+        assert row["skipped"] == bad and row["skip_reason"] == ("guard" if bad else ""), row
+        assert row["nonfinite"] == bad and math.isfinite(row["grad_norm"]) != bad, row
+    bad = rows[nan_step - 1]
+    rank = job.NAN_RANK if local_measured(cfg) else -1
+    assert bad["first_nonfinite"] == [rank, "out"], bad
+    assert [(e["kind"], e["rank"], e["layer"]) for e in bad["events"]] == [("nonfinite", rank, "out")]
+    for r, result in enumerate(grid["ranks"]):
+        run, plain = result[name]["nan_guard"], result[name]["plain"]
+        snaps = run["snapshots"]
+        assert torch.equal(snaps[nan_step - 1], plain["snapshots"][nan_step - 1]), (name, r)
+        assert torch.equal(snaps[nan_step], snaps[nan_step - 1]), (name, r)  # not applied
+        assert torch.isfinite(run["params"]).all(), (name, r)
+        assert not torch.equal(run["params"], snaps[nan_step]), (name, r)  # the next step was
+        assert run["applied"] == [s != nan_step for s in range(1, nan_step + 2)], (name, r)
+        assert run["skipped_steps"] == 1 and run["global_steps"] == nan_step + 1, (name, r)
+        # the learning rate held back with the step: one step behind the plain run's after it
+        assert run["lrs"][: nan_step - 1] == plain["lrs"][: nan_step - 1], (name, r)
+        assert run["lrs"][nan_step - 1] == run["lrs"][nan_step - 2] < plain["lrs"][nan_step - 1], (name, r)
+        assert run["lrs"][nan_step] == plain["lrs"][nan_step - 1], (name, r)
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_deepspeed_s_own_overflow_skip_is_recorded_like_the_grad_scaler_s(grid, name):
+    """Without a guard: a step DeepSpeed skips itself (its overflow check) is recorded as skipped,
+    like a GradScaler's ("scaler"); one it applies (no check in that configuration) is recorded
+    as taken, its non-finite norm served, and the parameters are NaN: what the guard prevents."""
+    nan_step = CONFIGS[name]["nan_step"]
+    runs = [r[name]["nan_deepspeed"] for r in grid["ranks"]]
+    skipped = not runs[0]["applied"][nan_step - 1]
+    assert all(run["applied"][nan_step - 1] != skipped for run in runs)  # DeepSpeed agrees on every rank
+    bad = grid["logs"][f"{name}-nan_deepspeed"][nan_step - 1]
+    assert bad["nonfinite"] and bad["skipped"] == skipped, bad
+    assert bad["skip_reason"] == ("scaler" if skipped else ""), bad
+    for run in runs:
+        assert bool(torch.isfinite(run["params"]).all()) == skipped, name
+    SUMMARY[name]["DeepSpeed skips the NaN step itself"] = "yes" if skipped else "no"
+
+
+def test_closing_table_per_stage(grid):
+    """The closing table, per ZeRO stage, from what the tests above measured (``pytest -s``)."""
+    if not SUMMARY:
+        pytest.skip("prints what the tests above measured: run them with it")
+    lines = []
+    for stage in range(4):
+        lines.append(f"ZeRO-{stage}")
+        for name in (n for n, c in CONFIGS.items() if c["stage"] == stage):
+            figures = ", ".join(
+                f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in SUMMARY[name].items()
+            )
+            lines.append(f"  {name:22s} {figures}")
+    print("\nmax relative difference of distmon's figures, per configuration\n" + "\n".join(lines))
+
+
+# -- the Hugging Face Trainer (ZeRO-2) and accelerate (ZeRO-3) --------------------------------------
+
+
+@pytest.mark.parametrize("fw", ["hf", "accelerate"])
+def test_framework_norms_equal_float64_and_the_framework_s_own(frameworks, fw):
+    ranks, rows = frameworks[fw]["ranks"], frameworks[fw]["rows"]
+    measured, meta = ranks[0]["measured"], ranks[0]["meta"]
+    assert measured["engine"] == "DeepSpeedEngine"
+    own = [h[1] for h in measured["history"]] if fw == "hf" else measured["history"]
+    assert [row["step"] for row in rows] == list(range(1, meta["steps"] + 1))
+    assert len(own) == len(measured["reference"]) == meta["steps"]
+    worst = {"vs float64": 0.0, "vs framework": 0.0}
+    for row, ref, logged in zip(rows, measured["reference"], own):
+        assert row["valid"] and not row["skipped"], row
+        assert row["rank_valid"] == [meta["accumulation"] == 1 or meta["stage"] <= 1] * WORLD
+        assert ref > 1.5 * meta["max_grad_norm"], ref  # clipping was active: a clipped figure would fail
+        worst["vs float64"] = max(worst["vs float64"], _rel(row["grad_norm"], ref))
+        worst["vs framework"] = max(worst["vs framework"], _rel(row["grad_norm"], logged))
+    assert max(worst.values()) < TOL, worst
+    print(f"{fw}, ZeRO-{meta['stage']}, {WORLD} ranks: max relative difference {worst}")
+
+
+@pytest.mark.parametrize("fw", ["hf", "accelerate"])
+def test_framework_training_bit_identical_without_distmon(frameworks, fw):
+    for rank, result in enumerate(frameworks[fw]["ranks"]):
+        assert torch.equal(result["measured"]["params"], result["plain"]["params"]), rank
+        assert result["measured"]["history"] == result["plain"]["history"], rank
+
+
+@pytest.mark.parametrize("fw", ["hf", "accelerate"])
+def test_framework_prometheus_serves_every_gradient_series(frameworks, fw):
+    ranks = frameworks[fw]["ranks"]
+    samples = ranks[0]["measured"]["samples"]
+    assert samples and ranks[1]["measured"]["samples"] is None  # scraped on rank 0, the one serving
+    served = {n for n, _, _ in samples}
+    assert set(NORM_SERIES) <= served, set(NORM_SERIES) - served
+    norms = ranks[0]["measured"]["reference"]
+    assert _rel(sample_value(samples, "distmon_grad_norm"), norms[-1]) < TOL
+    assert sample_value(samples, "distmon_optimizer_steps_total") == len(norms)
+    assert sample_value(samples, "distmon_nonfinite_steps_total") == 0
