@@ -37,7 +37,7 @@ if os.path.isfile(os.path.join(_REPO_ROOT, "distmon", "__init__.py")) and _REPO_
 
 import distmon  # noqa: E402
 
-MAX_GRAD_NORM = 0.5
+MAX_GRAD_NORM = 0.3
 ACCUMULATION = 2
 MICRO_BATCH = 4
 

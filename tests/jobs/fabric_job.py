@@ -26,9 +26,6 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_DIR]
 
-import fabric_example  # noqa: E402
-from ddp_harness import leave  # noqa: E402
-
 import distmon  # noqa: E402
 
 STEPS = 12
@@ -75,6 +72,8 @@ class References:
 
 
 def run(strategy: str, kind: str, out: str) -> dict[str, object]:
+    import fabric_example  # Lightning: imported by the ranks, not by the test that reads STEPS here
+
     fabric, model, optimizer = fabric_example.setup(strategy)
     refs = References(model._original_module, local=strategy == "ddp") if kind == "measured" else None
     monitor = None
@@ -109,10 +108,13 @@ def run(strategy: str, kind: str, out: str) -> dict[str, object]:
         "module": type(model).__name__,
         "inner": type(model._forward_module).__name__,
         "errors": monitor._errors.count if monitor is not None else 0,
+        "max_grad_norm": fabric_example.MAX_GRAD_NORM,
     }
 
 
 def main(out: str) -> None:
+    from ddp_harness import leave
+
     for strategy in STRATEGIES:
         results = {kind: run(strategy, kind, out) for kind in ("plain", "measured", "nan")}
         torch.save(results, os.path.join(out, f"fabric-{strategy}-rank{dist.get_rank()}.pt"))
