@@ -10,17 +10,13 @@ One torchrun job of 2 gloo ranks (``tests/jobs/fabric_job.py``) trains
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ddp_harness import free_port
+from framework_jobs import jsonl_rows, needs, torchrun_job
 
 pytestmark = pytest.mark.slow  # real ranks and frameworks
 
@@ -34,38 +30,13 @@ TOL = 1e-6  # relative, the acceptance bound
 
 @pytest.fixture(scope="module")
 def fabric_run(tmp_path_factory) -> dict[str, object]:
-    if importlib.util.find_spec("lightning") is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("lightning not installed (pip install -e '.[test]')")
-        pytest.skip("lightning not installed (pip install -e '.[test]')")
+    needs("lightning")
     out = tmp_path_factory.mktemp("fabric")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DISTMON_")
-        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc-per-node={WORLD}"]
-    cmd += [
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(ROOT / "tests" / "jobs" / "fabric_job.py"),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    torchrun_job(ROOT / "tests" / "jobs" / "fabric_job.py", out, world=WORLD)
     results = {}
     for strategy in job.STRATEGIES:
         ranks = [torch.load(out / f"fabric-{strategy}-rank{r}.pt", weights_only=False) for r in range(WORLD)]
-        logs = {}
-        for kind in ("measured", "nan"):
-            with open(out / f"fabric-{strategy}-{kind}.jsonl") as f:
-                logs[kind] = [json.loads(line) for line in f]
+        logs = {kind: jsonl_rows(out / f"fabric-{strategy}-{kind}.jsonl") for kind in ("measured", "nan")}
         results[strategy] = {"ranks": ranks, "logs": logs}
     return results
 

@@ -20,8 +20,10 @@ backward, before ``engine.step()``):
 - local: a tensor hook on every parameter adds each micro-batch's gradient (what autograd hands
   DeepSpeed) into a float64 sum, per layer, reset at each step.
 
-Each rank saves ``OUT/deepspeed-rank{r}.pt`` (configuration -> run -> results); rank 0 writes each
-monitored run's JSONL to ``OUT/{name}-{run}.jsonl``.
+Then (all configurations run) :func:`refusals`: what distmon refuses at construction.
+
+Each rank saves ``OUT/deepspeed-rank{r}.pt`` (configuration -> run -> results, and ``refusals``);
+rank 0 writes each monitored run's JSONL to ``OUT/{name}-{run}.jsonl``.
 """
 
 from __future__ import annotations
@@ -223,6 +225,47 @@ def run(cfg: dict[str, object], kind: str, out: str) -> dict[str, object]:
     return result
 
 
+def refusals() -> dict[str, str]:
+    """What distmon refuses at construction, and says: case -> the error's type and message."""
+    import deepspeed_example as example
+
+    import distmon
+
+    def fp16() -> tuple:
+        cfg = example.config(2)
+        cfg["fp16"] = {"enabled": True}
+        return example.build(cfg)
+
+    def offload() -> tuple:
+        cfg = example.config(2)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # the client AdamW on the host
+        return example.build(cfg)
+
+    engine, optimizer = example.build(example.config(2))
+    other = torch.optim.AdamW(engine.module.parameters())
+    cases = {
+        "fp16": lambda: distmon.GradMonitor(*fp16(), serve="none"),
+        "offload": lambda: distmon.GradMonitor(*offload(), serve="none"),
+        "another optimizer": lambda: distmon.GradMonitor(engine, other, serve="none"),
+        "comm_hook": lambda: distmon.GradMonitor(engine, optimizer, serve="none", comm_hook=print),
+    }
+    said = {}
+    for case, build in cases.items():
+        try:
+            build().close()
+            said[case] = "built"
+        except Exception as e:
+            said[case] = f"{type(e).__name__}: {e}"
+    with distmon.GradMonitor(engine, optimizer, serve="none"):
+        try:
+            distmon.GradMonitor(engine, optimizer, serve="none").close()
+            said["a second monitor"] = "built"
+        except Exception as e:
+            said["a second monitor"] = f"{type(e).__name__}: {e}"
+    return said
+
+
 def main(out: str, names: list[str]) -> None:
     from ddp_harness import leave
 
@@ -233,6 +276,9 @@ def main(out: str, names: list[str]) -> None:
         kinds = ["plain", "monitored", "nan_guard"] + (["nan_deepspeed"] if cfg["main"] else [])
         results[name(cfg)] = {"config": cfg, **{kind: run(cfg, kind, out) for kind in kinds}}
         # after every configuration: a job that fails later still leaves what it measured
+        torch.save(results, os.path.join(out, f"deepspeed-rank{dist.get_rank()}.pt"))
+    if not names:
+        results["refusals"] = refusals()
         torch.save(results, os.path.join(out, f"deepspeed-rank{dist.get_rank()}.pt"))
     sys.stdout.flush()
     sys.stderr.flush()
