@@ -47,9 +47,10 @@ class LayerOrder:
 class BackwardSums:
     """Sums handed over by a source during one step, folded into layers when the step needs them.
 
-    Source side: :meth:`begin_backward`, :meth:`add_local`, :meth:`add_reduced` (DDP's reduced
-    side runs on gloo/NCCL callback threads; the source's reduction waits for them before
-    backward returns), :meth:`end_backward`, :meth:`fail`. Step side: :meth:`fold_local`,
+    Source side: :meth:`begin_backward`, :meth:`add_local`, :meth:`add_reduced` (in the backward's
+    hooks and final callbacks, before it returns), :meth:`end_backward`, :meth:`fail`; a
+    failure may be recorded from another thread (:class:`~distmon.errors.ErrorCounter` locks).
+    Step side: :meth:`fold_local`,
     :meth:`fold_reduced`, the flags, :meth:`new_step`.
 
     Example:

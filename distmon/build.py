@@ -25,7 +25,7 @@ from .errors import ErrorCounter
 from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
-from .hostinfo import RankInfo
+from .hostinfo import RankInfo, restart_count
 from .layout import Coordinates, coordinates
 from .lifecycle import Prepared, served_ranks, stage_layers
 from .loss_scale import LossScale
@@ -33,7 +33,7 @@ from .noise_scale import NoiseScale
 from .prometheus_exporter import GradCollector, MetricsAggregate
 from .ring import ExportBatch
 from .rows import RowPlan
-from .sinks import Sink, SinkWorker
+from .sinks import NonfiniteNotice, Sink, SinkWorker
 from .snapshot import Snapshot
 from .sources import PipelineSource, first_device, pipeline_stage, source_for, trained_module
 from .tracker import StepTracker
@@ -260,10 +260,13 @@ def build_exports(
             ranks=served,
             window_s=cfg.window_s,
             rank=me.rank,
+            restart=restart_count(),
             own_errors=errors.value,
         )
         prepared.server.attach(GradCollector(aggregate))
         inline.append(aggregate.add)
+    if me.rank == 0:  # one line for the job, from the rank that writes its log
+        inline.append(NonfiniteNotice())
     workers = [SinkWorker("on_anomaly callbacks", callbacks, errors, want=_has_events)]
     if prepared.log is not None:
         workers.append(SinkWorker("JSONL log", prepared.log, errors, close=prepared.log.close))
@@ -282,6 +285,7 @@ def build_exports(
         detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
         watched=tracker.activations.names if tracker.activations else (),
         coords=coords if any(coords) else None,
+        restart=restart_count(),
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
     return thread, aggregate

@@ -93,7 +93,7 @@ class MonitorConfig:
     serve: ServeMode = "rank0"
     port: int = DEFAULT_PORT
     addr: str = "127.0.0.1"
-    port_fallback: bool = False
+    port_fallback: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

@@ -51,8 +51,11 @@ class RowDecoder:
         detector: DetectorDecoder | None = None,
         watched: Sequence[str] = (),
         coords: Sequence[Coordinates | None] | None = None,
+        restart: int = 0,
     ) -> None:
         self.plan = plan
+        self.restart = restart  # the launcher's restart count, on every snapshot
+        self.resumed_from: int | None = None  # set by a resume, put on the next snapshot only
         self.layers = tuple(layers)
         self.run_id = run_id
         self.order = order
@@ -116,7 +119,10 @@ class RowDecoder:
             world_size=step.world,
             skipped=bool(info.skip),
             skip_reason=info.skip,
+            restart=self.restart,
+            resumed_from=self.resumed_from,
         )
+        self.resumed_from = None
         if step.noise.stop > step.noise.start:
             snap = self._noise(row[step.noise], snap)
         if self.detector is not None:

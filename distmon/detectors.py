@@ -31,11 +31,12 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .resume import load_tensors, save_tensors
 from .rows import RowPlan, Verdict
 from .snapshot import AnomalyEvent, Snapshot
 from .sums import prefix_ema, run_lengths, stable_run
@@ -285,6 +286,27 @@ class DeviceDetector:
         # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
         self._max_run = min(cfg.median_window, stable_run(cfg.ema_alpha))
 
+    _STATE = ("mean", "var", "seeded", "history", "below", "held")  # what it learned, as tensors
+
+    def state_dict(self) -> dict[str, object]:
+        """What the detector has learned, as plain lists and numbers (``distmon.resume``)."""
+        return {
+            **save_tensors(self, self._STATE),
+            "dev_var": self.dev_var.tolist(),
+            "groups": [g.tolist() for g in self._groups],
+            "updates": self.updates,
+            "rank_updates": self.rank_updates,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object], same_ranks: bool = True) -> None:
+        """Go on from ``state``; the rank-outlier scales only when the ranks are grouped alike."""
+        load_tensors(self, state, self._STATE, "detector", why={"history": "DetectorConfig.median_window"})
+        self.updates, self.rank_updates = int(state["updates"]), int(state["rank_updates"])
+        if same_ranks and state["groups"] == [g.tolist() for g in self._groups]:
+            load_tensors(self, state, ("dev_var",), "detector")
+        else:
+            self.rank_updates = 0  # another grouping: the outlier warm-up starts again with its scales
+
     def compare_within(self, groups: Sequence[Sequence[int]]) -> None:
         """Rank outliers compare only the ranks of each group: those that hold the same shards (the
         same tensor-parallel, pipeline and expert coordinates), never unlike ones. One group of
@@ -301,10 +323,6 @@ class DeviceDetector:
         # cross-rank log-norm variance of each group, EMA over steps
         self.dev_var = torch.full((len(groups),), math.nan, dtype=torch.float32, device=self._device)
         self._consistency = [_trimmed_consistency(len(g)) for g in groups]
-        small = torch.ones(self.world, dtype=torch.bool, device=self._device)
-        for g in groups:
-            small[list(g)] = len(g) < 3
-        self._small = small
 
     def update(self, rows: torch.Tensor) -> None:
         """Judge a run of consecutive valid steps' reduced figures, write their columns, advance the state.
@@ -388,7 +406,7 @@ class DeviceDetector:
                 self.update_ranks(rows[i : i + self._max_run])
             return
         score, rank, top = self._rank_outliers(rows)
-        outlier = (top > self.cfg.outlier_score) & ~self._small[rank]
+        outlier = top > self.cfg.outlier_score
         outlier[: max(0, self.cfg.warmup_steps - self.rank_updates)] = False
         self.rank_updates += len(rows)
         out = rows[:, self.step_row.detector]
@@ -401,11 +419,11 @@ class DeviceDetector:
         ok = gathered[..., self.fields.valid] == 1.0
         x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
-        score = torch.zeros_like(x)
+        score = torch.full_like(x, math.nan)  # NaN: a rank of a group of 2 or fewer has no score
         for g, ranks in enumerate(self._groups):
-            if len(ranks) >= 2:
+            if len(ranks) >= 3:  # with two, each is as far from their median as the other
                 score[:, ranks] = self._group_scores(x[:, ranks], g)
-        best_score, best = score.max(1)
+        best_score, best = score.nan_to_num(0.0).max(1)
         return score, best, best_score
 
     def _group_scores(self, x: torch.Tensor, g: int) -> torch.Tensor:
@@ -439,20 +457,20 @@ class DetectorDecoder:
     def __init__(self, cfg: DetectorConfig, layers: Sequence[str]) -> None:
         self.cfg = cfg
         self.layers = tuple(layers)
-        self._scaler_run = 0
+        self.scaler_run = 0  # consecutive steps the GradScaler skipped, up to the latest decoded
 
     def __call__(self, step: int, c: list[float], snap: Snapshot) -> Snapshot:
         cfg = self.cfg
         events: list[AnomalyEvent] = []
-        self._scaler_run = self._scaler_run + 1 if snap.skip_reason == "scaler" else 0
-        if self._scaler_run == cfg.scaler_stuck_steps:
+        self.scaler_run = self.scaler_run + 1 if snap.skip_reason == "scaler" else 0
+        if self.scaler_run == cfg.scaler_stuck_steps:
             events.append(
                 AnomalyEvent(
                     kind="scaler_stuck",
                     step=step,
                     rank=-1,
                     layer="",
-                    value=self._scaler_run,
+                    value=self.scaler_run,
                     threshold=cfg.scaler_stuck_steps,
                 )
             )

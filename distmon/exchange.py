@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,11 +142,11 @@ class RankBuffers:
         if torch._C._autograd._profiler_enabled():
             self.wait()
 
-    def wait(self) -> None:
-        """Complete the pending collective, if any (a stream wait on NCCL)."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Complete the pending collective, if any (a stream wait on NCCL); raise after ``timeout_s``."""
         work, self._work = self._work, None
         if work is not None:
-            work.wait()
+            work.wait(timedelta(seconds=timeout_s)) if timeout_s else work.wait()
 
 
 class LaggedVote:
@@ -250,6 +251,10 @@ class Exchange:
         self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()
 
+    def resume_at(self, step: int) -> None:
+        """Go on after ``step`` (a resumed run): its rows and collectives were an earlier process's."""
+        self.gathered_through = self._export_at = self.started = step
+
     # -- a step begins ----------------------------------------------------------------------
     def start(self, step: int) -> None:
         """Rank 0's vote, this rank's row kept for the export, the step's collective issued."""
@@ -290,19 +295,20 @@ class Exchange:
             self._vote_sent = vote
 
     # -- what the collective brings ---------------------------------------------------------
-    def complete(self) -> None:
+    def complete(self, timeout_s: float | None = None) -> None:
         """Wait for the collective in flight and put what it brought where it belongs.
 
         Every rank's rows into the ring rows of their steps; a partial layout's reduced sums
         into the step's row (from the all-reduce, or added up from the export's gathered
-        shard sums); rank 0's vote on its way to the host.
+        shard sums); rank 0's vote on its way to the host. ``timeout_s``: give up waiting
+        (counted as a monitor error, what it would have brought stays "not measured").
         """
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return
         buf, f = self.buffers, self.plan.rank
         try:
-            buf.wait()
+            buf.wait(timeout_s)
             vote = None
             if flight.out is None:  # the all-reduce
                 if self.partial:
@@ -341,11 +347,12 @@ class Exchange:
             self.export_interval_s and time.monotonic() - self.last_export >= self.export_interval_s
         )
 
-    def gather_rest(self, last: int, gather: bool) -> None:
+    def gather_rest(self, last: int, gather: bool, timeout_s: float | None = None) -> None:
         """Every rank's rows of the steps up to ``last`` not gathered yet, into the ring (a collective).
 
         ``gather=False`` (a rank closing on an exception, which the others may not share) stores
-        this rank's own rows only; the other ranks' stay "not measured".
+        this rank's own rows only; the other ranks' stay "not measured". ``timeout_s`` bounds
+        the wait for the others (at interpreter exit they may never come).
         """
         self.complete()  # whatever is exported, no collective of distmon's is left in flight
         if self.gathered_through >= last:
@@ -355,7 +362,7 @@ class Exchange:
             if gather and self.collective:
                 out = self.buffers.gather(self.ring.slot(first), self.ring.slot(last))
                 self._in_flight = InFlight("flush", first, last, out)
-                self.complete()
+                self.complete(timeout_s)
             else:
                 s, r = self.ring.slot(first), self.rank
                 own = self.buffers.rows[s : s + last - first + 1].unsqueeze(0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
 import secrets
 import socket
 import time
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 from .layout import Coordinates
 
-__all__ = ["RankInfo", "resolve_run_id", "local_rank_info", "exchange"]
+__all__ = ["RankInfo", "resolve_run_id", "restart_count", "local_rank_info", "exchange"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,21 @@ def resolve_run_id(explicit: str | None) -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 
+def restart_count() -> int:
+    """How many times the launcher restarted this job: torchrun's count, else Slurm's, else 0.
+
+    Example:
+        >>> import os; os.environ["TORCHELASTIC_RESTART_COUNT"] = "2"; restart_count()
+        2
+        >>> del os.environ["TORCHELASTIC_RESTART_COUNT"]
+    """
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def _gpu_uuid(device: torch.device) -> str:
     if device.type != "cuda":
         return ""
@@ -76,9 +93,36 @@ def local_rank_info(group: dist.ProcessGroup | None, device: torch.device) -> Ra
 
 
 def exchange(payload: object, group: dist.ProcessGroup | None) -> list:
-    """All ranks' ``payload`` in rank order: one collective, at construction only (none without a group)."""
+    """All ranks' ``payload`` (picklable) in rank order: at construction only (nothing without a group).
+
+    ``dist.all_gather_object`` would do, but it turns bytes back into objects through numpy,
+    which distmon does not depend on (a fresh environment has no numpy): the pickles travel
+    as bytes padded to the longest one (a MAX all-reduce of the length, then one all-gather)
+    and are read back from host memory.
+    """
     if group is None:
         return [payload]
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, payload, group=group)
-    return out
+    data = pickle.dumps(payload)
+    device = _collective_device(group)
+    longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    size = int(longest.item())
+    mine = torch.zeros(size, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * size, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(everyone, mine.to(device), group=group)
+    host = everyone.cpu()
+    # a pickle ends at its STOP opcode: the padding after it is never read
+    return [pickle.loads(ctypes.string_at(host.data_ptr() + r * size, size)) for r in range(world)]
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s backend takes tensors: the host for gloo (or a CPU+GPU group), else the accelerator."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    accelerator = torch.accelerator.current_accelerator()  # xccl, hccl, ...: their device
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

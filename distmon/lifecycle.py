@@ -12,7 +12,9 @@ releases what it prepared and raises the same error, naming the rank, the option
 
 from __future__ import annotations
 
+import atexit
 import errno
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ __all__ = [
     "served_ranks",
     "announce",
     "shut_down",
+    "ExitGuard",
 ]
 
 
@@ -118,8 +121,17 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
     try:
         if serves(cfg.serve, me.rank, me.local_rank):
             port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
-            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback, cfg.security)
+            # a restarted worker wants its predecessor's port (scrape configs name it): wait for it
+            wait = RESTART_BIND_S if hostinfo.restart_count() else 0.0
+            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback, cfg.security, wait_s=wait)
             out.endpoint = f"{target_host(cfg.addr)}:{out.server.port}"
+            if port and out.server.port != port:  # port_fallback: said before anything else is
+                logger.warning(
+                    "distmon: port %d is in use (another job on this node?): serving on port %d "
+                    "instead (port_fallback; port_fallback=False raises instead)",
+                    port,
+                    out.server.port,
+                )
         if cfg.log_path and me.rank == 0:
             out.log = _usable("log_path", cfg.log_path, JsonlLog)
         if cfg.file_sd_dir and me.rank == 0:
@@ -129,6 +141,8 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
         raise
     return out
 
+
+RESTART_BIND_S = 10.0  # how long a restarted worker waits for its predecessor's port to be free
 
 _KINDS: dict[str, type[Exception]] = {"OSError": OSError, "ValueError": ValueError, "TypeError": TypeError}
 
@@ -340,3 +354,48 @@ def shut_down(
         time.sleep(min(WITHDRAW_GRACE_S, linger_s))
     if server is not None:
         quietly("metrics server shutdown", server.close)
+
+
+EXIT_GATHER_S = 30.0  # at exit, how long a rank waits for the others' rows of the last steps
+
+
+class ExitGuard:
+    """Closes a monitor that the program never closed, when the interpreter exits; armed at start-up.
+
+    Forgetting ``close()`` (a module-level loop like nanoGPT's, which cannot be re-indented into
+    a ``with``) must not lose the steps since the last export, nor leave ``distmon_run_finished``
+    at 0 after a clean end. At exit, the monitor is closed as ``close()`` would: finished, every
+    rank's rows gathered (each rank exits through the same guard), but the gather gives up after
+    :data:`EXIT_GATHER_S` (a peer that is not exiting never answers) and is skipped when the
+    process group is already destroyed (nanoGPT calls ``destroy_process_group()``; the steps since
+    the last export then carry this rank's figures, the others' as not measured). An uncaught
+    exception ended the program: closed as on an exception (not finished, no gather). Said once
+    on stderr, so the user can add the ``close()``.
+
+    Example:
+        >>> guard = ExitGuard(lambda finished, gather, timeout_s: None, rank=0, world=1)
+        >>> guard.disarm()   # close() was called
+    """
+
+    def __init__(self, close: Callable[[bool, bool, float | None], None], *, rank: int, world: int) -> None:
+        self._close, self.rank, self.world = close, rank, world
+        atexit.register(self._at_exit)
+
+    def disarm(self) -> None:
+        atexit.unregister(self._at_exit)
+
+    def _at_exit(self) -> None:
+        died = getattr(sys, "last_value", None) is not None  # set by an uncaught exception
+        group = self.world == 1 or (dist.is_available() and dist.is_initialized())
+        logger.warning(
+            "distmon: rank %d exits without GradMonitor.close(): closing it now (%s). Call "
+            "mon.close() on every rank when training ends, or build it in a `with` block",
+            self.rank,
+            "the program died: not marked finished"
+            if died
+            else "every rank's figures gathered, marked finished"
+            if group
+            else "process group already destroyed: this rank's own figures of the last steps only",
+        )
+        self._close(not died, not died and group, EXIT_GATHER_S)
+

@@ -9,7 +9,7 @@ the shutdown ``lifecycle.py``'s.
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -27,7 +27,8 @@ from .file_sd import target_host
 from .grouping import GroupSpec
 from .guard import GradientAnomalyError, warn_uncovered
 from .hostinfo import RankInfo
-from .lifecycle import Prepared, agree, announce, prepare, shut_down
+from .lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
+from .resume import load_monitor_state, monitor_state
 from .ring import ExportBatch
 from .sinks import AnomalyCallbacks
 from .snapshot import AnomalyEvent, Snapshot
@@ -172,6 +173,7 @@ class GradMonitor:
         self._hooks = hooks
         hooks.commit()
         self._closed = False
+        self._exit = ExitGuard(self._close, rank=me.rank, world=len(peers))  # if close() is never called
         warn_uncovered(list(zip(built.grouping.param_names, built.grouping.params)), built.optimizers)
         announce(prepared, peers=peers, run_id=self.run_id, url=self.metrics_url, errors=self._errors)
 
@@ -248,6 +250,37 @@ class GradMonitor:
         """
         return self._export.latest
 
+    def state_dict(self) -> dict[str, object]:
+        """What the run carries across a restart: its step count, what the detectors and the noise
+        scale have learned (``distmon/resume.py``). Plain lists and numbers, alike on every rank.
+
+        Save it with the model and optimizer (``torch.save``; with ``torch.distributed.checkpoint``
+        the monitor is itself a ``Stateful``). Call it on every rank at the same point: it exports
+        the steps since the last export first, as :meth:`flush` does.
+
+        Example:
+            >>> torch.save({"model": model.state_dict(), "distmon": mon.state_dict()}, path)  # doctest: +SKIP
+            >>> mon = GradMonitor(model, opt); mon.load_state_dict(torch.load(path)["distmon"])  # doctest: +SKIP
+        """
+        if self._tracker.measured_steps:  # not for steps that measured nothing (dcp.load's lr-0 step)
+            self.flush()
+        judge, decoder = self._tracker.judge, self._export.decoder.detector
+        return monitor_state(step=self.step, layers=self.layers, world=self.world_size, detector=judge.detector,
+                             noise=judge.noise, scaler_run=decoder.scaler_run if decoder else 0)
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Resume from :meth:`state_dict`'s ``state``: the next step is its step + 1, judged against what
+        the run had learned. On every rank, right after building the monitor, before the first step.
+        Another model or ``groups=`` is refused (``ValueError``); another world size keeps all but the
+        rank-outlier scales."""
+        judge, decoder = self._tracker.judge, self._export.decoder
+        step, scaler_run = load_monitor_state(state, counted=self._tracker.measured_steps, layers=self.layers,
+                                              world=self.world_size, detector=judge.detector, noise=judge.noise)
+        self._tracker.resume_at(step)
+        decoder.resumed_from = step
+        if decoder.detector is not None:
+            decoder.detector.scaler_run = scaler_run
+
     def flush(self) -> Snapshot | None:
         """Export every finished step now and wait until the exporters have it (at most 10 s for a sink).
 
@@ -257,12 +290,9 @@ class GradMonitor:
         After ``close()`` it only returns :meth:`latest`.
         """
         if not self._closed:
-            self._export_now(gather=True)
+            self._tracker.export(gather=True)
+            self._export.drain(SINK_WAIT_S)
         return self.latest()
-
-    def _export_now(self, gather: bool) -> None:
-        self._tracker.export(gather)
-        self._export.drain(SINK_WAIT_S)
 
     def close(self, finished: bool = True) -> None:
         """Flush, stop measuring, mark the run finished, linger, stop serving. Idempotent.
@@ -271,26 +301,25 @@ class GradMonitor:
         stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark,
         the linger and the all-gather (the other ranks may not be closing: the steps since the
         last export are exported with this rank's figures only, the others' as not measured),
-        so the run reads as having died. Afterwards ``latest()``, ``step`` and
-        ``flush()`` report the final state, ``clip_grad_norm_`` raises, and the model keeps
-        training exactly as without distmon (a new monitor can be built on it).
+        so the run reads as having died. Afterwards ``latest()``, ``step`` and ``flush()`` report
+        the final state, ``clip_grad_norm_`` raises, and the model trains exactly as without
+        distmon. Never called: it runs at exit, said on stderr (``lifecycle.ExitGuard``).
         """
+        self._close(finished, gather=finished)
+
+    def _close(self, finished: bool, gather: bool, timeout_s: float | None = None) -> None:
         if self._closed:
             return
+        self._exit.disarm()
         try:
-            self._export_now(gather=finished)
+            self._tracker.export(gather, timeout_s)
+            self._export.drain(SINK_WAIT_S)
         finally:
             self._closed = True
             self._tracker.close()
             self._hooks.remove()
-            shut_down(
-                self._prepared,
-                export=self._export,
-                aggregate=self._aggregate,
-                cfg=self.config,
-                finished=finished,
-                errors=self._errors,
-            )
+            shut_down(self._prepared, export=self._export, aggregate=self._aggregate, cfg=self.config,
+                      finished=finished, errors=self._errors)
 
     def __enter__(self) -> GradMonitor:
         return self

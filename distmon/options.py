@@ -129,8 +129,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "port_fallback",
-        "False",
-        "take the next free port instead of failing when the port is in use",
+        "True",
+        "a taken port (two jobs on one node) does not stop the job: the next free port (else an "
+        "ephemeral one) is taken, named in a warning, in `mon.port` and in the file_sd target; "
+        "False: raise `OSError` (`errno.EADDRINUSE`) at construction instead",
         env="DISTMON_PORT_FALLBACK",
         env_type=bool,
     ),

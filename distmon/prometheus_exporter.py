@@ -43,7 +43,6 @@ class MetricSpec(NamedTuple):
 # The one description of every metric: the collector builds its families from it, and the
 # README's metric table and the deploy tests read it.
 METRICS: dict[str, MetricSpec] = {
-    "distmon_run_info": MetricSpec("gauge", ("world_size", "version", "serve"), "Run metadata; value 1."),
     "distmon_grad_norm": MetricSpec(
         "gauge", (), "L2 norm of the reduced gradient at the latest measured step."
     ),
@@ -52,6 +51,9 @@ METRICS: dict[str, MetricSpec] = {
         ("layer", "depth"),
         "L2 norm of one layer's reduced gradient at the latest measured step; depth = position in model "
         "order.",
+    ),
+    "distmon_rank_grad_norm": MetricSpec(
+        "gauge", RANK_LABELS, "A rank's local gradient norm before all-reduce, latest measured step."
     ),
     "distmon_step_grad_norm": MetricSpec(
         "histogram", (), "Every step's finite global gradient norm (spikes between scrapes)."
@@ -70,6 +72,11 @@ METRICS: dict[str, MetricSpec] = {
     "distmon_monitor_errors_total": MetricSpec(
         "counter", (), "Errors caught in distmon's own code, all ranks."
     ),
+    "distmon_restart_count": MetricSpec(
+        "gauge",
+        (),
+        "Times the launcher restarted the job (torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's SLURM_RESTART_COUNT).",
+    ),
     "distmon_run_finished": MetricSpec(
         "gauge", (), "1 after a clean finish (served a while longer), else 0."
     ),
@@ -78,7 +85,9 @@ METRICS: dict[str, MetricSpec] = {
         "gauge", (), "Spike score: z-score of the log global norm against its EMA."
     ),
     "distmon_grad_norm_median_ratio": MetricSpec(
-        "gauge", (), "Global norm over the running median of recent norms."
+        "gauge",
+        (),
+        "Global norm over the running median of the norms of earlier exports (absent until there are some).",
     ),
     "distmon_gradient_noise_scale": MetricSpec(
         "gauge",
@@ -105,15 +114,14 @@ METRICS: dict[str, MetricSpec] = {
         ("layer", "depth"),
         "A layer's ||update|| / ||weights|| at the latest export step (update_ratio=True).",
     ),
-    "distmon_rank_grad_norm": MetricSpec(
-        "gauge", RANK_LABELS, "A rank's local gradient norm before all-reduce, latest measured step."
-    ),
+
     "distmon_rank_nonfinite_steps_total": MetricSpec(
         "counter", RANK_LABELS, "Steps whose local gradient held a NaN or Inf on this rank."
     ),
     "distmon_rank_outlier_score": MetricSpec(
         "gauge", RANK_LABELS, "Robust distance of a rank's log-norm from the other ranks'."
     ),
+    "distmon_run_info": MetricSpec("gauge", ("world_size", "version", "serve"), "Run metadata; value 1."),
 }
 
 
@@ -164,6 +172,7 @@ class MetricsAggregate:
     ranks: tuple[RankInfo, ...]
     window_s: float = 60.0
     rank: int = 0
+    restart: int = 0  # the launcher's restart count
     own_errors: Callable[[], int] = lambda: 0
     view: _View = field(default_factory=_View)
 
@@ -267,78 +276,76 @@ class GradCollector(Collector):
         return [_family(name) for name in METRICS]
 
     def collect(self) -> Iterable[Metric]:
+        """The key gauges first (global, per-layer and per-rank norms: what a person reading
+        ``/metrics`` looks for), then detector scores, the noise scale, counters, the histogram."""
         agg, v = self.agg, self.agg.view
-        run = [agg.run_id]
-        gpu = bool(agg.ranks and agg.ranks[0].gpu_uuid)
+        m = v.measured
+        if agg.cluster and m is not None:
+            yield self._one("distmon_grad_norm", m.grad_norm)
+            yield self._by_layer("distmon_layer_grad_norm", m.layer_grad_norms, depth=True)
+        if agg.ranks and any(n is not None for n in v.rank_norms):
+            yield self._per_rank("distmon_rank_grad_norm", v.rank_norms.__getitem__)
         if agg.cluster:
-            yield self._one("distmon_run_info", 1.0, labels=(str(agg.world_size), agg.version, agg.serve))
-            yield self._one("distmon_run_finished", 1.0 if v.finished else 0.0)
-            yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)
-            yield self._one("distmon_nonfinite_steps_total", v.nonfinite_steps)
-            yield self._one("distmon_scaler_skipped_steps_total", v.scaler_skipped_steps)
-            yield self._one("distmon_monitor_errors_total", agg.monitor_errors())
-            anomalies = _family("distmon_anomalies_total")
-            for kind, n in v.anomalies:
-                anomalies.add_metric(run + [kind], n)
-            yield anomalies
-            yield from agg.histogram()
-            if v.latest is not None:
-                yield self._one("distmon_last_step_timestamp_seconds", v.latest.timestamp)
-            m = v.measured
-            if m is not None:
-                yield self._one("distmon_grad_norm", m.grad_norm)
-                yield self._one("distmon_grad_norm_window_max", v.window_max)
-                for name, key in (
-                    ("distmon_grad_norm_zscore", "zscore"),
-                    ("distmon_grad_norm_median_ratio", "median_ratio"),
-                ):
-                    if key in m.scores:
-                        yield self._one(name, m.scores[key])
-                layers = _family("distmon_layer_grad_norm")
-                for depth, (layer, norm) in enumerate(m.layer_grad_norms.items()):
-                    layers.add_metric(run + [layer, f"{depth:04d}"], norm)
-                yield layers
-                if m.layer_gradient_noise_scale:  # batch_size given: the noise scale is on
-                    yield self._one("distmon_gradient_noise_scale", m.gradient_noise_scale)
-                    yield self._one("distmon_gradient_noise_trace", m.noise_trace)
-                    yield self._one("distmon_gradient_noise_signal", m.noise_signal)
-                    noise = _family("distmon_layer_gradient_noise_scale")
-                    for depth, (layer, gns) in enumerate(m.layer_gradient_noise_scale.items()):
-                        noise.add_metric(run + [layer, f"{depth:04d}"], gns)
-                    yield noise
-            if v.activations is not None:
-                for name, values in (
-                    ("distmon_activation_rms", v.activations.activation_rms),
-                    ("distmon_activation_absmax", v.activations.activation_absmax),
-                ):
-                    family = _family(name)
-                    for layer, value in values.items():
-                        family.add_metric(run + [layer], value)
-                    yield family
-            if v.updates is not None:
-                family = _family("distmon_layer_update_ratio")
-                for depth, (layer, value) in enumerate(v.updates.layer_update_ratio.items()):
-                    family.add_metric(run + [layer, f"{depth:04d}"], value)
-                yield family
+            yield from self._cluster(v)
         if agg.ranks:
+            rank_nonfinite = v.rank_nonfinite or (0,) * agg.world_size
+            yield self._per_rank("distmon_rank_nonfinite_steps_total", rank_nonfinite.__getitem__)
+            scores = m.rank_outlier_scores if m is not None else []
+            if any(not math.isnan(x) for x in scores):  # NaN: in a group of fewer than 3 ranks
+                yield self._per_rank(
+                    "distmon_rank_outlier_score", lambda r: None if math.isnan(scores[r]) else scores[r]
+                )
 
-            def per_rank(name: str, value_of: Callable[[int], float | None]) -> Metric:
-                family = _family(name, gpu, coords=agg.ranks[0].coords is not None)
-                for info in agg.ranks:
-                    value = value_of(info.rank)
-                    if value is not None:  # None: never measured on that rank
-                        family.add_metric(run + list(info.labels().values()), value)
-                return family
+    def _cluster(self, v: _View) -> Iterable[Metric]:
+        """The cluster-wide families after the norms (global rank 0 only)."""
+        agg, m = self.agg, v.measured
+        if m is not None:
+            yield self._one("distmon_grad_norm_window_max", v.window_max)
+            if "zscore" in m.scores:
+                yield self._one("distmon_grad_norm_zscore", m.scores["zscore"])
+            if not math.isnan(m.scores.get("median_ratio", math.nan)):  # NaN: no earlier step yet
+                yield self._one("distmon_grad_norm_median_ratio", m.scores["median_ratio"])
+            if m.layer_gradient_noise_scale:  # batch_size given: the noise scale is on
+                yield self._one("distmon_gradient_noise_scale", m.gradient_noise_scale)
+                yield self._one("distmon_gradient_noise_trace", m.noise_trace)
+                yield self._one("distmon_gradient_noise_signal", m.noise_signal)
+                yield self._by_layer("distmon_layer_gradient_noise_scale", m.layer_gradient_noise_scale, depth=True)
+        if v.latest is not None:
+            yield self._one("distmon_last_step_timestamp_seconds", v.latest.timestamp)
+        yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)
+        yield self._one("distmon_nonfinite_steps_total", v.nonfinite_steps)
+        yield self._one("distmon_scaler_skipped_steps_total", v.scaler_skipped_steps)
+        yield self._one("distmon_monitor_errors_total", agg.monitor_errors())
+        anomalies = _family("distmon_anomalies_total")
+        for kind, n in v.anomalies:
+            anomalies.add_metric([agg.run_id, kind], n)
+        yield anomalies
+        yield from agg.histogram()
+        yield self._one("distmon_run_info", 1.0, labels=(str(agg.world_size), agg.version, agg.serve))
+        yield self._one("distmon_run_finished", 1.0 if v.finished else 0.0)
+        yield self._one("distmon_restart_count", agg.restart)
+        if v.activations is not None:
+            yield self._by_layer("distmon_activation_rms", v.activations.activation_rms)
+            yield self._by_layer("distmon_activation_absmax", v.activations.activation_absmax)
+        if v.updates is not None:
+            yield self._by_layer("distmon_layer_update_ratio", v.updates.layer_update_ratio, depth=True)
 
-            yield per_rank(
-                "distmon_rank_nonfinite_steps_total", lambda r: v.rank_nonfinite[r] if v.rank_nonfinite else 0
-            )
-            if any(n is not None for n in v.rank_norms):
-                yield per_rank("distmon_rank_grad_norm", v.rank_norms.__getitem__)
-            m = v.measured
-            if m is not None:
-                if m.rank_outlier_scores:
-                    yield per_rank("distmon_rank_outlier_score", m.rank_outlier_scores.__getitem__)
+    def _by_layer(self, name: str, values: dict[str, float], depth: bool = False) -> Metric:
+        """A family with one series per layer (``depth``: with its position in model order)."""
+        family = _family(name)
+        for i, (layer, value) in enumerate(values.items()):
+            family.add_metric([self.agg.run_id, layer] + ([f"{i:04d}"] if depth else []), value)
+        return family
+
+    def _per_rank(self, name: str, value_of: Callable[[int], float | None]) -> Metric:
+        """A family with one series per served rank (``None``: never measured there, no series)."""
+        agg = self.agg
+        family = _family(name, bool(agg.ranks[0].gpu_uuid), coords=agg.ranks[0].coords is not None)
+        for info in agg.ranks:
+            value = value_of(info.rank)
+            if value is not None:
+                family.add_metric([agg.run_id, *info.labels().values()], value)
+        return family
 
     def _one(self, name: str, value: float, labels: tuple[str, ...] = ()) -> Metric:
         family = _family(name)

@@ -16,10 +16,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from .errors import ErrorCounter
+from .errors import ErrorCounter, logger
 from .snapshot import AnomalyEvent, Snapshot
 
-__all__ = ["SinkWorker", "Sink", "SINK_CAPACITY", "AnomalyCallbacks"]
+__all__ = ["SinkWorker", "Sink", "SINK_CAPACITY", "AnomalyCallbacks", "NonfiniteNotice"]
 
 Sink = Callable[[Sequence[Snapshot]], None]
 
@@ -146,3 +146,42 @@ class AnomalyCallbacks:
                         fn(event, snap)
                     except Exception:
                         self._errors.record(f"on_anomaly callback {getattr(fn, '__qualname__', fn)}")
+
+
+class NonfiniteNotice:
+    """Says on stderr, once per run, the first step whose gradient held a NaN/Inf: its rank and layer.
+
+    The metrics and the log have every such step, but a run that is non-finite from step 1 (an
+    uninitialized buffer after ``to_empty``, say) should not need a dashboard to be noticed.
+    Later non-finite steps are only counted (``distmon_nonfinite_steps_total``): one line, not
+    one per step. A step the ``GradScaler`` skipped is routine fp16 overflow, not this.
+
+    Example:
+        >>> notice = NonfiniteNotice()
+        >>> notice([Snapshot(step=3, timestamp=0.0, grad_norm=float("nan"), nonfinite=True,
+        ...                  first_nonfinite=(1, "blocks.0.fc"))])   # doctest: +SKIP
+        distmon: step 3 is the first whose gradient holds a NaN/Inf: rank 1, layer 'blocks.0.fc' ...
+    """
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def __call__(self, snaps: Sequence[Snapshot]) -> None:
+        if self.said:
+            return
+        first = next((s for s in snaps if s.nonfinite and s.skip_reason != "scaler"), None)
+        if first is None:
+            return
+        self.said = True
+        if first.first_nonfinite is not None:
+            rank, layer = first.first_nonfinite
+            coords = ", ".join(f"{k}={v}" for k, v in (first.first_nonfinite_coords or {}).items() if v)
+            where = f"rank {rank}{f' ({coords})' if coords else ''}, layer {layer!r} (first in backward order)"
+        else:
+            where = f"ranks {first.nonfinite_ranks or 'unknown'}"
+        logger.warning(
+            "distmon: step %d is the first whose gradient holds a NaN/Inf: %s; later ones are "
+            "counted in distmon_nonfinite_steps_total and the log, not printed",
+            first.step,
+            where,
+        )

@@ -67,9 +67,11 @@ class Snapshot:
             measurement, or FSDP2 reduce-scattering on every micro-batch (no single
             reduce-scatter input holds the step's local gradient).
         run_id, world_size: the run this step belongs to.
-        scores: detector scores: "zscore" and "median_ratio" of the global norm, "layer_zmax"
-            the largest layer z-score.
-        rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'.
+        scores: detector scores: "zscore" and "median_ratio" of the global norm (NaN until an
+            earlier export gave the running median its first norms), "layer_zmax" the largest
+            layer z-score.
+        rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'
+            (those holding the same shards); NaN in a group of fewer than 3 ranks.
         gradient_noise_scale: B_simple (McCandlish et al. 2018) from the EMAs below, in the units
             of ``batch_size``; NaN without ``batch_size`` or while not yet meaningful.
         layer_gradient_noise_scale: layer -> its B_simple (with ``rank_layers=True``).
@@ -83,6 +85,11 @@ class Snapshot:
             steps with ``update_ratio=True``; empty on other steps.
         noise_trace, noise_signal: the bias-corrected EMAs of tr(Sigma) (per-example gradient
             variance) and |G|^2 (squared true gradient) whose ratio is the noise scale.
+        restart: how many times the launcher had restarted the job when this step ran (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT``; 0 on the first start).
+        resumed_from: on the first step exported after ``GradMonitor.load_state_dict``, the step
+            the run resumed after (the steps after it in the log before this line were rolled
+            back with the checkpoint); None on every other step.
         skipped: the optimizer did not take this step; ``skip_reason`` says who kept it:
             ``"guard"`` (``guard="skip"``) or ``"scaler"`` (the ``GradScaler`` found an Inf/NaN
             gradient: counted in ``distmon_scaler_skipped_steps_total``, not as non-finite).
@@ -118,6 +125,8 @@ class Snapshot:
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
     rank_valid: list[bool] = field(default_factory=list)
     first_nonfinite_coords: dict[str, str] | None = None
+    restart: int = 0
+    resumed_from: int | None = None
 
 
 def _clean(value: object) -> object:

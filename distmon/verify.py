@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from . import hostinfo
 from .layout import declared_group, spec_of
 
 __all__ = ["DirectNorm", "LayoutCheck", "agrees", "refusal"]
@@ -92,8 +93,7 @@ class DirectNorm:
         shared = 0.0
         if self.declared:  # every rank's declared gradients, each distinct one counted once
             declared = list(zip(names, map(tuple, torch.stack(stats).tolist()))) if stats else []
-            everyone: list[list[tuple[str, tuple[float, float]]]] = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(everyone, declared)
+            everyone: list[list[tuple[str, tuple[float, float]]]] = hostinfo.exchange(declared, dist.group.WORLD)
             shared = sum(sq for _, (sq, _) in {entry for told in everyone for entry in told})
         return float(part) + shared  # the one host sync (and the declared ones' copy above)
 

@@ -134,8 +134,10 @@ def _constructor_errors(rank: int, world: int) -> list[str]:
 def test_constructor_errors_are_clear():
     # a plain module is fine in a single process, not on several ranks
     not_ddp, has_hook = run_ranks(_constructor_errors, 2)[0]
-    assert "on 2 ranks needs a DistributedDataParallel or FSDP2 (fully_shard) model" in not_ddp
-    assert "got Linear" in not_ddp
+    assert "on 2 ranks got a plain Linear" in not_ddp
+    # what to do: wrap, then build the monitor; and the frameworks' flag when they did not wrap
+    assert "DistributedDataParallel(model)" in not_ddp and "build GradMonitor after wrapping" in not_ddp
+    assert "--use_cpu" in not_ddp and "use_cpu=True" in not_ddp
     assert "comm_hook=" in has_hook
 
 

@@ -15,7 +15,7 @@ with no_sync(); a meta-test proves the recorder sees distmon-attributed calls, f
 any thread, and ignores the same calls from user code.)
 Serving: a real HTTP scrape of rank 0's /metrics, parsed with prometheus_client's parser,
 against the snapshot and the references; rank 1 serves nothing; port 0, a taken port
-and port_fallback.
+and the default port_fallback (a taken port warns and serves elsewhere; strict: raises).
 Failure isolation: a failure injected into monitor code does not stop training: the loss
 sequence equals that of an unmonitored run and `distmon_monitor_errors_total` counts it.
 """
@@ -661,19 +661,31 @@ def _port_job(rank, world_size):
     out = {"busy_port": busy_port}
 
     ddp, opt = fresh()
-    try:
-        m = distmon.GradMonitor(ddp, opt, serve="rank0", port=busy_port, addr="127.0.0.1", linger_s=0)
+    try:  # strict: the taken port is an error at construction
+        m = distmon.GradMonitor(
+            ddp, opt, serve="rank0", port=busy_port, addr="127.0.0.1", linger_s=0, port_fallback=False
+        )
         out["busy_error"] = None
         out["busy_port_got"] = m.port
         m.close()
     except Exception as e:  # noqa: BLE001 - the type is what we check
         out["busy_error"] = (type(e).__name__, str(e), isinstance(e, (OSError, ValueError)))
 
-    for label, kwargs in (("fallback", {"port": busy_port, "port_fallback": True}), ("zero", {"port": 0})):
+    import logging
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    said: list[str] = []
+    logging.getLogger("distmon").addHandler(Said())
+    for label, kwargs in (("fallback", {"port": busy_port}), ("zero", {"port": 0})):  # the default falls back
+        said.clear()
         ddp, opt = fresh()
         m = distmon.GradMonitor(
             ddp, opt, serve="rank0", addr="127.0.0.1", linger_s=0, export_every=1, **kwargs
         )
+        out.setdefault("said", {})[label] = list(said)
         for step in range(1, 3):
             x, y = make_batch(rank, step)
             opt.zero_grad()
@@ -696,7 +708,7 @@ def port_run():
     return run_ranks(_port_job, 1, timeout=90)[0]
 
 
-def test_port_in_use_raises_a_clear_error(port_run):
+def test_port_in_use_raises_a_clear_error_when_strict(port_run):
     err = port_run["busy_error"]
     assert err is not None, f"no error for a taken port; monitor bound {port_run.get('busy_port_got')}"
     name, msg, ok_type = err
@@ -708,8 +720,11 @@ def test_port_in_use_raises_a_clear_error(port_run):
 def test_port_fallback_and_port_zero_serve(port_run, label):
     res = port_run[label]
     assert isinstance(res["port"], int) and res["port"] > 0, res
-    if label == "fallback":
+    if label == "fallback":  # the job goes on, and the warning names both ports
         assert res["port"] != port_run["busy_port"], res
+        busy, took = str(port_run["busy_port"]), str(res["port"])
+        said = [m for m in port_run["said"]["fallback"] if busy in m and took in m and "in use" in m]
+        assert said, port_run["said"]["fallback"]
     assert res["scrape"] and res["scrape"][0] == 200, res["scrape"]
     m = parse_metrics(res["scrape"][2])
     assert value(m, "distmon_optimizer_steps_total") == 2

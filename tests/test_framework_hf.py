@@ -48,13 +48,11 @@ NORM_SERIES = [
     "distmon_step_grad_norm_sum",
     "distmon_grad_norm_window_max",
     "distmon_grad_norm_zscore",
-    "distmon_grad_norm_median_ratio",
     "distmon_optimizer_steps_total",
     "distmon_nonfinite_steps_total",
     "distmon_rank_grad_norm",
     "distmon_rank_nonfinite_steps_total",
-    "distmon_rank_outlier_score",
-]
+]  # not distmon_rank_outlier_score: with 2 ranks there is no outlier to tell apart (test_first_hour)
 NOISE_SERIES = [  # served with batch_size=, on 2+ ranks
     "distmon_gradient_noise_scale",
     "distmon_layer_gradient_noise_scale",
@@ -245,6 +243,9 @@ def test_prometheus_serves_every_gradient_series(distributed, fw):
     assert samples and ranks[1]["samples"] is None  # scraped on rank 0, the one serving
     served = {name for name, _, _ in samples}
     assert set(NORM_SERIES + NOISE_SERIES) <= served, set(NORM_SERIES + NOISE_SERIES) - served
+    # 10 steps, one export: the running median has no earlier norm yet, so no ratio is served
+    assert "distmon_grad_norm_median_ratio" not in served
+    assert "distmon_rank_outlier_score" not in served  # 2 ranks: no outlier to tell apart (README)
     norms = [float(s["reduced"].norm()) for s in ranks[0]["steps"]]
     last = ranks[0]["steps"][-1]
     assert _rel(sample_value(samples, "distmon_grad_norm"), norms[-1]) < TOL
@@ -300,3 +301,30 @@ def test_single_process_serves_the_pre_clip_norm(single, fw):
         assert torch.equal(ranks[0][config]["params"], ranks[0]["plain"]["params"]), config
         assert _history(fw, ranks[0][config]) == _history(fw, ranks[0]["plain"]), config
     print(f"{fw}, one process: max relative difference {worst}")
+
+
+NOT_DISTRIBUTED = """
+import sys
+sys.path.insert(0, {examples!r})
+import hf_trainer_example as example
+
+made = example.TrainingArguments
+example.TrainingArguments = lambda **kw: made(**{{**kw, "use_cpu": False}})  # the flag forgotten
+example.main(["--port", "0", "--steps", "2", "--output-dir", {out!r}])
+"""
+
+
+@pytest.mark.slow
+def test_trainer_on_cpu_ranks_without_use_cpu_is_told_the_flag(tmp_path):
+    """torchrun on a machine without a GPU, the Trainer not told ``use_cpu``: transformers sets up no
+    DDP and each process trains alone; the error names what happened and the flag (#33)."""
+    _require_frameworks()
+    script = tmp_path / "not_distributed.py"
+    script.write_text(NOT_DISTRIBUTED.format(examples=str(ROOT / "launch" / "examples"), out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node=2"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    said = [line for line in proc.stderr.splitlines() if "distmon: torchrun started 2 processes" in line]
+    assert said, proc.stderr[-4000:]
+    assert "not training distributed" in said[0] and "--use_cpu" in said[0] and "use_cpu=True" in said[0]

@@ -457,6 +457,19 @@ def test_bind_errors_say_what_they_are():
             assert fallback.port > server.port
         finally:
             fallback.close()
+        # every port it would try next is taken too: an ephemeral one, never a failed job
+        with contextlib.ExitStack() as taken:
+            for p in (server.port + 1, server.port + 2):
+                s = taken.enter_context(socket.socket())
+                with contextlib.suppress(OSError):
+                    s.bind(("127.0.0.1", p))
+                    s.listen(1)
+            last_resort = MetricServer.bind("127.0.0.1", server.port, True, tries=3)
+            try:
+                assert last_resort.port not in (server.port, server.port + 1, server.port + 2), last_resort.port
+                assert last_resort.port > 0
+            finally:
+                last_resort.close()
     with pytest.raises(socket.gaierror) as e:
         MetricServer.bind("not-an-ip", 9290, False)
     msg = str(e.value)
@@ -477,3 +490,22 @@ def test_close_frees_the_port():
     finally:
         again.close()
     assert settled_threads(0) == []
+
+
+def test_a_restarted_worker_waits_for_its_predecessor_s_port():
+    """``wait_s``: a taken port is tried again until it is free (the old process on its way out),
+    and only then does the fallback move on; without it the next port is taken at once."""
+    with serving() as old:
+        port = old.port
+        threading.Timer(0.6, old.close).start()  # the predecessor lets go a moment later
+        again = MetricServer.bind("127.0.0.1", port, True, wait_s=5.0)
+        try:
+            assert again.port == port
+        finally:
+            again.close()
+    with serving() as taken:
+        elsewhere = MetricServer.bind("127.0.0.1", taken.port, True, wait_s=0.3)
+        try:
+            assert elsewhere.port != taken.port  # still taken after the wait: the fallback
+        finally:
+            elsewhere.close()

@@ -265,3 +265,29 @@ def test_update_ratio_gauges_keep_the_last_export_step_s_figures():
     agg.add([replace(snap(3, 0.5), layer_update_ratio={"a": 1e-3, "b.c": 2e-3}), snap(4, 0.5)])
     assert value(reg, "distmon_layer_update_ratio", layer="a", depth="0000") == 1e-3
     assert value(reg, "distmon_layer_update_ratio", layer="b.c", depth="0001") == 2e-3
+
+
+def test_the_key_gauges_come_first_in_the_exposition():
+    """A person reading ``curl /metrics`` sees the norms before 40 lines of counters and buckets."""
+    from prometheus_client import generate_latest
+
+    agg, reg = registry()
+    agg.add([snap(1, 0.5), snap(2, 4.0)])
+    names = [line.split("{")[0] for line in generate_latest(reg).decode().splitlines() if not line.startswith("#")]
+    first = list(dict.fromkeys(names))[:3]
+    assert first == ["distmon_grad_norm", "distmon_layer_grad_norm", "distmon_rank_grad_norm"], names[:12]
+    assert list(METRICS)[:3] == first  # the README's table, rendered from METRICS, in the same order
+
+
+def test_scores_that_mean_nothing_yet_are_not_served():
+    """The median ratio before any earlier export gave a median; outlier scores in groups of < 3 ranks."""
+    agg, reg = registry()
+    first = snap(1, 0.5)
+    agg.add([Snapshot(**{**first.__dict__, "scores": {"zscore": 0.0, "median_ratio": math.nan},
+                         "rank_outlier_scores": [math.nan, math.nan]})])
+    assert value(reg, "distmon_grad_norm") == 0.5
+    assert value(reg, "distmon_grad_norm_median_ratio") is None
+    assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0") is None
+    agg.add([snap(2, 4.0)])  # a median, and a group of 3+ ranks
+    assert value(reg, "distmon_grad_norm_median_ratio") == 1.1
+    assert value(reg, "distmon_rank_outlier_score", rank="1", local_rank="1", hostname="h0") == 0.3

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..grouping import Grouping
 from ..layout import counts, declared_group, spec_of
 from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
-from .ddp import CommHook, DDPSource
+from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
 
 __all__ = [
@@ -84,13 +84,20 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         >>> net = torch.nn.Linear(2, 2); unwrapped(torch.compile(net)) is net
         True
     """
+    return _peeled(model)[0]
+
+
+def _peeled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """:func:`unwrapped`'s model, and whether a ``torch.compile`` wrapper was among those peeled."""
+    compiled = False
     for _ in range(8):  # wrappers of wrappers, but never a cycle
-        model = uncompiled(model)
-        inner = getattr(model, "_forward_module", None)
-        if type(model).__name__ != "_FabricModule" or not isinstance(inner, torch.nn.Module):
-            break
-        model = inner
-    return model
+        inner = uncompiled(model)
+        compiled |= inner is not model
+        forward = getattr(inner, "_forward_module", None)
+        if type(inner).__name__ != "_FabricModule" or not isinstance(forward, torch.nn.Module):
+            return inner, compiled
+        model = forward
+    return model, compiled
 
 
 def trained_module(model: torch.nn.Module) -> torch.nn.Module:
@@ -143,16 +150,6 @@ def pipeline_stage(model: object) -> object | None:
     pipelining = sys.modules.get("torch.distributed.pipelining.stage")
     base = getattr(pipelining, "_PipelineStageBase", None)
     return model if base is not None and isinstance(model, base) else None
-
-
-def _ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
-    """The trainable parameters DDP reduces: the list it took when built (its module's parameters
-    less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
-    params = getattr(model, "_module_parameters", None)
-    if params is None:  # a DDP without the list: its module's, less the ignored names
-        ignored = getattr(model, "parameters_to_ignore", set())
-        params = [p for name, p in model.module.named_parameters() if name not in ignored]
-    return [p for p in params if p.requires_grad]
 
 
 class _Wrapping:
@@ -303,7 +300,7 @@ def source_for(
         'LocalSource'
     """
     fabric = type(model).__name__ == "_FabricModule"
-    model = unwrapped(model)  # torch.compile(model), Fabric: the module they wrap is measured
+    model, compiled = _peeled(model)  # torch.compile(model), Fabric: the module they wrap is measured
     if stage is not None:
         model = uncompiled(stage.submod)
     if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
@@ -322,7 +319,7 @@ def source_for(
     declared = dict(replicated_over or {})
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        reduced_by_ddp = {id(p) for p in _ddp_parameters(model)}
+        reduced_by_ddp = {id(p) for p in ddp_parameters(model)}
         tracked = {id(p) for p in grouping.params}
         if not reduced_by_ddp <= tracked:
             raise ValueError(
@@ -334,7 +331,12 @@ def source_for(
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
         if stage is None and not outside and _ddp_is_the_job(model, declared=bool(declared)):
             return DDPSource(
-                model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+                model,
+                receiver=receiver,
+                grouping=grouping,
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                compiled=compiled,
             )
         counted = _counted(
             grouping,
@@ -376,9 +378,13 @@ def source_for(
     alone = stage is not None and getattr(stage, "group_size", 0) == world  # one rank per stage
     if stage is None and not declared and not any(map(spec_of, grouping.params)):
         raise TypeError(
-            f"distmon: GradMonitor on {world} ranks needs a DistributedDataParallel or FSDP2 "
-            f"(fully_shard) model, tensor-parallel DTensor parameters, or a pipeline stage; got "
-            f"{type(model).__name__} (a plain module is measured alone only in a single process)"
+            f"distmon: GradMonitor on {world} ranks got a plain {type(model).__name__}: nothing reduces "
+            "its gradients over the ranks, so each rank would train, and be measured, alone. Wrap the "
+            "model first (DistributedDataParallel(model), or fully_shard(model)) and build GradMonitor "
+            "after wrapping, with the wrapped model. If a framework wraps it for you, it was not told to "
+            "train distributed: on a machine without a GPU the Hugging Face Trainer and accelerate need "
+            "--use_cpu (TrainingArguments(use_cpu=True)), Lightning strategy='ddp'. Tensor-parallel "
+            "DTensor parameters and pipeline stages are measured as they are (README: Parallel layouts)"
         )
     counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=alone)
     return LocalSource(model, receiver=receiver, grouping=grouping, counted=counted)
