@@ -298,8 +298,7 @@ class DeepSpeedSource:
         self.group = dist.group.WORLD  # every rank of the job is a data-parallel rank (mpu refused)
         self.world_size = dist.get_world_size()
         self.dp_rank, self.meshes = dist.get_rank(), ()
-        opt, stage = engine.optimizer, engine.zero_optimization_stage()
-        self.stage = stage
+        opt = engine.optimizer
         params, layer_of = list(grouping.params), list(grouping.param_layer)
         experts = any(map(_is_expert, params))
         seqs = itertools.count()  # the run sets of one fold (local and reduced alike): distinct seqs
