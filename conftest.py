@@ -3,11 +3,13 @@
 ``--doctest-modules`` imports every module under the test paths. The framework examples
 (``launch/examples``) and the jobs they run in (``tests/jobs``) import their framework at the
 top (Lightning: 5-7 s here), which every run, the fast tier included, would pay for nothing.
+``distmon/sources/deepspeed.py`` imports DeepSpeed (~4 s, an optional dependency; its examples
+need an engine and are skipped): tests/test_framework_deepspeed.py runs it for real.
 """
 
 import pytest
 
-collect_ignore = ["launch/examples", "tests/jobs"]
+collect_ignore = ["launch/examples", "tests/jobs", "distmon/sources/deepspeed.py"]
 
 
 @pytest.fixture

@@ -66,7 +66,8 @@ class GradSums:
     and cached, so an ordinary read is the list of gradients and one fused call: nothing per
     parameter but fetching its ``.grad``. A read that raises drops its plan (the next read
     plans afresh, looking at every gradient again). ``local`` maps a gradient to the tensor to
-    read (a DTensor's local shard, say; None: the gradient itself).
+    read (a DTensor's local shard, say; None: the gradient itself); ``attr`` is the attribute
+    that holds it (``grad``; DeepSpeed's ``BF16_Optimizer`` accumulates in ``_hp_grad``).
 
     Example:
         >>> net = torch.nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward()
@@ -82,8 +83,10 @@ class GradSums:
         device: torch.device,
         local: Callable[[torch.Tensor], torch.Tensor] | None = local_part,
         seqs: Iterator[int] | None = None,
+        attr: str = "grad",
     ) -> None:
         self.params = params
+        self.attr = attr
         self.layer_of = layer_of
         self.device = device
         self.local = local
@@ -95,7 +98,11 @@ class GradSums:
 
     def read(self) -> tuple[Runs, list[torch.Tensor]] | None:
         """The runs and sums of the gradients present now, or None when no parameter has one."""
-        grads = [p.grad for p in self.params]
+        attr = self.attr  # .grad read as such: the common case stays one attribute fetch per parameter
+        if attr == "grad":
+            grads = [p.grad for p in self.params]
+        else:
+            grads = [getattr(p, attr, None) for p in self.params]
         present = [g for g in grads if g is not None]
         if not present:
             return None
