@@ -58,7 +58,7 @@ from .exchange import Exchange
 from .judge import Judge
 from .noise_scale import NoiseScale
 from .ring import DeviceRing, ExportBatch, StepInfo
-from .rows import Head, RowPlan
+from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .snapshot import SkipReason
 from .sources.base import Source
 from .update_ratio import UpdateRatio
@@ -260,7 +260,7 @@ class StepTracker:
         buf.pack(
             sums.order.device,
             errors=self.errors.count,
-            valid=sums.local_ok and sums.measured,
+            valid=(1.0 if sums.local_exact else LOCAL_NONFINITE_ONLY) if sums.local_ok and sums.measured else 0.0,
             reduced_ok=sums.reduced_ok and sums.measured,
             batch=float(self.batch_size()) if self.batch_size is not None else 0.0,
         )

@@ -166,8 +166,8 @@ def test_training_bit_identical_to_the_script_without_distmon(grid, name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_nan_on_rank_1_named_and_not_applied_with_the_guard(grid, name):
     """The NaN is in rank 1's loss: every gradient of rank 1 is NaN, and the output layer is the
-    first layer backward reaches. It is named with its rank where the local figures are measured
-    (else by the reduced gradient alone: rank -1), and DeepSpeed takes the step without the
+    first layer backward reaches. It is named with its rank (with gradient accumulation at stages
+    2/3 from the sums of every micro-batch, which are no norm), and DeepSpeed takes the step without the
     update on every rank: parameters, optimizer step count and learning rate as before it."""
     cfg, rows = CONFIGS[name], grid["logs"][f"{name}-nan_guard"]
     nan_step = cfg["nan_step"]
@@ -178,8 +178,9 @@ def test_nan_on_rank_1_named_and_not_applied_with_the_guard(grid, name):
         assert row["skipped"] == bad and row["skip_reason"] == ("guard" if bad else ""), row
         assert row["nonfinite"] == bad and math.isfinite(row["grad_norm"]) != bad, row
     bad = rows[nan_step - 1]
-    rank = job.NAN_RANK if local_measured(cfg) else -1
+    rank = job.NAN_RANK
     assert bad["first_nonfinite"] == [rank, "out"], bad
+    assert bad["rank_valid"] == [local_measured(cfg)] * 2, bad  # the norm itself: only where measured
     assert [(e["kind"], e["rank"], e["layer"]) for e in bad["events"]] == [("nonfinite", rank, "out")]
     for r, result in enumerate(grid["ranks"]):
         run, plain = result[name]["nan_guard"], result[name]["plain"]

@@ -180,8 +180,9 @@ class _Partitions:
 
 class _InBackward:
     """Local gradients read as backward produces them (a tensor hook on each parameter), before
-    DeepSpeed copies them into its reduction buckets: the step's local gradient when the step's
-    one backward is its boundary; not measured otherwise (gradient accumulation at stages 2/3)."""
+    DeepSpeed copies them into its reduction buckets: the step's local gradient when the step has
+    one backward; with gradient accumulation at stages 2/3 (a reduction every micro-batch) each
+    micro-batch's, whose sums are no norm but say whether this rank's gradient went non-finite."""
 
     def __init__(
         self,
@@ -202,7 +203,7 @@ class _InBackward:
         self._in_backward = False
         self._measuring = False
         self.backwards = 0  # backwards since the last step
-        self.read: tuple[Runs, list[torch.Tensor]] | None = None  # the step's local sums, if measured
+        self.reads: list[tuple[Runs, list[torch.Tensor]]] = []  # each backward's local sums, this step
 
     def install(self) -> None:
         self._handles = [
@@ -215,7 +216,7 @@ class _InBackward:
         self._handles.clear()
 
     def new_step(self) -> None:
-        self.backwards, self.read = 0, None
+        self.backwards, self.reads = 0, []
 
     def _seen(self, slot: int, grad: torch.Tensor) -> None:
         if not self.receiver.active:
@@ -224,8 +225,7 @@ class _InBackward:
             if not self._in_backward:
                 self._in_backward = True
                 self._slots, self._sums = [], []
-                # only the first backward of a step, at its boundary, can hold the step's local gradient
-                self._measuring = self.backwards == 0 and self.engine.is_gradient_accumulation_boundary()
+                self._measuring = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             if self._measuring:
                 self._slots.append(slot)
@@ -237,14 +237,14 @@ class _InBackward:
     def _backward_done(self) -> None:
         self._in_backward = False
         self.backwards += 1
-        if not self._measuring:
-            self.read = None
+        if not self._measuring:  # a failure in this backward: the step has no local figures
+            self.reads.clear()
             return
         key = tuple(self._slots)
         runs = self._runs.get(key)
         if runs is None:
             runs = self._runs[key] = _runs([self._layer_of[s] for s in key], self.device, self._seqs)
-        self.read = (runs, self._sums)
+        self.reads.append((runs, self._sums))
 
 
 class EngineStep(torch.optim.Optimizer):
@@ -424,9 +424,11 @@ class DeepSpeedSource:
         and read this rank's part of the reduced gradient."""
         receiver = self.receiver
         local, self._local = self._local, None
+        locals_ = [local] if local is not None else []
         if self._in_backward is not None:
             mine = self._in_backward
-            local = mine.read if mine.backwards == 1 else None
+            failed = len(mine.reads) < mine.backwards  # a backward whose reading failed: none exact
+            locals_ = [] if failed else mine.reads
             mine.new_step()
         if not receiver.active:
             return
@@ -435,16 +437,19 @@ class DeepSpeedSource:
         except Exception:
             receiver.fail("DeepSpeed reduced gradients")
             return
-        if reduced is None and local is None:
+        if reduced is None and not locals_:
             return  # no gradient at all: nothing measured, the step is invalid
         receiver.begin_backward()
-        if local is not None and local[0].layer_ids:
-            receiver.add_local(*local)
+        for runs, sums in locals_:
+            if runs.layer_ids:
+                receiver.add_local(runs, sums)
         if reduced is not None and reduced[0].layer_ids:  # else this rank counts no part: adds nothing
             receiver.add_reduced(*reduced)
         receiver.end_backward(scaled=False)  # DeepSpeed's bf16/fp32 gradients carry no loss scale
-        if local is None:
+        if not locals_:
             receiver.local_unmeasured()
+        elif len(locals_) > 1:  # several micro-batches, each reduced: their sums name a NaN's rank
+            receiver.local_summed()
 
     def read_pending(self) -> None:
         """Nothing: every figure is read when the step begins."""
