@@ -235,6 +235,8 @@ def build_rank(
     )
     if stage is not None:  # the schedule scales the stage's gradients: followed
         source = PipelineSource(source, stage, sums)
+    if hasattr(source, "steps"):  # a DeepSpeed engine steps its optimizer itself: hooked there
+        optimizers = source.steps(optimizers)
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
     plan = RowPlan.build(

@@ -84,7 +84,8 @@ class RowDecoder:
             rank_norms.append(_sqrt(total) if ok else math.nan)
             if f.n_layer_cols:
                 rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[f.layers]])
-            first_bad = f.first_nonfinite_layer(vals, order) if ok else -1
+            # a rank whose norm is not measured may still say where its gradient went non-finite
+            first_bad = f.first_nonfinite_layer(vals, order) if vals[f.valid] > 0.0 else -1
             if first_bad >= 0:
                 bad.append((r, first_bad))
         grad_norm = _sqrt(row[Head.TOTAL_SQ]) if measured else math.nan

@@ -25,9 +25,9 @@ From a DDP bucket's gradient to its Prometheus gauges (no guard; a "go to defini
 ====  ============================================================================  =====================
 hop   function                                                                      thread
 ====  ============================================================================  =====================
-1     ``sources.ddp.monitor_hook`` -> ``DDPSource.measure_local``                    backward (autograd)
-2     ``BucketLayouts.layout`` -> ``BucketLayout.measure`` -> ``sums.sq_sums``       backward
-3     ``BackwardSums.add_local``; the reduction's future: ``.add_reduced``          backward; gloo's
+1     ``DDPSource._backward_begins`` (NCCL) / ``monitor_hook`` -> ``.on_bucket``     backward (autograd)
+2     ``DDPSource._read_local`` -> ``GradSums.read`` -> ``sums.sq_sums``             final callback
+3     ``BackwardSums.add_local``; after DDP's finalize: ``.add_reduced``            final callbacks
 4     ``StepHooks._pre_hook`` -> ``StepTracker.before_step`` -> ``_pack``            training (pre-hook)
 5     ``Exchange.start``: this rank's row kept; an export step's all-gather          training
 6     ``StepHooks._post_hook`` -> ``StepTracker.after_step`` -> ``row``              training (post-hook)
@@ -58,7 +58,7 @@ from .exchange import Exchange
 from .judge import Judge
 from .noise_scale import NoiseScale
 from .ring import DeviceRing, ExportBatch, StepInfo
-from .rows import Head, RowPlan
+from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .snapshot import SkipReason
 from .sources.base import Source
 from .update_ratio import UpdateRatio
@@ -260,7 +260,7 @@ class StepTracker:
         buf.pack(
             sums.order.device,
             errors=self.errors.count,
-            valid=sums.local_ok and sums.measured,
+            valid=(1.0 if sums.local_exact else LOCAL_NONFINITE_ONLY) if sums.local_ok and sums.measured else 0.0,
             reduced_ok=sums.reduced_ok and sums.measured,
             batch=float(self.batch_size()) if self.batch_size is not None else 0.0,
         )

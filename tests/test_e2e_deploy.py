@@ -95,8 +95,8 @@ HANG_STEP = 41  # e2e-stalled: steps 1-40 run (step 40 is exported), then the lo
 KILL_AFTER_STEPS = 40  # e2e-killed: Prometheus has scraped this many steps when it is killed
 NODES_STEPS = 120  # e2e-nodes: ~30 s
 # e2e-restarted (torchrun --max-restarts 1, its run id torchrun's --rdzv-id): rank 1 fails at step
-# CRASH_STEP on the first attempt; every worker restarts and resumes from the checkpoint of step
-# CKPT_EVERY * (CRASH_STEP // CKPT_EVERY); RESTART_STEPS in all (~40 s of steps)
+# CRASH_STEP on the first attempt, before training it; every worker restarts and resumes from the
+# last checkpoint, of step CKPT_EVERY * ((CRASH_STEP - 1) // CKPT_EVERY); RESTART_STEPS in all (~40 s of steps)
 RESTARTED, RESTART_STEPS, CRASH_STEP, CKPT_EVERY = "e2e-restarted", 160, 60, 20
 LINGER_EXPLODE, LINGER_NODES = 5, 8  # >= 2 scrape intervals
 
@@ -957,7 +957,7 @@ def test_a_restarted_job_comes_back_on_its_port_and_pages_only_the_restart(stack
     assert {row["run_id"] for row in log} == {RESTARTED}  # torchrun's id, unchanged by the restart
     assert {row["restart"] for row in log} == {0, 1}
     resumed = [row for row in log if row["resumed_from"] is not None]
-    checkpoint = CKPT_EVERY * (CRASH_STEP // CKPT_EVERY)
+    checkpoint = CKPT_EVERY * ((CRASH_STEP - 1) // CKPT_EVERY)  # step CRASH_STEP never trained
     assert [row["step"] for row in resumed] == [checkpoint + 1] and resumed[0]["resumed_from"] == checkpoint
     read = read_log(str(stack.workdir / "restarted.jsonl"))
     assert read.run_count == 1 and list(read.run.steps) == list(range(1, RESTART_STEPS + 1)), read.runs

@@ -4,10 +4,12 @@ A source (:class:`~distmon.sources.base.Source`) is built with the
 :class:`~distmon.sources.base.Receiver` its hooks hand their sums to, and refuses in its
 constructor what it cannot measure; nothing is installed until :meth:`install`. DDP is
 measured in its comm hook (``ddp.py``), FSDP2 around its reduce-scatters and in its sharded
-gradients (``fsdp.py``), a single process's module when the optimizer steps (``local.py``).
+gradients (``fsdp.py``), a DeepSpeed engine where DeepSpeed holds each gradient
+(``deepspeed.py``), a single process's module when the optimizer steps (``local.py``).
+Lightning Fabric's module wrapper is seen through: its ``_forward_module`` is the model.
 
-``fsdp.py`` imports FSDP2 and DTensor (about 2 s): it is imported only for a model that is an
-FSDP2 model, which means the job imported FSDP2 itself already.
+``fsdp.py`` imports FSDP2 and DTensor (about 2 s), ``deepspeed.py`` DeepSpeed (about 4 s): each
+is imported only for a model of its kind, which means the job imported that library already.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..grouping import Grouping
 from ..layout import copy_reason, declared_group, spec_of
 from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
-from .ddp import CommHook, DDPSource
+from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "enclosing",
     "trained_module",
     "is_fsdp",
+    "is_deepspeed",
     "first_device",
     "uncompiled",
     "pipeline_stage",
@@ -57,17 +60,62 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
 
 
+# Why a DeepSpeed engine that Lightning drives is refused (Lightning runs DeepSpeed on CUDA GPUs only)
+LIGHTNING_DEEPSPEED = (
+    "Lightning's DeepSpeed strategy (Trainer(strategy='deepspeed...'), Fabric(strategy='deepspeed')) "
+    "runs only on CUDA GPUs (Lightning refuses the CPU), where distmon's DeepSpeed support has not been "
+    "verified under Lightning yet. distmon measures DeepSpeed exactly on its own (GradMonitor(engine, "
+    "optimizer) after deepspeed.initialize), under the Hugging Face Trainer and under accelerate; "
+    "Lightning's DDP and FSDP strategies are measured as usual"
+)
+
+
+def is_deepspeed(model: object) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (``deepspeed.initialize``'s; never imports DeepSpeed).
+
+    Example:
+        >>> is_deepspeed(torch.nn.Linear(2, 2))
+        False
+    """
+    engine = sys.modules.get("deepspeed.runtime.engine")  # not imported: no model can be an engine
+    return engine is not None and isinstance(model, engine.DeepSpeedEngine)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under ``torch.compile``'s wrapper and Lightning Fabric's (``fabric.setup``'s
+    ``_FabricModule``, whose ``_forward_module`` is the DDP or FSDP model); never imports Lightning.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2); unwrapped(torch.compile(net)) is net
+        True
+    """
+    return _peeled(model)[0]
+
+
+def _peeled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """:func:`unwrapped`'s model, and whether a ``torch.compile`` wrapper was among those peeled."""
+    compiled = False
+    for _ in range(8):  # wrappers of wrappers, but never a cycle
+        inner = uncompiled(model)
+        compiled |= inner is not model
+        forward = getattr(inner, "_forward_module", None)
+        if type(inner).__name__ != "_FabricModule" or not isinstance(forward, torch.nn.Module):
+            return inner, compiled
+        model = forward
+    return model, compiled
+
+
 def trained_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose parameters the optimizer steps: DDP's ``.module``, else the model itself
-    (under ``torch.compile``'s wrapper).
+    """The module whose parameters the optimizer steps: DDP's or a DeepSpeed engine's ``.module``,
+    else the model itself (under ``torch.compile``'s and Lightning Fabric's wrappers).
 
     Example:
         >>> net = torch.nn.Linear(2, 2); trained_module(torch.compile(net)) is net
         True
     """
     stage = pipeline_stage(model)
-    model = uncompiled(stage.submod if stage is not None else model)
-    if isinstance(model, DistributedDataParallel):
+    model = unwrapped(stage.submod if stage is not None else model)
+    if isinstance(model, DistributedDataParallel) or is_deepspeed(model):
         return uncompiled(model.module)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
@@ -121,10 +169,11 @@ def enclosing(model: object) -> object:
     """
     if pipeline_stage(model) is not None or not isinstance(model, torch.nn.Module):
         return model
-    inner = uncompiled(model)
+    inner = unwrapped(model)
     stages = getattr(sys.modules.get("torch.distributed.pipelining.stage"), "_PipelineStageBase", None)
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    plain = several and not isinstance(inner, DistributedDataParallel) and not is_fsdp(inner)
+    wrapped = isinstance(inner, DistributedDataParallel) or is_fsdp(inner) or is_deepspeed(inner)
+    plain = several and not wrapped
     if stages is None and not plain:
         return model
     # DDP and PipelineStage objects are tracked by the collector: one pass over every tracked
@@ -167,16 +216,6 @@ def pipeline_stage(model: object) -> object | None:
     pipelining = sys.modules.get("torch.distributed.pipelining.stage")
     base = getattr(pipelining, "_PipelineStageBase", None)
     return model if base is not None and isinstance(model, base) else None
-
-
-def _ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
-    """The trainable parameters DDP reduces: the list it took when built (its module's parameters
-    less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
-    params = getattr(model, "_module_parameters", None)
-    if params is None:  # a DDP without the list: its module's, less the ignored names
-        ignored = getattr(model, "parameters_to_ignore", set())
-        params = [p for name, p in model.module.named_parameters() if name not in ignored]
-    return [p for p in params if p.requires_grad]
 
 
 class _Wrapping:
@@ -335,6 +374,26 @@ def _parts(
     return out
 
 
+def _engine_reading(
+    engine: object, grouping: Grouping, *, fabric: bool, declared: bool, job: dist.ProcessGroup | None
+) -> Reading:
+    """A DeepSpeed engine's reading: its data-parallel group is the job (DeepSpeed's tensor and
+    pipeline parallelism are refused), so every rank holds each dense parameter, counted on rank
+    0, and DeepSpeed MoE declares its experts distinct over their expert-parallel group itself."""
+    if fabric:
+        raise ValueError(f"distmon: {LIGHTNING_DEEPSPEED}")
+    if declared or (job is not None and job is not dist.group.WORLD):
+        raise TypeError(
+            "distmon: replicated_over=, distinct_over= and job_group= are layout options; a DeepSpeed "
+            "engine says its layout itself (its data-parallel group is the job, its MoE experts carry "
+            "their expert-parallel group): leave them out"
+        )
+    from .deepspeed import engine_counts
+
+    counted, why, experts = (tuple(c) for c in zip(*engine_counts(engine, grouping.params)))
+    return Reading(counted, why, experts, (False,) * len(counted))
+
+
 def read_layout(
     model: torch.nn.Module,
     *,
@@ -354,11 +413,14 @@ def read_layout(
         >>> read_layout(net, grouping=build_grouping(net, None, 8)).counted
         (True, True)
     """
-    model = uncompiled(stage.submod if stage is not None else model)
+    fabric = type(model).__name__ == "_FabricModule"
+    model = unwrapped(stage.submod if stage is not None else model)
     if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
         raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
     replicated_over, distinct_over = dict(replicated_over or {}), dict(distinct_over or {})
     declared = bool(replicated_over or distinct_over)
+    if is_deepspeed(model):
+        return _engine_reading(model, grouping, fabric=fabric, declared=declared, job=job)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     job_size = job.size() if job is not None else world
@@ -373,7 +435,7 @@ def read_layout(
                 "job_group out to measure the whole job"
             )
     if ddp is not None:
-        covered = {id(p) for p in _ddp_parameters(ddp)}
+        covered = {id(p) for p in ddp_parameters(ddp)}
         if not covered <= {id(p) for p in grouping.params}:
             raise ValueError(
                 "distmon: some parameters DDP reduces are not the model's parameters any more: "
@@ -448,11 +510,27 @@ def source_for(
             stage=stage,
         )
     counted = reading.counted if counted is None else counted
-    model = uncompiled(stage.submod if stage is not None else model)
+    model, compiled = _peeled(model)  # torch.compile(model), Fabric: the module they wrap is measured
+    if stage is not None:
+        model = uncompiled(stage.submod)
+    if is_deepspeed(model):
+        if comm_hook is not None:
+            raise TypeError(
+                "distmon: comm_hook= is a DDP option; a DeepSpeed engine reduces its gradients itself "
+                "(distmon reads DeepSpeed's own partitions)"
+            )
+        from .deepspeed import DeepSpeedSource
+
+        return DeepSpeedSource(model, receiver=receiver, grouping=grouping)
     if isinstance(model, DistributedDataParallel):
         if reading.whole and counted == reading.counted:
             return DDPSource(
-                model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+                model,
+                receiver=receiver,
+                grouping=grouping,
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                compiled=compiled,
             )
         ddp = DDPSource(
             model,
@@ -462,7 +540,7 @@ def source_for(
             comm_state=comm_state,
             counted=counted,
         )
-        reduced = {id(p) for p in _ddp_parameters(model)}
+        reduced = {id(p) for p in ddp_parameters(model)}
         outside = [p for p in grouping.params if id(p) not in reduced]
         if not outside:
             return ddp

@@ -353,7 +353,7 @@ class FSDPSource:
         seen, self._seen = tuple(self._seen), {}
         if self._repeated:
             self._repeated = False
-            receiver.local_unmeasured()
+            receiver.local_unmeasured()  # only the first micro-batch was read: not even non-finite
             if not self._told_repeated:
                 self._told_repeated = True
                 logger.warning(
