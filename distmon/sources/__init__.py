@@ -154,14 +154,15 @@ def process_group(job: object = None) -> dist.ProcessGroup | None:
 
 
 def enclosing(model: object) -> object:
-    """The ``PipelineStage`` or DDP model that holds ``model``, when ``model`` is what such a wrapper
-    holds (a stage's module, plain, DDP- or FSDP2-wrapped; DDP's ``.module``); else ``model``.
+    """The ``PipelineStage``, DDP model or DeepSpeed engine that holds ``model``, when ``model`` is
+    what such a wrapper holds (a stage's module, plain, DDP- or FSDP2-wrapped; DDP's or the
+    engine's ``.module``); else ``model``.
 
     Users hand over what they have next to the optimizer (torchtitan's ``model_parts``, the
     unwrapped model a Hugging Face callback gets): distmon measures it as if the wrapper had been
     passed, found among the live objects (one pass over them, at construction: only while
-    ``torch.distributed.pipelining`` is in use, or for a module that is no DDP or FSDP2 model on
-    several ranks).
+    ``torch.distributed.pipelining`` is in use, or for a module that is no DDP or FSDP2 model or
+    DeepSpeed engine on several ranks).
 
     Example:
         >>> net = torch.nn.Linear(2, 2); enclosing(net) is net   # nothing holds it
@@ -176,11 +177,13 @@ def enclosing(model: object) -> object:
     plain = several and not wrapped
     if stages is None and not plain:
         return model
-    # DDP and PipelineStage objects are tracked by the collector: one pass over every tracked
-    # object, comparing types only (a set lookup: ~0.1 s per million objects)
-    kinds = (_subclasses(stages) if stages is not None else set()) | (
-        _subclasses(DistributedDataParallel) if plain else set()
-    )
+    # DDP, DeepSpeed engines and PipelineStage objects are tracked by the collector: one pass over
+    # every tracked object, comparing types only (a set lookup: ~0.1 s per million objects)
+    engine = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+    holders = [DistributedDataParallel] + ([engine] if engine is not None else [])
+    kinds = _subclasses(stages) if stages is not None else set()
+    for cls in holders if plain else ():
+        kinds |= _subclasses(cls)
     found: list[object] = []
     for obj in [obj for obj in gc.get_objects() if type(obj) in kinds]:
         if pipeline_stage(obj) is not None:
@@ -194,7 +197,7 @@ def enclosing(model: object) -> object:
     staged = [obj for obj in found if pipeline_stage(obj) is not None]
     if len(staged) > 1 or (not staged and len(found) > 1):
         raise ValueError(
-            f"distmon: {len(staged) or len(found)} {'PipelineStages' if staged else 'DDP models'} hold "
+            f"distmon: {len(staged) or len(found)} {'PipelineStages' if staged else 'wrappers'} hold "
             "the module passed to GradMonitor: pass the one that trains it"
         )
     return (staged or found or [model])[0]
