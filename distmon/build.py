@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ._version import __version__
 from .backward import BackwardSums
-from .census import JobReading, Parts
+from .census import JobReading, Parts, digest
 from .config import MonitorConfig, features
 from .decode import RowDecoder
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector
@@ -29,7 +30,7 @@ from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
 from .hostinfo import RankInfo, restart_count
-from .layout import Coordinates, coordinates, part_position
+from .layout import Coordinates, coordinates, declared_group, part_position
 from .lifecycle import Prepared, served_ranks
 from .loss_scale import LossScale
 from .noise_scale import NoiseScale
@@ -194,10 +195,20 @@ def read_rank(model: torch.nn.Module, optimizer: object, options: dict[str, obje
         plain=reading.plain,
         unstaged=unstaged,
         stage=stage.stage_index if stage is not None else None,
+        distinct=_distinct_groups(local.param_names, cfg.distinct_over),
     )
     return Planned(
         cfg=cfg, optimizers=optimizers, model=model, stage=stage, module=module, reading=reading, parts=parts
     )
+
+
+def _distinct_groups(names: Sequence[str], distinct_over: dict | None) -> tuple[int, ...]:
+    """Per parameter, a digest of the ranks of the group it is declared ``distinct_over`` (0: none)."""
+    if not distinct_over:
+        return ()
+    digests = {id(g): digest(tuple(dist.get_process_group_ranks(g))) for g in distinct_over.values()}
+    matched = (declared_group(name, distinct_over) for name in names)
+    return tuple(digests[id(m[1])] if m is not None else 0 for m in matched)
 
 
 def build_rank(

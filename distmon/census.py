@@ -19,9 +19,11 @@ Where the reading and the values disagree, a value that no rank counts because t
 taken for exists nowhere is counted on the lowest rank holding it (unambiguous: a stage's own
 parameters, say); every other disagreement is refused at construction, naming the parameter and
 the declaration that resolves it (``distinct_over=``, ``replicated_over=``, ``job_group=``).
-Declarations are trusted here and checked by the first step's gradients (:class:`JobNorm`).
+Declarations are trusted here (but one value counted on ranks declared distinct over different
+groups is refused: they are copies over a group left undeclared) and checked by the first step's
+gradients (:class:`JobNorm`).
 
-The cost is bounded whatever the world size: each parameter's record (nine integers) travels
+The cost is bounded whatever the world size: each parameter's record (ten integers) travels
 to one rank chosen by a hash of its name, which judges every holder of that name and sends the
 verdicts back: three all-to-alls (the first carries, next to the record counts, four integers
 per rank: whether it failed, its stage, a digest of its layers and their size), and one
@@ -179,8 +181,9 @@ class Parts:
     ``counted``/``why``: the reading of the object passed (counts here, or why it is a copy
     counted elsewhere); ``declared``: matched by ``replicated_over=``/``distinct_over=``;
     ``undeclared``: reduced by no wrapper, no DTensor, not declared (this rank's own unless other
-    ranks hold it too); ``plain``: the refusal of a plain module on several ranks, raised if
-    other ranks hold its parameters; ``unstaged``: the refusal of a module that holds parameters
+    ranks hold it too); ``distinct``: per parameter, a digest of the ranks of the group it is
+    declared ``distinct_over`` (0: none; empty: none at all); ``plain``: the refusal of a plain
+    module on several ranks, raised if other ranks hold its parameters; ``unstaged``: the refusal of a module that holds parameters
     other ranks do not while ``torch.distributed.pipelining`` is in use without a
     ``PipelineStage`` around it; ``stage``: this rank's pipeline stage (None: not known).
     """
@@ -197,6 +200,7 @@ class Parts:
     plain: str | None = None
     unstaged: str | None = None
     stage: int | None = None
+    distinct: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -224,9 +228,10 @@ def alone(parts: Parts) -> JobReading:
 
 # -- the judgement of one parameter name's holders ------------------------------------------------
 
-# a record per (rank, parameter): what its owner judges
-NAME, SLOT, FP0, FP1, COUNTED, DECLARED, LAYER, UNDECLARED, RANK = range(9)
-N_FIELDS = 9
+# a record per (rank, parameter): what its owner judges (DISTINCT: a digest of the ranks of the
+# group it is declared distinct over, 0 where none is declared)
+NAME, SLOT, FP0, FP1, COUNTED, DECLARED, LAYER, UNDECLARED, RANK, DISTINCT = range(10)
+N_FIELDS = 10
 
 
 class Verdict:
@@ -249,10 +254,12 @@ def judge(records: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
     counted by exactly one rank: none (a value taken for a copy of another) is counted on its
     lowest rank when its position holds no other value and nobody counts any (the copy it was
     taken for does not exist), refused otherwise; several counting one value, or several values
-    counted at one position, are refused unless declared (the declaration is trusted here).
+    counted at one position, are refused unless declared (the declaration is trusted here, except
+    that one value counted by ranks declared distinct over different groups is refused: nothing
+    says they differ).
 
     Example:
-        >>> r = lambda rank, fp, counted: (7, 1, fp, 0, counted, 0, 5, 0, rank)
+        >>> r = lambda rank, fp, counted: (7, 1, fp, 0, counted, 0, 5, 0, rank, 0)
         >>> judge([r(0, 11, 1), r(1, 11, 0)])                 # a copy and the one that counts
         [(0, -1, 2), (0, -1, 2)]
         >>> judge([r(0, 11, 1), r(1, 12, 0)])[1][0] == Verdict.COPIES_DIFFER
@@ -308,6 +315,12 @@ def _judge_slot(records: Sequence[Sequence[int]], members: list[int], verdict: d
         elif len(count) > 1 and not all(records[i][DECLARED] for i in count):
             for i in count[1:]:
                 say(i, Verdict.COUNTED_TWICE, count[0])
+        elif len(count) > 1 and all(records[i][DISTINCT] for i in count):
+            # declared distinct, but over different groups: nothing says these two differ (copies
+            # over a group left undeclared: the expert-data-parallel group of plain experts)
+            for i in count[1:]:
+                if records[i][DISTINCT] != records[count[0]][DISTINCT]:
+                    say(i, Verdict.COUNTED_TWICE, count[0])
     if len(anyone) > 1:
         for i in anyone[1:]:
             if not (records[i][DECLARED] and records[anyone[0]][DECLARED]):
@@ -434,6 +447,7 @@ def _records(parts: Parts, rank: int) -> torch.Tensor:
             digest(p.layer_of[i]),
             int(p.undeclared[i]),
             rank,
+            p.distinct[i] if p.distinct else 0,
         )
         for i, name in enumerate(p.names)
     ]

@@ -11,6 +11,7 @@ import torch
 from distmon.census import (
     COUNTED,
     DECLARED,
+    DISTINCT,
     FP0,
     LAYER,
     N_FIELDS,
@@ -35,12 +36,14 @@ def rec(
     declared: bool = False,
     layer: int = 5,
     undeclared: bool = False,
+    distinct: int = 0,
 ) -> tuple[int, ...]:
     """One rank's record of one parameter, as the owner of its name receives it."""
     out = [0] * N_FIELDS
     out[NAME], out[SLOT], out[RANK], out[LAYER] = name, slot, rank, layer
     out[FP0] = value  # a fingerprint of the values (FP1 left 0)
     out[COUNTED], out[DECLARED], out[UNDECLARED] = int(counted), int(declared), int(undeclared)
+    out[DISTINCT] = distinct
     return tuple(out)
 
 
@@ -72,6 +75,17 @@ def test_one_value_counted_twice_is_refused_unless_declared():
     assert codes([rec(0, 11, True), rec(2, 11, True)]) == [Verdict.OK, Verdict.COUNTED_TWICE]
     # declared (a distinct part that starts alike, or a misdeclaration the first step catches)
     assert codes([rec(0, 11, True, declared=True), rec(2, 11, True, declared=True)]) == [Verdict.OK] * 2
+
+
+def test_one_value_counted_by_ranks_declared_distinct_over_different_groups_is_refused():
+    # plain experts outside FSDP2 declared distinct over ep only: the expert-data-parallel copies
+    # (ranks 0 and 2, in ep groups {0, 1} and {2, 3}) both count (the first step would say so)
+    ep01, ep23 = 101, 123
+    records = [rec(0, 11, True, declared=True, distinct=ep01), rec(2, 11, True, declared=True, distinct=ep23)]
+    assert codes(records) == [Verdict.OK, Verdict.COUNTED_TWICE]
+    # one group: different parts that start alike
+    same = [rec(0, 11, True, declared=True, distinct=ep01), rec(1, 11, True, declared=True, distinct=ep01)]
+    assert codes(same) == [Verdict.OK, Verdict.OK]
 
 
 def test_different_values_each_counted_at_one_place_are_refused_unless_declared():
