@@ -429,7 +429,7 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
         counted=counted,
         parts=len(ordered),
         part=next(k for k, ranks in enumerate(ordered) if me in ranks),
-        refusal=_refusal(parts, verdicts, world),
+        refusal=_refusal(parts, verdicts, world, stages=heads[:, 1].tolist()),
     )
 
 
@@ -473,8 +473,11 @@ def _broadcast_layers(
     return pickle.loads(bytes(data.cpu().tolist()))
 
 
-def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception | None:
-    """What this rank refuses, naming the parameters (at most three) and the fix."""
+def _refusal(
+    parts: Parts, verdicts: list[list[int]], world: int, stages: Sequence[int] = ()
+) -> Exception | None:
+    """What this rank refuses, naming the parameters (at most three) and the fix (``stages``: every
+    rank's pipeline stage, -1 where none is known)."""
     if parts.plain is not None and any(holders > 1 for _, _, holders in verdicts):
         return TypeError(parts.plain)
     if parts.unstaged is not None and any(holders < world for _, _, holders in verdicts):
@@ -489,7 +492,15 @@ def _refusal(parts: Parts, verdicts: list[list[int]], world: int) -> Exception |
     names = [parts.names[i] for i in idx]
     shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     i = idx[0]
-    holders = verdicts[i][2]
+    holders, other = verdicts[i][2], verdicts[i][1]
+    if parts.stage is not None and 0 <= other < len(stages) and stages[other] not in (-1, parts.stage):
+        return ValueError(
+            f"distmon: pipeline stages {parts.stage} and {stages[other]} (ranks here and {other}) both "
+            f"hold parameter {shown}: each stage's parameters must keep their names in the whole model, "
+            "which is how distmon tells the stages' parameters and layers apart. Cut the stages "
+            "torchtitan's way (a copy of the whole model with the other stages' modules deleted, "
+            "names kept), not as re-indexed slices (nn.Sequential(*layers[a:b]) numbers them from 0)"
+        )
     if code == Verdict.LAYER:
         return ValueError(
             f"distmon: options differ between ranks: groups puts parameter {shown} in layer "
