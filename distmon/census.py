@@ -183,9 +183,9 @@ class Parts:
     ``undeclared``: reduced by no wrapper, no DTensor, not declared (this rank's own unless other
     ranks hold it too); ``distinct``: per parameter, a digest of the ranks of the group it is
     declared ``distinct_over`` (0: none; empty: none at all); ``plain``: the refusal of a plain
-    module on several ranks, raised if other ranks hold its parameters; ``unstaged``: the refusal of a module that holds parameters
-    other ranks do not while ``torch.distributed.pipelining`` is in use without a
-    ``PipelineStage`` around it; ``stage``: this rank's pipeline stage (None: not known).
+    module on several ranks, raised if other ranks hold its parameters; ``unstaged``: the refusal
+    of a module that holds parameters other ranks do not while ``torch.distributed.pipelining``
+    is in use without a ``PipelineStage`` around it; ``stage``: this rank's pipeline stage (None: not known).
     """
 
     names: Sequence[str]
