@@ -179,7 +179,7 @@ def build_rank(
     plan = RowPlan.build(
         n_layers=n_layers,
         world=source.world_size,
-        rank_layers=cfg.rank_layers,
+        rank_layers=cfg.rank_layers and source.local_figures,
         partial=source.partial,
         vote=source.group is not None and cfg.export_interval_s > 0,
         batch=extra.batch_of_step is not None,
@@ -282,6 +282,7 @@ def build_exports(
         detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
         watched=tracker.activations.names if tracker.activations else (),
         coords=coords if any(coords) else None,
+        local_figures=tracker.source.local_figures,
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
     return thread, aggregate

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import sums
+from .compat import all_gather
 from .errors import ErrorCounter
 from .ring import DeviceRing
 from .rows import Head, RowPlan
@@ -125,7 +126,7 @@ class RankBuffers:
         k, width = last - first + 1, self.fields.width
         out = self._gathered[: self.world * k * width]
         rows = self.rows[first : last + 1].view(-1)
-        self._start(dist.all_gather_single(out, rows, group=self.group, async_op=True))
+        self._start(all_gather(out, rows, group=self.group, async_op=True))
         return out.view(self.world, k, width)
 
     def _start(self, work: dist.Work) -> None:

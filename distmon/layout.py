@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .compat import root_mesh
+
 __all__ = ["Coordinates", "counts", "coordinates", "spec_of", "declared_group", "COORD_LABELS"]
 
 COORD_LABELS = ("dp_rank", "tp_rank", "pp_stage", "ep_rank")
@@ -74,7 +76,7 @@ def first_copy(meshes: Sequence[object]) -> bool:
     hold different parameters). A dimension is spanned when a rank along it from this one is in
     one of ``meshes``.
     """
-    root = meshes[0]._get_root_mesh()
+    root = root_mesh(meshes[0])
     if any(m is root for m in meshes):
         return True
     members = {r for m in meshes for r in m.mesh.flatten().tolist()}
@@ -151,7 +153,7 @@ def coordinates(
         True
     """
     specs = [s for s in map(spec_of, params) if s is not None]
-    named = mesh_coordinates([s.mesh for s in specs] + [m._get_root_mesh() for m in meshes])
+    named = mesh_coordinates([s.mesh for s in specs] + [root_mesh(m) for m in meshes])
     tp, ep = named.get("tp"), named.get("ep")
     if tp is None and ep is None and stage is None:
         return None
@@ -166,7 +168,7 @@ def mesh_coordinates(meshes: Sequence[object]) -> dict[str, int]:
         {}
     """
     coords: dict[str, int] = {}
-    for m in [m for given in meshes for m in (given, given._get_root_mesh())]:
+    for m in [m for given in meshes for m in (given, root_mesh(given))]:
         for dim, name in enumerate(m.mesh_dim_names or ()):
             coords.setdefault(name, m.get_local_rank(dim))
     return coords

@@ -122,7 +122,7 @@ class _Wrapping:
         self.inner = inner
         self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
         self.device, self.partial, self.counted = inner.device, inner.partial, inner.counted
-        self.divide_factor_set = inner.divide_factor_set
+        self.divide_factor_set, self.local_figures = inner.divide_factor_set, inner.local_figures
         self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
 
     def install(self) -> None:
@@ -250,7 +250,8 @@ def source_for(
 
     A DDP model is measured in its comm hook, an FSDP2 model (``fully_shard``) around its
     reduce-scatters and in its sharded gradients, anything else when each backward ends: a
-    single process's module; on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
+    single process's module (an FSDP2 model in a world of one among them: FSDP2 reduce-scatters
+    nothing there and hands each gradient whole to its post-accumulate-grad hooks); on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
     module, parameters declared ``replicated_over`` a group. Where a rank holds a part of the
     reduced gradient (shards, a stage, a copy counted elsewhere) the source is *partial*. A
     pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by the caller.
@@ -313,7 +314,7 @@ def source_for(
     trained_module(model)  # a TypeError for what is no module
     if comm_hook is not None:
         raise TypeError("distmon: comm_hook is a DDP option; only a DDP model has a DDP comm hook")
-    if is_fsdp(model):
+    if is_fsdp(model) and world > 1:
         from .fsdp import FSDPSource
 
         counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=False)

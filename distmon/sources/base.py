@@ -108,7 +108,8 @@ class Source(Protocol):
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
     (None in one process: where the monitor's own collective runs), ``partial`` whether each
     rank holds only a part of the reduced gradient (shards, a pipeline stage: the job's figures
-    are the sum of every rank's counted parts, :mod:`distmon.layout`), and ``divide_factor_set``
+    are the sum of every rank's counted parts, :mod:`distmon.layout`), ``local_figures`` whether it
+    measures each rank's local gradient (not FSDP2 before torch 2.9), and ``divide_factor_set``
     whether the reduction is not the ranks' mean. Every source reads gradients in backward,
     before any loss scale was divided out or any clipping done.
     """
@@ -124,6 +125,7 @@ class Source(Protocol):
     dp_rank: int  # this rank's place among the data-parallel ranks (a label: dp_rank)
     meshes: tuple[object, ...]  # the device meshes its wrappers use (coordinates come from them)
     divide_factor_set: bool
+    local_figures: bool
 
     def install(self) -> None: ...
 

@@ -342,6 +342,7 @@ class DDPSource:
     """
 
     divide_factor_set = False
+    local_figures = True
 
     def __init__(
         self,
