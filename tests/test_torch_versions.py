@@ -161,6 +161,7 @@ except ImportError as e:
     print("refused:", e)
 else:
     print("ran")
+print(sorted(m for m in sys.modules if m.startswith("distmon.")))  # what ran before the refusal
 """
 
 
@@ -173,6 +174,7 @@ def test_an_older_torch_is_refused_at_import_naming_the_range(entry):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("refused: distmon needs torch >= 2.6"), out.stdout
     assert "this is torch 2.5.1" in out.stdout
+    assert out.stdout.splitlines()[-1] == "['distmon._version']", out.stdout  # refused first
 
 
 def test_readme_pyproject_and_the_tiers_state_one_range():
