@@ -28,6 +28,8 @@ __all__ = [
     "sq_sums_fp32",
     "ALL_GATHER",
     "all_gather",
+    "real_flat",
+    "reduced_bucket",
     "root_mesh",
     "fsdp_param_groups",
     "fsdp_divide_factor_set",
@@ -54,17 +56,17 @@ def require_supported(version: str) -> tuple[int, int]:
     Example:
         >>> require_supported("2.9.1+cu128")
         (2, 9)
-        >>> require_supported("2.5.1")
+        >>> require_supported("2.5.1")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ImportError: distmon needs torch >= 2.6 (complete from 2.9; tested on 2.6, 2.9, 2.11 and 2.13), this is torch 2.5.1: upgrade torch, or use an older distmon
+        ImportError: distmon needs torch >= 2.6 (complete from 2.9), this is torch 2.5.1: upgrade torch ...
     """
     release = _release(version)
     if release < FLOOR:
+        floor = f"{FLOOR[0]}.{FLOOR[1]}"
         raise ImportError(
-            f"distmon needs torch >= {FLOOR[0]}.{FLOOR[1]} (complete from {COMPLETE[0]}.{COMPLETE[1]}; "
-            f"tested on 2.6, 2.9, 2.11 and 2.13), this is torch {version}: upgrade torch, or use an "
-            "older distmon"
+            f"distmon needs torch >= {floor} (complete from {COMPLETE[0]}.{COMPLETE[1]}), this is torch "
+            f"{version}: upgrade torch (pip install 'torch>={floor}')"
         )
     return release
 
@@ -102,6 +104,30 @@ def all_gather(
     """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13): every rank's
     ``input`` end to end in ``output``."""
     return getattr(dist, ALL_GATHER)(output, input, group=group, async_op=async_op)
+
+
+# --- DDP ---------------------------------------------------------------------------------------
+# DDP's buckets hold a complex parameter's gradient as its real view (a real buffer): torch 2.10.
+# Before, such a parameter has a complex bucket of its own, whose all-reduce hands back its
+# (n, 2) real view. Without the fallbacks, before 2.10: every figure of a DDP model with a
+# complex parameter is NaN (a bucket's layout is in real elements), and distmon's default comm
+# hook hands DDP that real view, which DDP copies into the complex gradient wrongly.
+def reduced_bucket(result: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
+    """What a comm hook hands DDP for a ``bucket`` all-reduced in place: the all-reduce's
+    ``result``, or for a complex bucket the bucket itself (the result is its real view)."""
+    return bucket if bucket.is_complex() else result
+
+
+def real_flat(flat: torch.Tensor) -> torch.Tensor:
+    """A gradient bucket's buffer (or its reduced result) as one run of real elements.
+
+    Example:
+        >>> real_flat(torch.tensor([1 + 2j])).tolist(), real_flat(torch.ones(2, 2)).shape
+        ([1.0, 2.0], torch.Size([4]))
+    """
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    return flat if flat.dim() == 1 else flat.view(-1)
 
 
 # --- device meshes -------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ STEPS = 4
 RELEASE = compat.TORCH
 # torch's own limits on CPU/gloo (not distmon's): such a case is skipped, naming the reason
 FSDP_ON_CPU = pytest.mark.skipif(
-    RELEASE < (2, 7), reason="torch 2.6's FSDP2 does not run on CPU ('Stream' object has no attribute 'record_event')"
+    RELEASE < (2, 7),
+    reason="torch 2.6's FSDP2 does not run on CPU ('Stream' object has no attribute 'record_event')",
 )
 
 # names whose presence differs between the supported releases: only compat.py may use them
@@ -64,7 +65,8 @@ def _tensors(seed):
         scale = 10.0 ** float(torch.randint(-6, 3, (), generator=g))
         t = (torch.randn(n, 3, generator=g) * scale).to(dtype)
         if n and torch.rand((), generator=g) < 0.15:
-            t.view(-1)[int(torch.randint(0, t.numel(), (), generator=g))] = (math.inf, -math.inf, math.nan)[seed % 3]
+            at = int(torch.randint(0, t.numel(), (), generator=g))
+            t.view(-1)[at] = (math.inf, -math.inf, math.nan)[seed % 3]
         if torch.rand((), generator=g) < 0.3:
             t = t.t()  # non-contiguous
         out.append(t)
@@ -141,7 +143,8 @@ def test_no_module_but_compat_uses_a_name_that_differs_between_releases():
 
 
 @pytest.mark.parametrize(
-    "version,ok", [("2.5.1", False), ("1.13.1", False), ("2.6.0", True), ("2.9.1+cu128", True), ("2.15.0a0+git1", True)]
+    "version,ok",
+    [("2.5.1", False), ("1.13.1", False), ("2.6.0", True), ("2.9.1+cu128", True), ("2.15.0a0+git1", True)],
 )
 def test_the_supported_range_is_checked_by_release(version, ok):
     if ok:
@@ -170,7 +173,9 @@ print(sorted(m for m in sys.modules if m.startswith("distmon.")))  # what ran be
 )
 def test_an_older_torch_is_refused_at_import_naming_the_range(entry):
     code = _OLD_TORCH.format(entry=entry)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("refused: distmon needs torch >= 2.6"), out.stdout
     assert "this is torch 2.5.1" in out.stdout
@@ -184,7 +189,9 @@ def test_readme_pyproject_and_the_tiers_state_one_range():
 
     floor = "{}.{}".format(*compat.FLOOR)
     assert re.search(rf'"torch>={re.escape(floor)}"', read("pyproject.toml"))
-    tiers = re.search(r'^TIERS=\$\{TIERS:-([^}]*)\}', read("tests", "run_torch_tiers.sh"), re.M).group(1).split()
+    tiers = (
+        re.search(r"^TIERS=\$\{TIERS:-([^}]*)\}", read("tests", "run_torch_tiers.sh"), re.M).group(1).split()
+    )
     pinned = re.search(r"torch==([0-9.]+)", read("launch", "install.sh")).group(1)
     assert tiers and pinned not in tiers
     readme = read("README.md")
@@ -204,10 +211,17 @@ def _named_full(net):
     return out
 
 
-def _train(rank, net, twin, opt, mon, *, shard):
-    """STEPS steps; per step the snapshot and float64 references of the reduced and the local
-    gradient (the twin: an unwrapped copy on this rank's batch alone)."""
+def _mine(grad):
+    """This rank's part of a gradient (a DTensor's local shard)."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _train(rank, net, bare, twin, opt, mon, *, shard):
+    """STEPS steps; per step the snapshot, float64 references of the reduced and the local
+    gradient (the twin: an unwrapped copy on this rank's batch alone) and whether the gradients
+    are bit for bit those of ``bare``, the same model trained without distmon."""
     recs = []
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=0.1)
     for step in range(1, STEPS + 1):
         with torch.no_grad():  # the twin holds this step's weights
             for (_, t), (_, p) in zip(twin.named_parameters(), net.named_parameters()):
@@ -215,11 +229,16 @@ def _train(rank, net, twin, opt, mon, *, shard):
         twin.zero_grad()
         x, y = make_batch(rank, step)
         lm_loss(net(x), y).backward()
+        lm_loss(bare(x), y).backward()
         lm_loss(twin(x), y).backward()
         reduced = reference_norms(_named_full(net))
         local = reference_norms([(n, p.grad) for n, p in twin.named_parameters()])
-        opt.step()
-        opt.zero_grad()
+        same = all(
+            torch.equal(_mine(a.grad), _mine(b.grad)) for a, b in zip(net.parameters(), bare.parameters())
+        )
+        for o in (opt, bare_opt):
+            o.step()
+            o.zero_grad()
         mon.flush()
         s = mon.latest()
         recs.append(
@@ -235,35 +254,46 @@ def _train(rank, net, twin, opt, mon, *, shard):
                 "outliers": list(s.rank_outlier_scores),
                 "reduced": reduced,
                 "local": local,
+                "same": same,
             }
         )
     return recs
 
 
 def _ddp_job(rank, world):
-    import distmon
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import distmon
+
+    # a complex parameter where torch's DDP can broadcast one on gloo (not 2.6-2.8: "Invalid scalar
+    # type"): before 2.10 it has a complex bucket of its own
+    kw = {"complex_param": RELEASE >= (2, 9)}
     torch.manual_seed(0)
-    net, twin = DDP(TinyLM(), bucket_cap_mb=0.002), TinyLM()
+    net, twin = DDP(TinyLM(**kw), bucket_cap_mb=0.002), TinyLM(**kw)
+    torch.manual_seed(0)
+    bare = DDP(TinyLM(**kw), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     mon = distmon.GradMonitor(net, opt, serve="none", export_every=1, export_interval_s=0)
-    recs = _train(rank, net, twin, opt, mon, shard=False)
+    recs = _train(rank, net, bare, twin, opt, mon, shard=False)
     mon.close()
     return recs
 
 
 def _fsdp_job(rank, world):
-    import distmon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    import distmon
+
     torch.manual_seed(0)
     net, twin = TinyLM(), TinyLM()
+    torch.manual_seed(0)
+    bare = TinyLM()
     mesh = init_device_mesh("cpu", (world,))
-    for block in net.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    for model in (net, bare):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     said = []
     handler = logging.Handler()
@@ -276,7 +306,7 @@ def _fsdp_job(rank, world):
         except ValueError as e:
             refused = str(e)
     mon = distmon.GradMonitor(net, opt, serve="none", export_every=1, export_interval_s=0)
-    recs = _train(rank, net, twin, opt, mon, shard=True)
+    recs = _train(rank, net, bare, twin, opt, mon, shard=True)
     mon.close()
     return {"recs": recs, "said": said, "refused": refused}
 
@@ -288,6 +318,7 @@ def _check(outs, *, local):
         for i, r in enumerate(recs):
             where = (rank, r["step"])
             assert r["step"] == i + 1 and r["valid"] and r["errors"] == 0, (where, r)
+            assert r["same"], (where, "the gradients differ from those of the run without distmon")
             total, layers = r["reduced"]
             assert close(r["norm"], total, REL), (where, r["norm"], total)
             assert list(r["layers"]) == list(layers), where

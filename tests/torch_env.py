@@ -127,11 +127,14 @@ def write_cuda_stubs(torch_dir: str) -> list[str]:
             c_file = os.path.join(tmp, so + ".c")
             with open(c_file, "w") as f:
                 f.write("\n".join(src) + "\n")
-            cmd = ["cc", "-shared", "-fPIC", "-w", "-o", os.path.join(lib_dir, so), f"-Wl,-soname,{so}", c_file]
+            stub = os.path.join(lib_dir, so)
+            cmd = ["cc", "-shared", "-fPIC", "-w", f"-Wl,-soname,{so}", "-o", stub, c_file]
             by_version = collections.defaultdict(list)
             for name, version in syms.items():
-                by_version[version].append(name)
-            nodes = [f"{v} {{ global: {' '.join(n + ';' for n in names)} }};" for v, names in by_version.items() if v]
+                if version:  # unversioned ones stay exported without a node (no "local: *")
+                    by_version[version].append(name)
+            # one version node per version the importers ask for: "libcudart.so.12 { global: a; b; };"
+            nodes = [f"{v} {{ global: {' '.join(n + ';' for n in ns)} }};" for v, ns in by_version.items()]
             if nodes:
                 script = os.path.join(tmp, so + ".map")
                 with open(script, "w") as f:
@@ -162,12 +165,10 @@ def ensure(version: str) -> str:
         wheel = [f for f in os.listdir(wheels) if f.startswith(f"torch-{version}-") and f"-{tag}-" in f]
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
-    subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", os.path.join(wheels, wheel[0])],
-        check=True,
-    )
-    torch_dir = _out(python, "-c", "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])")
-    stubbed = write_cuda_stubs(torch_dir.strip())
+    pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"]
+    subprocess.run([*pip, os.path.join(wheels, wheel[0])], check=True)
+    find = "import importlib.util as u; print(u.find_spec('torch').submodule_search_locations[0])"
+    stubbed = write_cuda_stubs(_out(python, "-c", find).strip())
     if stubbed:
         print(f"[torch {version}] CUDA stubs: {' '.join(stubbed)}", file=sys.stderr)
     if not _imports(python, version):

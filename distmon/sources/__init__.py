@@ -251,10 +251,11 @@ def source_for(
     A DDP model is measured in its comm hook, an FSDP2 model (``fully_shard``) around its
     reduce-scatters and in its sharded gradients, anything else when each backward ends: a
     single process's module (an FSDP2 model in a world of one among them: FSDP2 reduce-scatters
-    nothing there and hands each gradient whole to its post-accumulate-grad hooks); on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
-    module, parameters declared ``replicated_over`` a group. Where a rank holds a part of the
-    reduced gradient (shards, a stage, a copy counted elsewhere) the source is *partial*. A
-    pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by the caller.
+    nothing there and hands each gradient whole to its post-accumulate-grad hooks); on several
+    ranks, tensor-parallel DTensors, a pipeline ``stage``'s module, parameters declared
+    ``replicated_over`` a group. Where a rank holds a part of the reduced gradient (shards, a
+    stage, a copy counted elsewhere) the source is *partial*. A pipeline ``stage``'s source is
+    wrapped in :class:`PipelineSource` by the caller.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)

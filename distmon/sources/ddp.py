@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import real_flat, reduced_bucket
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
 from .base import OrderLearner, Receiver, first_device
@@ -57,7 +58,7 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     Example:
         >>> ddp.register_comm_hook(ddp.process_group, ddp_allreduce_hook)   # doctest: +SKIP
     """
-    return _bucket_future(_allreduce(process_group, bucket))
+    return _bucket_future(_allreduce(process_group, bucket), bucket.buffer())
 
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
@@ -70,9 +71,9 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
     return dist.all_reduce(buffer, group=process_group, async_op=True)
 
 
-def _bucket_future(work: dist.Work) -> torch.futures.Future[torch.Tensor]:
-    """The future a comm hook returns for ``work``: the reduced bucket."""
-    return work.get_future().then(lambda fut: fut.value()[0])
+def _bucket_future(work: dist.Work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The future a comm hook returns for ``work``, the all-reduce of ``buffer``: the reduced bucket."""
+    return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0], buffer))
 
 
 @dataclass
@@ -96,7 +97,7 @@ class BucketLayout(Runs):
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The runs' views of a flat tensor laid out like the bucket (DDP's buffer or a hook's result)."""
-        chunks = flat.split(self.split_sizes)
+        chunks = real_flat(flat).split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
 
     def measure(self, flat: torch.Tensor, views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -180,7 +181,7 @@ class BucketLayouts:
         self._seen.clear()
 
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
-        flat = bucket.buffer()
+        flat = real_flat(bucket.buffer())
         if flat.is_sparse:  # DDP gives every sparse gradient a bucket of its own
             slots = [self.slot_of.get(id(p)) for p in params]
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
@@ -283,7 +284,7 @@ class HookSlot:
             else:
                 work = _allreduce(self.inner_state, bucket)
                 self.profiled.append(work)
-                return _bucket_future(work)
+                return _bucket_future(work, bucket.buffer())
         return self.inner_hook(self.inner_state, bucket)
 
     def wait_profiled(self) -> None:

@@ -20,8 +20,9 @@ Refused at construction, never measured wrongly: several parameter groups in one
 (per-parameter meshes via ``shard_placement_fn``), a shard group of one rank on a job of several
 (no reduce-scatter to read: use DDP; a world of one is measured as one process), and on torch
 2.6-2.8, which has no custom reduce-scatter, the per-rank local figures (:data:`LOCAL_REFUSED`:
-the backward's end is then noticed in ``post_backward``, the reduced figures are exact). Units may shard over different meshes (experts over their own), a mesh may
-be a slice of the job (a pipeline stage's ranks, tensor parallelism's data-parallel slice):
+the backward's end is then noticed in ``post_backward``; the reduced figures are exact). Units
+may shard over different meshes (experts over their own), a mesh may be a slice of the job (a
+pipeline stage's ranks, tensor parallelism's data-parallel slice):
 which shards count is decided per parameter from its placements (``layout.counts``).
 A unit reduce-scatters only the parameters that have a gradient (an unused one is left out):
 which ones, distmon notes as FSDP's ``post_backward`` begins, and measures the input laid
@@ -264,7 +265,9 @@ class FSDPSource:
         """FSDP's division of the input before the reduce-scatter (fp16 reductions), as torch computes it."""
         key = (unit, reduce_dtype)
         if key not in self._pre:
-            self._pre[key] = compat.fsdp_pre_divide_factor(self.units[unit][1], reduce_dtype, self.device.type)
+            self._pre[key] = compat.fsdp_pre_divide_factor(
+                self.units[unit][1], reduce_dtype, self.device.type
+            )
         return self._pre[key]
 
     def install(self) -> None:
@@ -280,7 +283,7 @@ class FSDPSource:
             self._post_backward.append(g.post_backward)
 
     def remove(self) -> None:
-        for (m, g), noting in zip(self.units, self._post_backward):
+        for (_, g), noting in zip(self.units, self._post_backward):
             if vars(g).get("post_backward") is noting:
                 del g.post_backward
         for (m, g), inner in zip(self.units, self._inner):
@@ -304,7 +307,9 @@ class FSDPSource:
                 self._seen[unit] = None
         except Exception:
             self._present.pop(unit, None)  # unknown: a short input is then not measured
-            self.receiver.fail("FSDP post_backward (parameters with gradients)", reduced=not self.local_figures)
+            self.receiver.fail(
+                "FSDP post_backward (parameters with gradients)", reduced=not self.local_figures
+            )
 
     def _begin_backward(self) -> None:
         """A unit reduces its gradients: the receiver's backward begins; its end reads the shards."""
