@@ -32,6 +32,8 @@ from fault_injection import FailureInjector
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REL = 1e-5
+# the fused kernel distmon's sums run on (distmon.compat.sq_sums_fp32: _foreach_norm before torch 2.11)
+FUSED = "_foreach_powsum" if hasattr(torch, "_foreach_powsum") else "_foreach_norm"
 WATCHED = ("blocks.0.fc", "blocks.1.fc", "head")  # activations=[nn.Linear] on TinyLM
 STEP_HOOKS = [{"StepTracker.before_step"}, {"StepTracker.after_step"}]
 ACTIVATIONS = [{"distmon.activations.sq_sums"}, {"ActivationWatch.close_step"}]
@@ -41,7 +43,7 @@ CONFIGS = {
         "kind": "ddp",
         "plan": [
             {"distmon.sources.ddp.sq_sums"},
-            {"torch._foreach_powsum"},
+            {f"torch.{FUSED}"},
             {"BucketLayouts.layout"},
             {"BackwardSums.add_local"},
             {"BackwardSums.add_reduced"},  # on gloo's callback thread

@@ -24,6 +24,7 @@ prometheus-client, torch's pure-Python dependencies) with its own torch in front
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import re
 import shutil
@@ -145,7 +146,15 @@ def write_cuda_stubs(torch_dir: str) -> list[str]:
 
 
 def ensure(version: str) -> str:
-    """The Python of a venv whose torch is ``version`` (built and cached on first use)."""
+    """The Python of a venv whose torch is ``version`` (built and cached on first use; two runs
+    building the same one take turns)."""
+    os.makedirs(CACHE, exist_ok=True)
+    with open(os.path.join(CACHE, f"torch-{version}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure(version)
+
+
+def _ensure(version: str) -> str:
     venv = os.path.join(CACHE, f"torch-{version}")
     python = os.path.join(venv, "bin", "python")
     stamp = os.path.join(venv, "distmon-ready")
