@@ -181,7 +181,7 @@ class BucketLayouts:
         self._seen.clear()
 
     def _build(self, bucket: dist.GradBucket, params: list[torch.Tensor]) -> BucketLayout:
-        flat = real_flat(bucket.buffer())
+        flat = bucket.buffer()
         if flat.is_sparse:  # DDP gives every sparse gradient a bucket of its own
             slots = [self.slot_of.get(id(p)) for p in params]
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
@@ -196,6 +196,7 @@ class BucketLayouts:
                 counted=None if counts else Runs((), torch.zeros(0, dtype=torch.int64), seq=next(self._seqs)),
                 counted_pick=None if counts else [],
             )
+        flat = real_flat(flat)  # a complex bucket (torch < 2.10) in real elements, as the views are
         base, itemsize = flat.data_ptr(), flat.element_size()
         # [size, layer, largest parameter, counted]; layer -1: untracked or gap
         chunks: list[list[int]] = []
