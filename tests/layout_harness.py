@@ -131,7 +131,7 @@ def torch_limit(layout: Layout) -> str | None:
     if layout.dp in ("fsdp", "hsdp") and TORCH < (2, 7):
         return "torch 2.6's FSDP2 does not run on CPU ('Stream' object has no attribute 'record_event')"
     if "pp" in layout.dims and TORCH == (2, 9):
-        return "torch 2.9's pipeline schedules abort on gloo (gloo::EnforceNotMet: data size mismatch)"
+        return "torch 2.9's pipeline schedules abort on gloo (EnforceNotMet) and refuse 1 micro-batch"
     return None
 
 
