@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import REPO_ROOT, TinyLM, close, lm_loss, make_batch, reference_norms, run_ranks
+from ddp_harness import REPO_ROOT, TinyLM, close, lm_loss, make_batch, reference_norms, rel_err, run_ranks
 
 from distmon import compat
 
@@ -311,9 +311,10 @@ def _fsdp_job(rank, world):
     return {"recs": recs, "said": said, "refused": refused}
 
 
-def _check(outs, *, local):
-    """Every rank's snapshots against the float64 references (local: per-rank figures measured)."""
-    world = len(outs)
+def _check(job, outs, *, local):
+    """Every rank's snapshots against the float64 references (local: per-rank figures measured);
+    prints the largest relative errors (``pytest -s`` shows them)."""
+    world, worst = len(outs), {"global and per-layer": 0.0, "per-rank": 0.0}
     for rank, recs in enumerate(outs):
         for i, r in enumerate(recs):
             where = (rank, r["step"])
@@ -324,6 +325,8 @@ def _check(outs, *, local):
             assert list(r["layers"]) == list(layers), where
             for name, want in layers.items():
                 assert close(r["layers"][name], want, REL), (where, name, r["layers"][name], want)
+            pairs = [(r["norm"], total), *((r["layers"][k], v) for k, v in layers.items())]
+            worst["global and per-layer"] = max(worst["global and per-layer"], *(rel_err(*p) for p in pairs))
             if not local:  # refused at construction: absent, never NaN
                 assert r["ranks"] == r["rank_valid"] == r["outliers"] == [] and r["rank_layers"] is None, r
                 continue
@@ -333,18 +336,22 @@ def _check(outs, *, local):
                 assert close(r["ranks"][q], mine_total, REL), (where, q, r["ranks"][q], mine_total)
                 for j, want in enumerate(mine_layers.values()):
                     assert close(r["rank_layers"][q][j], want, REL), (where, q, j)
+                pairs = [(r["ranks"][q], mine_total), *zip(r["rank_layers"][q], mine_layers.values())]
+                worst["per-rank"] = max(worst["per-rank"], *(rel_err(*p) for p in pairs))
+    said = ", ".join(f"{k} within {v:.1e}" for k, v in worst.items() if local or k != "per-rank")
+    print(f"\n{job}, torch {torch.__version__}, {world} rank(s): {said} of float64, valid, no error")
 
 
 @pytest.mark.slow
 def test_a_2_rank_ddp_job_equals_float64_every_step():
-    _check(run_ranks(_ddp_job, 2, timeout=150), local=True)
+    _check("DDP", run_ranks(_ddp_job, 2, timeout=150), local=True)
 
 
 @pytest.mark.slow
 @FSDP_ON_CPU
 def test_a_2_rank_fsdp2_job_equals_float64_every_step():
     outs = run_ranks(_fsdp_job, 2, timeout=150)
-    _check([o["recs"] for o in outs], local=compat.FSDP_LOCAL_FIGURES)
+    _check("FSDP2", [o["recs"] for o in outs], local=compat.FSDP_LOCAL_FIGURES)
     for o in outs:
         if compat.FSDP_LOCAL_FIGURES:
             assert o["refused"] is None and not any("per-rank local figures" in m for m in o["said"]), o
@@ -357,5 +364,5 @@ def test_a_2_rank_fsdp2_job_equals_float64_every_step():
 @FSDP_ON_CPU
 def test_fully_shard_on_one_rank_is_measured_like_one_process():
     (out,) = run_ranks(_fsdp_job, 1, timeout=150)
-    _check([out["recs"]], local=True)
+    _check("fully_shard on one rank", [out["recs"]], local=True)
     assert not any("per-rank local figures" in m for m in out["said"]), out["said"]
