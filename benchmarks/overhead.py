@@ -6,6 +6,8 @@ Run it (one command; it starts ``torchrun`` itself when not already under it)::
     python benchmarks/overhead.py --quick      # ~1M, ~5M and ~2,000-tensor models (minutes)
     python benchmarks/overhead.py --full       # + ~20M and ~50M models (about 15 min on 2 CPU cores)
     python benchmarks/overhead.py --smoke      # tiny model, a few steps: does the benchmark run?
+    python benchmarks/overhead.py --gpu        # one GPU: GPT-20M/124M/350M, bf16, ~5 min (issue #35)
+    python benchmarks/overhead.py --gpu --sizes smoke   # the same on a tiny model (runs on CPU too)
     torchrun --nproc-per-node 2 benchmarks/overhead.py --full   # the same, launched by hand
     python benchmarks/overhead.py --render benchmarks/results/overhead.json   # README section, no run
 

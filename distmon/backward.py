@@ -47,9 +47,10 @@ class LayerOrder:
 class BackwardSums:
     """Sums handed over by a source during one step, folded into layers when the step needs them.
 
-    Source side: :meth:`begin_backward`, :meth:`add_local`, :meth:`add_reduced` (DDP's reduced
-    side runs on gloo/NCCL callback threads; the source's reduction waits for them before
-    backward returns), :meth:`end_backward`, :meth:`fail`. Step side: :meth:`fold_local`,
+    Source side: :meth:`begin_backward`, :meth:`add_local`, :meth:`add_reduced` (in the backward's
+    hooks and final callbacks, before it returns), :meth:`end_backward`, :meth:`fail`; a
+    failure may be recorded from another thread (:class:`~distmon.errors.ErrorCounter` locks).
+    Step side: :meth:`fold_local`,
     :meth:`fold_reduced`, the flags, :meth:`new_step`.
 
     Example:
@@ -99,6 +100,7 @@ class BackwardSums:
         self._frozen = False
         self.measured = False  # a backward handed this step its sums
         self.local_ok = True  # no failure where the local figures are measured
+        self.local_exact = True  # one reduction input held the step's whole local gradient
         self.reduced_ok = True  # ... where the reduced ones are
         self._scaled = True
         self._reduced_scaled = True
@@ -149,9 +151,15 @@ class BackwardSums:
             torch._foreach_mul_(list(unique.values()), factor * factor)
 
     def local_unmeasured(self) -> None:
-        """This step's local figures cannot be measured, and that is no failure (FSDP reduce-scattering
-        on every micro-batch: no single reduce-scatter input holds the step's local gradient)."""
+        """This step's local figures cannot be measured, and that is no failure (no local gradient
+        was read: NaN where served, no rank named for a non-finite one)."""
         self.local_ok = False
+
+    def local_summed(self) -> None:
+        """The local sums handed over are of every one of several reduction inputs (ZeRO-2/3
+        reducing every micro-batch): no norm (NaN where served), but non-finite iff one
+        micro-batch's gradient was, so the rank whose gradient went non-finite is still named."""
+        self.local_exact = False
 
     def set_layer_order(self, positions: list[float]) -> None:
         """Each layer's position in backward order, as the source learned it (rare: new layouts)."""

@@ -25,7 +25,7 @@ from .errors import ErrorCounter
 from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
-from .hostinfo import RankInfo
+from .hostinfo import RankInfo, restart_count
 from .layout import Coordinates, coordinates
 from .lifecycle import Prepared, served_ranks, stage_layers
 from .loss_scale import LossScale
@@ -174,6 +174,8 @@ def build_rank(
     )
     if stage is not None:  # the schedule scales the stage's gradients: followed
         source = PipelineSource(source, stage, sums)
+    if hasattr(source, "steps"):  # a DeepSpeed engine steps its optimizer itself: hooked there
+        optimizers = source.steps(optimizers)
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
     plan = RowPlan.build(
@@ -258,6 +260,7 @@ def build_exports(
             ranks=served,
             window_s=cfg.window_s,
             rank=me.rank,
+            restart=restart_count(),
             own_errors=errors.value,
         )
         prepared.server.attach(GradCollector(aggregate))
@@ -283,6 +286,7 @@ def build_exports(
         watched=tracker.activations.names if tracker.activations else (),
         coords=coords if any(coords) else None,
         local_figures=tracker.source.local_figures,
+        restart=restart_count(),
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
     return thread, aggregate

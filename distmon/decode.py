@@ -54,8 +54,11 @@ class RowDecoder:
         watched: Sequence[str] = (),
         coords: Sequence[Coordinates | None] | None = None,
         local_figures: bool = True,
+        restart: int = 0,
     ) -> None:
         self.plan = plan
+        self.restart = restart  # the launcher's restart count, on every snapshot
+        self.resumed_from: int | None = None  # set by a resume, put on the next snapshot only
         self.layers = tuple(layers)
         self.run_id = run_id
         self.order = order
@@ -85,7 +88,8 @@ class RowDecoder:
             rank_norms.append(_sqrt(total) if ok else math.nan)
             if f.n_layer_cols:
                 rank_layers.append([_sqrt(v) if ok else math.nan for v in vals[f.layers]])
-            first_bad = f.first_nonfinite_layer(vals, order) if ok else -1
+            # a rank whose norm is not measured may still say where its gradient went non-finite
+            first_bad = f.first_nonfinite_layer(vals, order) if vals[f.valid] > 0.0 else -1
             if first_bad >= 0:
                 bad.append((r, first_bad))
         if not self.local_figures:  # refused at construction: absent, never NaN
@@ -122,7 +126,10 @@ class RowDecoder:
             world_size=step.world,
             skipped=bool(info.skip),
             skip_reason=info.skip,
+            restart=self.restart,
+            resumed_from=self.resumed_from,
         )
+        self.resumed_from = None
         if step.noise.stop > step.noise.start:
             snap = self._noise(row[step.noise], snap)
         if self.detector is not None:

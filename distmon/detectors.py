@@ -31,11 +31,12 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from .resume import load_tensors, save_tensors
 from .rows import RowPlan, Verdict
 from .snapshot import AnomalyEvent, Snapshot
 from .sums import prefix_ema, run_lengths, stable_run
@@ -285,6 +286,27 @@ class DeviceDetector:
         # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
         self._max_run = min(cfg.median_window, stable_run(cfg.ema_alpha))
 
+    _STATE = ("mean", "var", "seeded", "history", "below", "held")  # what it learned, as tensors
+
+    def state_dict(self) -> dict[str, object]:
+        """What the detector has learned, as plain lists and numbers (``distmon.resume``)."""
+        return {
+            **save_tensors(self, self._STATE),
+            "dev_var": self.dev_var.tolist(),
+            "groups": [g.tolist() for g in self._groups],
+            "updates": self.updates,
+            "rank_updates": self.rank_updates,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object], same_ranks: bool = True) -> None:
+        """Go on from ``state``; the rank-outlier scales only when the ranks are grouped alike."""
+        load_tensors(self, state, self._STATE, "detector", why={"history": "DetectorConfig.median_window"})
+        self.updates, self.rank_updates = int(state["updates"]), int(state["rank_updates"])
+        if same_ranks and state["groups"] == [g.tolist() for g in self._groups]:
+            load_tensors(self, state, ("dev_var",), "detector")
+        else:
+            self.rank_updates = 0  # another grouping: the outlier warm-up starts again with its scales
+
     def compare_within(self, groups: Sequence[Sequence[int]]) -> None:
         """Rank outliers compare only the ranks of each group: those that hold the same shards (the
         same tensor-parallel, pipeline and expert coordinates), never unlike ones. One group of
@@ -435,20 +457,20 @@ class DetectorDecoder:
     def __init__(self, cfg: DetectorConfig, layers: Sequence[str]) -> None:
         self.cfg = cfg
         self.layers = tuple(layers)
-        self._scaler_run = 0
+        self.scaler_run = 0  # consecutive steps the GradScaler skipped, up to the latest decoded
 
     def __call__(self, step: int, c: list[float], snap: Snapshot) -> Snapshot:
         cfg = self.cfg
         events: list[AnomalyEvent] = []
-        self._scaler_run = self._scaler_run + 1 if snap.skip_reason == "scaler" else 0
-        if self._scaler_run == cfg.scaler_stuck_steps:
+        self.scaler_run = self.scaler_run + 1 if snap.skip_reason == "scaler" else 0
+        if self.scaler_run == cfg.scaler_stuck_steps:
             events.append(
                 AnomalyEvent(
                     kind="scaler_stuck",
                     step=step,
                     rank=-1,
                     layer="",
-                    value=self._scaler_run,
+                    value=self.scaler_run,
                     threshold=cfg.scaler_stuck_steps,
                 )
             )

@@ -53,7 +53,7 @@ class RankBuffers:
     Example:
         >>> plan = RowPlan.build(n_layers=2, world=1)
         >>> buf = RankBuffers(plan, n_rows=4, group=None, device=torch.device("cpu"))
-        >>> _ = buf.layer_sq.copy_(torch.tensor([1.0, 4.0])); buf.pack(torch.zeros(2), errors=0, valid=True)
+        >>> _ = buf.layer_sq.copy_(torch.tensor([1.0, 4.0])); buf.pack(torch.zeros(2), errors=0, valid=1.0)
         >>> buf.keep(0); buf.rows[0].tolist()
         [1.0, 4.0, 0.0, 1.0]
     """
@@ -74,7 +74,7 @@ class RankBuffers:
         self.summed = torch.zeros(f.reduced.stop - f.reduced.start, **f32)  # the all-reduce's buffer
         self._gathered = torch.zeros(self.world * n_rows * f.width, **f32)
         # (errors, valid, reduced_ok, batch) as written in the send row
-        self._sent_meta: tuple[int, bool, bool, float] | None = None
+        self._sent_meta: tuple[int, float, bool, float] | None = None
         self._work: dist.Work | None = None
 
     def pack(
@@ -82,13 +82,14 @@ class RankBuffers:
         layer_order: torch.Tensor,
         *,
         errors: int,
-        valid: bool,
+        valid: float,
         reduced_ok: bool = True,
         batch: float = 0.0,
     ) -> None:
         """Fill the send row's per-rank fields (device ops only).
 
-        ``valid``: the local figures were measured; ``reduced_ok``: this rank's shard sums were.
+        ``valid``: 1.0 the local figures were measured, ``rows.LOCAL_NONFINITE_ONLY`` only whether
+        they were finite, 0.0 not at all; ``reduced_ok``: this rank's shard sums were measured.
         """
         f = self.fields
         if f.total_sq is not None and f.first_nonfinite is not None:
@@ -96,7 +97,7 @@ class RankBuffers:
             sums.first_nonfinite(self.layer_sq, layer_order, self.send[f.first_nonfinite])
         if self._sent_meta != (errors, valid, reduced_ok, batch):
             self.send[f.errors].fill_(errors)
-            self.send[f.valid].fill_(1.0 if valid else 0.0)
+            self.send[f.valid].fill_(float(valid))
             if f.reduced_ok is not None:
                 self.send[f.reduced_ok].fill_(1.0 if reduced_ok else 0.0)
             if f.batch is not None:
@@ -110,7 +111,7 @@ class RankBuffers:
             if index is not None:
                 self.send[index].fill_(-1.0)
         self.send[self.fields.errors].fill_(errors)
-        self._sent_meta = (errors, False, False, 0.0)
+        self._sent_meta = (errors, 0.0, False, 0.0)
 
     def keep(self, slot: int) -> None:
         """Keep the send row as ring row ``slot`` until its export's gather."""
@@ -251,6 +252,10 @@ class Exchange:
         self._export_at = 0  # the step whose collective was its export's gather
         self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()
+
+    def resume_at(self, step: int) -> None:
+        """Go on after ``step`` (a resumed run): its rows and collectives were an earlier process's."""
+        self.gathered_through = self._export_at = self.started = step
 
     # -- a step begins ----------------------------------------------------------------------
     def start(self, step: int) -> None:

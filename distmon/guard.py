@@ -200,6 +200,8 @@ class StepHooks:
     def _finish(self, opt: torch.optim.Optimizer) -> None:
         try:
             self._finished += 1
+            # an optimizer that skipped its own update (DeepSpeed's engine step on an overflow)
+            self._scaler_skip |= bool(getattr(opt, "step_was_skipped", False))
             self._stepped.add(id(opt))
             if len(self._stepped) == len(self.optimizers):
                 self._end()

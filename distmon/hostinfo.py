@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .compat import all_gather
 from .layout import Coordinates
 
-__all__ = ["RankInfo", "resolve_run_id", "local_rank_info", "exchange"]
+__all__ = ["RankInfo", "resolve_run_id", "restart_count", "local_rank_info", "exchange"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,21 @@ def resolve_run_id(explicit: str | None) -> str:
     if os.environ.get("SLURM_JOB_ID"):
         return os.environ["SLURM_JOB_ID"]
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this job: torchrun's count, else Slurm's, else 0.
+
+    Example:
+        >>> import os; os.environ["TORCHELASTIC_RESTART_COUNT"] = "2"; restart_count()
+        2
+        >>> del os.environ["TORCHELASTIC_RESTART_COUNT"]
+    """
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def _gpu_uuid(device: torch.device) -> str:

@@ -261,6 +261,17 @@ def _listen(family: socket.AddressFamily, host: str, port: int) -> socket.socket
     return sock
 
 
+def _listen_waiting(family: socket.AddressFamily, host: str, port: int, deadline: float) -> socket.socket:
+    """:func:`_listen`, trying a taken port again every 0.2 s until ``deadline`` (monotonic)."""
+    while True:
+        try:
+            return _listen(family, host, port)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _close(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_WR)  # the client reads the end of the response, then EOF
@@ -344,6 +355,7 @@ class MetricServer:
         security: EndpointSecurity | None = None,
         *,
         tries: int = 100,
+        wait_s: float = 0.0,
         max_connections: int = MAX_CONNECTIONS,
         timeout_s: float = TIMEOUT_S,
         header_timeout_s: float = HEADER_TIMEOUT_S,
@@ -351,7 +363,8 @@ class MetricServer:
         """Load ``security``, then serve an (initially empty) registry on ``addr:port``.
 
         ``port`` 0 takes an ephemeral port; ``fallback`` the next free one after ``port`` (of
-        ``tries``), else an ephemeral one.
+        ``tries``), else an ephemeral one. ``wait_s``: while ``port`` is taken, try it again for
+        this long first (a restarted worker, its predecessor's socket on the way out).
         ``timeout_s`` bounds a connection's life from its accept, ``header_timeout_s`` (at
         most ``timeout_s``) the time until its request head is in. A taken port raises
         ``OSError`` with ``errno.EADDRINUSE``; any other bind failure
@@ -363,9 +376,10 @@ class MetricServer:
         # the next ports, then an ephemeral one: with fallback a taken port never fails the job
         candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) + [0] if fallback and port else [])
         last: OSError | None = None
+        deadline = time.monotonic() + wait_s
         for p in candidates:
             try:
-                listener = _listen(family, host, p)
+                listener = _listen_waiting(family, host, p, deadline if p == port else 0.0)
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
                     raise OSError(

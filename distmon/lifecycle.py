@@ -121,7 +121,9 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
     try:
         if serves(cfg.serve, me.rank, me.local_rank):
             port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
-            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback, cfg.security)
+            # a restarted worker wants its predecessor's port (scrape configs name it): wait for it
+            wait = RESTART_BIND_S if hostinfo.restart_count() else 0.0
+            out.server = MetricServer.bind(cfg.addr, port, cfg.port_fallback, cfg.security, wait_s=wait)
             out.endpoint = f"{target_host(cfg.addr)}:{out.server.port}"
             if port and out.server.port != port:  # port_fallback: said before anything else is
                 logger.warning(
@@ -139,6 +141,8 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
         raise
     return out
 
+
+RESTART_BIND_S = 10.0  # how long a restarted worker waits for its predecessor's port to be free
 
 _KINDS: dict[str, type[Exception]] = {"OSError": OSError, "ValueError": ValueError, "TypeError": TypeError}
 

@@ -18,8 +18,12 @@ reason (with the number of its first line), never raised:
 Runs: the log of a job restarted in append mode holds several runs one after another. A run
 is a stretch of lines with the same ``run_id`` and rising steps; a step that does not rise
 starts a new run even with the same id (a restart that reused it: ``TORCHELASTIC_RUN_ID``,
-a requeued Slurm job). One run is kept: the latest by default, else the latest with a given
-id, else the N-th; the others are only listed (id, steps, lines).
+a requeued Slurm job), unless its line says the process resumed the run from a checkpoint
+(``resumed_from``, written by a monitor that ``load_state_dict``-ed; a new job may have a new
+run id): the run goes on, the steps after the checkpoint rolled back (dropped) and the restart
+kept (:attr:`Run.restarts`).
+One run is kept: the latest by default, else the latest with a given id, else the N-th; the
+others are only listed (id, steps, lines).
 
 Bounds: a line costs at most ``max_line_bytes`` while it is parsed; what is kept per step is
 ``MAX_LAYERS`` layer norms and ``MAX_RANKS`` rank norms (8 bytes each): layers past the first
@@ -39,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from array import array
@@ -69,6 +74,7 @@ MAX_LINE_BYTES = 8 << 20  # a 128-layer snapshot of 1,024 ranks is about 3 MiB
 LISTED_RUNS = 20  # runs listed from each end of a log with more
 MAX_NAME = 256  # characters kept of a name: a line of the cap could hold one of 8 MiB
 OTHER = "other"
+_GUARD, _SCALER, _INVALID = 1, 2, 4  # a step's flags: skipped by the guard, by the GradScaler; unmeasured
 _NONFINITE = {"nan", "inf", "-inf", "+inf", "infinity", "-infinity", "+infinity"}
 
 
@@ -121,6 +127,7 @@ _FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "valid": (lambda v: isinstance(v, bool), "true or false"),
     "skip_reason": (lambda v: isinstance(v, str), "a string"),
     "monitor_errors": (_is_int, "an integer >= 0"),
+    "resumed_from": (lambda v: v is None or _is_int(v), "null or an integer >= 0"),
     "first_nonfinite": (
         lambda v: (
             v is None or (isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and isinstance(v[1], str))
@@ -177,6 +184,7 @@ class RunSpan:
     last_step: int
     lines: int = 1
     first_line: int = 0
+    restarts: int = 0  # processes that resumed it from a checkpoint (``resumed_from``)
 
 
 @dataclass
@@ -210,16 +218,37 @@ class Run:
     world_size: int = 1
     most_ranks: int = 0
     events: list[dict[str, object]] = field(default_factory=list)  # the first MAX_EVENTS
-    event_count: int = 0
     event_steps: dict[str, list[int]] = field(default_factory=dict)  # kind -> steps with it
     first_nonfinite: tuple[int, object, object] | None = None  # step, rank, layer
-    guard_skips: int = 0
-    scaler_skips: int = 0
-    invalid: int = 0
-    monitor_errors: int = 0
+    flags: array = field(default_factory=lambda: array("b"))  # per step: GUARD | SCALER | INVALID
+    event_counts: array = field(default_factory=lambda: array("q"))  # per step: its events
+    errors: array = field(default_factory=lambda: array("q"))  # per step: monitor errors so far
+    errors_before: int = 0  # monitor errors of the processes before the latest resume
+    restarts: list[tuple[int, int]] = field(default_factory=list)  # (resumed after step, line)
     worst_nonfinite: _Worst | None = None
     worst_event: _Worst | None = None
     worst_norm: _Worst | None = None
+
+    @property
+    def guard_skips(self) -> int:
+        return sum(f & _GUARD != 0 for f in self.flags)
+
+    @property
+    def scaler_skips(self) -> int:
+        return sum(f & _SCALER != 0 for f in self.flags)
+
+    @property
+    def invalid(self) -> int:
+        return sum(f & _INVALID != 0 for f in self.flags)
+
+    @property
+    def event_count(self) -> int:
+        return sum(self.event_counts)
+
+    @property
+    def monitor_errors(self) -> int:
+        """Errors counted in distmon's code by the end, every process of the run together."""
+        return self.errors_before + (self.errors[-1] if self.errors else 0)
 
     @property
     def layers(self) -> list[str]:
@@ -273,18 +302,21 @@ class Run:
         self.most_layers = max(self.most_layers, len(layers))
         self.most_ranks = max(self.most_ranks, len(ranks))
         self.world_size = snap.get("world_size", self.world_size)
-        self.monitor_errors = snap.get("monitor_errors", self.monitor_errors)
-        self.guard_skips += snap.get("skip_reason") == "guard"
-        self.scaler_skips += snap.get("skip_reason") == "scaler"
-        self.invalid += not snap.get("valid", True)
+        self.errors.append(snap.get("monitor_errors", self.errors[-1] if self.errors else 0))
+        reason = snap.get("skip_reason")
+        self.flags.append(
+            (_GUARD if reason == "guard" else 0)
+            | (_SCALER if reason == "scaler" else 0)
+            | (0 if snap.get("valid", True) else _INVALID)
+        )
 
         def matrix() -> list[array] | None:
             rows = snap.get("rank_layer_grad_norms")
             return [self._fold(r, slots) for r in rows[:MAX_RANKS]] if rows else None
 
         events = snap.get("events", [])
+        self.event_counts.append(len(events))
         for e in events:
-            self.event_count += 1
             if len(self.events) < MAX_EVENTS:
                 self.events.append({k: _short(e[k]) for k in _EVENT_FIELDS})
             steps = self.event_steps.setdefault(_short(e["kind"]), [])
@@ -302,6 +334,33 @@ class Run:
         norm = self.grad_norm[-1]
         if math.isfinite(norm) and (self.worst_norm is None or norm > self.worst_norm.key):
             self.worst_norm = _Worst(step, norm, matrix())
+
+
+    def resume(self, after: int, line: int) -> None:
+        """A resumed process goes on after step ``after``: the steps past it were rolled back with
+        the checkpoint (their figures are the killed process's), so they are dropped.
+
+        The worst event past it is forgotten (the kept events cannot name the strongest before it
+        once more than ``MAX_EVENTS`` were seen); the largest norm is found again, without its
+        rank x layer matrix.
+        """
+        keep = bisect.bisect_right(self.steps, after)
+        for values in (self.steps, self.grad_norm, self.noise_scale, self.flags, self.event_counts):
+            del values[keep:]
+        del self.layer_norms[keep:], self.rank_norms[keep:]
+        self.errors_before += self.errors[keep - 1] if keep else 0
+        del self.errors[:]
+        self.events = [e for e in self.events if e["step"] <= after]
+        self.event_steps = {k: [s for s in v if s <= after] for k, v in self.event_steps.items()}
+        self.event_steps = {k: v for k, v in self.event_steps.items() if v}
+        if self.first_nonfinite is not None and self.first_nonfinite[0] > after:
+            self.first_nonfinite = self.worst_nonfinite = None
+        if self.worst_event is not None and self.worst_event.step > after:
+            self.worst_event = None
+        if self.worst_norm is not None and self.worst_norm.step > after:
+            finite = [(v, s) for v, s in zip(self.grad_norm, self.steps) if math.isfinite(v)]
+            self.worst_norm = _Worst(max(finite)[1], max(finite)[0]) if finite else None
+        self.restarts.append((after, line))
 
 
 @dataclass
@@ -392,7 +451,15 @@ def read_log(
                 skip(reason, line_no)
                 continue
             rid, step = _short(obj.get("run_id", "")), obj["step"]
-            if span is None or rid != span.run_id or step <= span.last_step:
+            resumed = obj.get("resumed_from")
+            if span is not None and _is_int(resumed) and resumed < step and span.first_step <= resumed:
+                # a process resumed this run from a checkpoint (a new job may bring a new run id):
+                # the same run, the steps past the checkpoint rolled back
+                span.last_step, span.lines, span.run_id = step, span.lines + 1, rid
+                span.restarts += 1
+                if current is not None:
+                    current.resume(resumed, line_no)
+            elif span is None or rid != span.run_id or step <= span.last_step:
                 span = RunSpan((span.index if span else 0) + 1, rid, step, step, first_line=line_no)
                 (head if len(head) < LISTED_RUNS else tail).append(span)
                 wanted = span.index == run_index if run_index else run_id in (None, rid)

@@ -9,7 +9,7 @@ the shutdown ``lifecycle.py``'s.
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -28,6 +28,7 @@ from .grouping import GroupSpec
 from .guard import GradientAnomalyError, warn_uncovered
 from .hostinfo import RankInfo
 from .lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
+from .resume import load_monitor_state, monitor_state
 from .ring import ExportBatch
 from .sinks import AnomalyCallbacks
 from .snapshot import AnomalyEvent, Snapshot
@@ -248,6 +249,37 @@ class GradMonitor:
             >>> mon.close()
         """
         return self._export.latest
+
+    def state_dict(self) -> dict[str, object]:
+        """What the run carries across a restart: its step count, what the detectors and the noise
+        scale have learned (``distmon/resume.py``). Plain lists and numbers, alike on every rank.
+
+        Save it with the model and optimizer (``torch.save``; with ``torch.distributed.checkpoint``
+        the monitor is itself a ``Stateful``). Call it on every rank at the same point: it exports
+        the steps since the last export first, as :meth:`flush` does.
+
+        Example:
+            >>> torch.save({"model": model.state_dict(), "distmon": mon.state_dict()}, path)  # doctest: +SKIP
+            >>> mon = GradMonitor(model, opt); mon.load_state_dict(torch.load(path)["distmon"])  # doctest: +SKIP
+        """
+        if self._tracker.measured_steps:  # not for steps that measured nothing (dcp.load's lr-0 step)
+            self.flush()
+        judge, decoder = self._tracker.judge, self._export.decoder.detector
+        return monitor_state(step=self.step, layers=self.layers, world=self.world_size, detector=judge.detector,
+                             noise=judge.noise, scaler_run=decoder.scaler_run if decoder else 0)
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Resume from :meth:`state_dict`'s ``state``: the next step is its step + 1, judged against what
+        the run had learned. On every rank, right after building the monitor, before the first step.
+        Another model or ``groups=`` is refused (``ValueError``); another world size keeps all but the
+        rank-outlier scales."""
+        judge, decoder = self._tracker.judge, self._export.decoder
+        step, scaler_run = load_monitor_state(state, counted=self._tracker.measured_steps, layers=self.layers,
+                                              world=self.world_size, detector=judge.detector, noise=judge.noise)
+        self._tracker.resume_at(step)
+        decoder.resumed_from = step
+        if decoder.detector is not None:
+            decoder.detector.scaler_run = scaler_run
 
     def flush(self) -> Snapshot | None:
         """Export every finished step now and wait until the exporters have it (at most 10 s for a sink).

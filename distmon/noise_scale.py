@@ -19,9 +19,11 @@ measured on every rank, are left out; the figures are NaN until ``1/alpha`` step
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
+from .resume import load_tensors, save_tensors
 from .rows import Head, Noise, RowPlan
 from .sums import ema_after
 
@@ -52,6 +54,13 @@ class NoiseScale:
         self.g2 = torch.zeros(self.n, dtype=torch.float32, device=device)
         self.count = torch.zeros(self.n, dtype=torch.float32, device=device)
         self.min_count = math.ceil(1 / alpha)
+
+    def state_dict(self) -> dict[str, list]:
+        """The EMAs and their counts, as plain lists (``distmon.resume``)."""
+        return save_tensors(self, ("tr", "g2", "count"))
+
+    def load_state_dict(self, state: Mapping[str, list]) -> None:
+        load_tensors(self, state, ("tr", "g2", "count"), "noise")
 
     def update(self, rows: torch.Tensor) -> None:
         """Fold a run of finished rows (in step order) in; write their noise columns."""

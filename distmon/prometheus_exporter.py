@@ -72,6 +72,11 @@ METRICS: dict[str, MetricSpec] = {
     "distmon_monitor_errors_total": MetricSpec(
         "counter", (), "Errors caught in distmon's own code, all ranks."
     ),
+    "distmon_restart_count": MetricSpec(
+        "gauge",
+        (),
+        "Times the launcher restarted the job (torchrun's TORCHELASTIC_RESTART_COUNT, Slurm's SLURM_RESTART_COUNT).",
+    ),
     "distmon_run_finished": MetricSpec(
         "gauge", (), "1 after a clean finish (served a while longer), else 0."
     ),
@@ -167,6 +172,7 @@ class MetricsAggregate:
     ranks: tuple[RankInfo, ...]
     window_s: float = 60.0
     rank: int = 0
+    restart: int = 0  # the launcher's restart count
     own_errors: Callable[[], int] = lambda: 0
     view: _View = field(default_factory=_View)
 
@@ -317,6 +323,7 @@ class GradCollector(Collector):
         yield from agg.histogram()
         yield self._one("distmon_run_info", 1.0, labels=(str(agg.world_size), agg.version, agg.serve))
         yield self._one("distmon_run_finished", 1.0 if v.finished else 0.0)
+        yield self._one("distmon_restart_count", agg.restart)
         if v.activations is not None:
             yield self._by_layer("distmon_activation_rms", v.activations.activation_rms)
             yield self._by_layer("distmon_activation_absmax", v.activations.activation_absmax)

@@ -86,6 +86,12 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
         f"- skipped by the guard: {run.guard_skips}, by the GradScaler: {run.scaler_skips}",
         f"- invalid (unmeasured) steps: {run.invalid}; monitor errors at the end: {run.monitor_errors}",
     ]
+    if run.restarts:
+        where = ", ".join(f"after step {step} (line {line})" for step, line in run.restarts)
+        lines.append(
+            f"- resumed from a checkpoint {len(run.restarts)} time{'s' if len(run.restarts) > 1 else ''}: "
+            f"{where}; the steps after each checkpoint are the resumed process's"
+        )
     if run.first_nonfinite is not None:
         step, rank, layer = run.first_nonfinite
         lines.append(f"- **first non-finite step {step}**: rank {rank}, layer `{layer}`")
@@ -153,10 +159,12 @@ def write_report(log: LogRead, out_dir: str) -> list[str]:
         for i, step in enumerate(run.event_steps[kind]):
             label = kind if i == 0 else None
             ax.axvline(step, color=colors.get(kind, "tab:green"), alpha=0.5, lw=1, label=label)
+    for i, (step, _) in enumerate(run.restarts):  # a resumed process took over after this step
+        ax.axvline(step, color="black", ls="--", lw=1, label="resumed" if i == 0 else None)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("L2 norm")
-    ax.set_title("Global gradient norm, anomaly events marked")
+    ax.set_title("Global gradient norm, anomaly events and resumes marked")
     ax.legend(loc="upper right")
     save(fig, "global_norm.png")
 

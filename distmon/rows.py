@@ -37,7 +37,14 @@ __all__ = [
     "RowPlan",
     "RowWriter",
     "earliest_nonfinite",
+    "LOCAL_NONFINITE_ONLY",
 ]
+
+# A rank row's ``valid`` when the step's local gradient was split over several reduction inputs,
+# every one read (ZeRO-2/3 reducing every micro-batch): the sums added up are no norm (NaN where
+# served) but non-finite iff one micro-batch's gradient was, so the rank is still named. Every
+# check of a measured local figure is ``valid == 1.0``.
+LOCAL_NONFINITE_ONLY = 0.5
 
 
 class Head(IntEnum):

@@ -87,6 +87,11 @@ class Snapshot:
             steps with ``update_ratio=True``; empty on other steps.
         noise_trace, noise_signal: the bias-corrected EMAs of tr(Sigma) (per-example gradient
             variance) and |G|^2 (squared true gradient) whose ratio is the noise scale.
+        restart: how many times the launcher had restarted the job when this step ran (torchrun's
+            ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT``; 0 on the first start).
+        resumed_from: on the first step exported after ``GradMonitor.load_state_dict``, the step
+            the run resumed after (the steps after it in the log before this line were rolled
+            back with the checkpoint); None on every other step.
         skipped: the optimizer did not take this step; ``skip_reason`` says who kept it:
             ``"guard"`` (``guard="skip"``) or ``"scaler"`` (the ``GradScaler`` found an Inf/NaN
             gradient: counted in ``distmon_scaler_skipped_steps_total``, not as non-finite).
@@ -122,6 +127,8 @@ class Snapshot:
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
     rank_valid: list[bool] = field(default_factory=list)
     first_nonfinite_coords: dict[str, str] | None = None
+    restart: int = 0
+    resumed_from: int | None = None
 
 
 def _clean(value: object) -> object:

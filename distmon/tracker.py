@@ -25,9 +25,9 @@ From a DDP bucket's gradient to its Prometheus gauges (no guard; a "go to defini
 ====  ============================================================================  =====================
 hop   function                                                                      thread
 ====  ============================================================================  =====================
-1     ``sources.ddp.monitor_hook`` -> ``DDPSource.measure_local``                    backward (autograd)
-2     ``BucketLayouts.layout`` -> ``BucketLayout.measure`` -> ``sums.sq_sums``       backward
-3     ``BackwardSums.add_local``; the reduction's future: ``.add_reduced``          backward; gloo's
+1     ``DDPSource._backward_begins`` (NCCL) / ``monitor_hook`` -> ``.on_bucket``     backward (autograd)
+2     ``DDPSource._read_local`` -> ``GradSums.read`` -> ``sums.sq_sums``             final callback
+3     ``BackwardSums.add_local``; after DDP's finalize: ``.add_reduced``            final callbacks
 4     ``StepHooks._pre_hook`` -> ``StepTracker.before_step`` -> ``_pack``            training (pre-hook)
 5     ``Exchange.start``: this rank's row kept; an export step's all-gather          training
 6     ``StepHooks._post_hook`` -> ``StepTracker.after_step`` -> ``row``              training (post-hook)
@@ -58,7 +58,7 @@ from .exchange import Exchange
 from .judge import Judge
 from .noise_scale import NoiseScale
 from .ring import DeviceRing, ExportBatch, StepInfo
-from .rows import Head, RowPlan
+from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .snapshot import SkipReason
 from .sources.base import Source
 from .update_ratio import UpdateRatio
@@ -143,11 +143,29 @@ class StepTracker:
         if activations is not None:
             activations.active = 1 % activation_every == 0  # step 1's forwards
         self.step = 0
+        self.measured_steps = 0  # steps whose reduced figures were measured (a backward ran)
         self._exported_through = 0
         self._judged_through = 0
         self._finished: list[tuple[float, SkipReason]] = [(0.0, "")] * export_every  # per slot
         self._valid = [False] * export_every  # per slot: the reduced figures were measured
         self._new_step()
+
+    def resume_at(self, step: int) -> None:
+        """Count on from ``step``, the last step of the run this one resumes.
+
+        Only before a step here measured anything: steps without a backward may have been
+        counted (``torch.distributed.checkpoint`` initializes an empty optimizer's state with an
+        ``optimizer.step()`` at lr 0 while it loads); their rows are dropped.
+        """
+        assert self.measured_steps == 0, "resume_at after a measured step"
+        self.exchange.complete()  # such a step's collective, before its rows are dropped
+        self.ring.reset(1, self.export_every, self._blank)
+        self._valid = [False] * self.export_every
+        self.step = self._exported_through = self._judged_through = step
+        self.exchange.resume_at(step)
+        self._new_step()
+        if self.activations is not None:
+            self.activations.active = (step + 1) % self.activation_every == 0
 
     @property
     def active(self) -> bool:
@@ -242,7 +260,7 @@ class StepTracker:
         buf.pack(
             sums.order.device,
             errors=self.errors.count,
-            valid=sums.local_ok and sums.measured,
+            valid=(1.0 if sums.local_exact else LOCAL_NONFINITE_ONLY) if sums.local_ok and sums.measured else 0.0,
             reduced_ok=sums.reduced_ok and sums.measured,
             batch=float(self.batch_size()) if self.batch_size is not None else 0.0,
         )
@@ -331,6 +349,7 @@ class StepTracker:
     def _count(self, skip: SkipReason) -> None:
         """The step is over: count it, ready the next one, export on schedule."""
         self.step += 1
+        self.measured_steps += self._valid[self.ring.slot(self.step)]
         self._finished[self.ring.slot(self.step)] = (time.time(), skip)
         self._new_step()
         watch = self.activations

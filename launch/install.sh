@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install distmon and what it needs, on a fresh machine. Idempotent.
 #   bash launch/install.sh          # torch (pinned), prometheus-client, distmon (editable)
-#   bash launch/install.sh --test   # + pytest, pyyaml, bcrypt, and the Prometheus/Alertmanager
-#                                   #   and openssl binaries
+#   bash launch/install.sh --test   # + pytest, pyyaml, bcrypt, the frameworks (Lightning, transformers,
+#                                   #   accelerate, DeepSpeed) and the Prometheus/Alertmanager and
+#                                   #   openssl binaries
 # torch is installed FIRST, pinned: an unpinned `torch` requirement would pull several GB of
 # CUDA wheels on a CPU machine. A torch already installed in distmon's range (pyproject.toml's
 # floor and up) is kept; DISTMON_TORCH_SPEC installs the build it names in any case.
@@ -30,6 +31,9 @@ fi
 
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
+# DeepSpeed (a test extra) builds no CUDA or C++ ops at install: it runs on its CPU accelerator
+# here and compiles what it needs when first used; nothing CUDA is pulled in
+export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
 # the pin again, so pip's resolver can never "upgrade" torch while installing the rest
 "$PY" -m pip install --quiet -e ".${extras}" "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
 

@@ -235,11 +235,27 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--corrupt-scale", type=float, default=10.0, help="loss scale on --corrupt-rank")
     f.add_argument("--corrupt-from", type=int, default=1, help="first step of the corruption")
     f.add_argument(
+        "--crash-step",
+        type=int,
+        default=None,
+        help="--crash-rank raises at step S, on the job's first attempt only (torchrun --max-restarts "
+        "then restarts every worker, which resume from --checkpoint-dir)",
+    )
+    f.add_argument("--crash-rank", type=int, default=0, help="rank that fails at --crash-step")
+    f.add_argument(
         "--hang-step",
         type=int,
         default=None,
         help="all ranks hang (sleep forever) before step S; metrics keep being served",
     )
+    c = p.add_argument_group("checkpoints (a job started again with the same directory resumes)")
+    c.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="every --checkpoint-every steps save the model, optimizer, LR schedule and distmon's state "
+        "(mon.state_dict()) here; at start, resume from what it holds",
+    )
+    c.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     return p
 
 
@@ -262,6 +278,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "vocab",
         "grad_accum",
         "print_every",
+        "checkpoint_every",
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -325,11 +342,11 @@ def validate_faults(args: argparse.Namespace, model: nn.Module, world_size: int)
         elif layer not in valid:
             listing = "\n".join(f"  {name}" for name in valid)
             fail(f"unknown layer {layer!r} for --{flag}-layer. Valid layer names:\n{listing}")
-    for flag in ("nan_step", "spike_step", "hang_step", "corrupt_from"):
+    for flag in ("nan_step", "spike_step", "hang_step", "corrupt_from", "crash_step"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1 (steps count from 1)")
-    for flag in ("nan_rank", "spike_rank", "corrupt_rank"):
+    for flag in ("nan_rank", "spike_rank", "corrupt_rank", "crash_rank"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < world_size:
             fail(f"--{flag.replace('_', '-')} {value} is not a rank of this job (world size {world_size})")
@@ -381,6 +398,8 @@ class FaultInjector:
             )
         if args.hang_step is not None:
             self.descriptions.append(f"all ranks hang before step {args.hang_step}")
+        if args.crash_step is not None:
+            self.descriptions.append(f"rank {args.crash_rank} fails at step {args.crash_step} (first attempt only)")
 
     def _hook(self, model: nn.Module, layer: str, fn: Any) -> None:
         for _, param in layer_parameters(model, layer):
@@ -413,6 +432,13 @@ class FaultInjector:
 
     def should_hang(self) -> bool:
         return self.args.hang_step is not None and self.step == self.args.hang_step
+
+    def crash(self) -> None:
+        """``--crash-step``: this rank fails now, unless torchrun already restarted the job."""
+        a = self.args
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and self.rank == a.crash_rank and self.step == a.crash_step:
+            raise RuntimeError(f"--crash-step: rank {self.rank} fails at step {self.step} (injected)")
 
     def remove(self) -> None:
         for h in self.handles:
@@ -447,6 +473,7 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
     rdzv_conf: str | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The ``python -m torch.distributed.run`` command that runs this trainer on ``nproc`` processes.
 
@@ -474,6 +501,8 @@ def torchrun_command(
         cmd += ["--rdzv-id", rdzv_id]
     if rdzv_conf:
         cmd += ["--rdzv-conf", rdzv_conf]
+    if max_restarts:
+        cmd += ["--max-restarts", str(max_restarts)]
     return cmd + [os.path.abspath(__file__), *train_args]
 
 
@@ -628,6 +657,43 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> tuple[torch.op
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def resume(
+    args: argparse.Namespace, model: nn.Module, opt: Any, sched: Any, mon: Any, data: MarkovTokenStream
+) -> int:
+    """The first step to train: 1, or the step after ``--checkpoint-dir``'s checkpoint, loaded.
+
+    The model, optimizer and LR schedule come back as saved, the monitor counts on from the
+    checkpoint's step with what its detectors had learned (``mon.load_state_dict``), and this
+    rank's data stream is drawn forward to where it was, so the resumed run sees the same batches.
+    """
+    path = os.path.join(args.checkpoint_dir, "latest.pt") if args.checkpoint_dir else None
+    if path is None or not os.path.exists(path):
+        return 1
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optimizer"])
+    sched.load_state_dict(ckpt["scheduler"])
+    if mon is not None and ckpt.get("distmon"):
+        mon.load_state_dict(ckpt["distmon"])
+    for _ in range(ckpt["step"] * args.grad_accum):
+        data.batch(args.batch_size, args.seq_len)
+    return ckpt["step"] + 1
+
+
+def save_checkpoint(
+    args: argparse.Namespace, step: int, model: nn.Module, opt: Any, sched: Any, mon: Any, rank: int
+) -> None:
+    """Every rank: the monitor's state (its flush is a collective); rank 0 writes ``latest.pt`` atomically."""
+    state = mon.state_dict() if mon is not None else None
+    if rank != 0:
+        return
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
+    path = os.path.join(args.checkpoint_dir, "latest.pt")
+    ckpt = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(ckpt | {"scheduler": sched.state_dict(), "distmon": state}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint whole
+
+
 def _fmt_norm(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
@@ -654,6 +720,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
     )
 
     mon = None if args.no_monitor else make_monitor(args, ddp, opt, sched, ctx.world_size)
+    first_step = resume(args, model, opt, sched, mon, data)
     anomalies = AnomalyLog()
     if mon is not None:
         mon.on_anomaly(anomalies.add)
@@ -685,19 +752,21 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
         say(f"monitor: distmon {distmon.__version__}; metrics " + (url or "not served by rank 0"))
     for line in injector.descriptions:
         say(f"fault injection: {line}")
+    if first_step > 1:
+        say(f"resumed from {args.checkpoint_dir} at step {first_step - 1}")
 
     params = [p for p in model.parameters()]
     loss_acc = torch.zeros(2, device=ctx.device, dtype=torch.float64)  # (sum of losses, count)
     first_loss = last_loss = None
     grad_norm: float | None = None
     t0 = t_last = time.perf_counter()
-    step_last = 0
-    step = 0
+    step_last = step = first_step - 1
     try:
         with mon if mon is not None else contextlib.nullcontext():
-            for step in range(1, args.steps + 1):
+            for step in range(first_step, args.steps + 1):
                 t_step = time.perf_counter()
                 injector.step = step
+                injector.crash()
                 if injector.should_hang():
                     say(
                         f"--hang-step {step}: the training loop hangs here on all ranks (sleeping); "
@@ -719,8 +788,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                     loss_acc[1] += 1
                 opt.step()
                 sched.step()
+                if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                    save_checkpoint(args, step, model, opt, sched, mon, ctx.rank)
 
-                if step == 1 or step % args.print_every == 0 or step == args.steps:
+                if step == first_step or step % args.print_every == 0 or step == args.steps:
                     # Same schedule on every rank: the loss all_reduce is a collective.
                     if distributed:
                         dist.all_reduce(loss_acc)

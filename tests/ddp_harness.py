@@ -239,14 +239,23 @@ def _reduction_on_ddp_behalf():
     hook reproduces DDP's built-in reduction (which would run without distmon), and its FSDP
     reduce-scatter and post_backward wrappers call FSDP's own, so their collectives are the
     training's, not the monitor's."""
-    from distmon.sources.ddp import _allreduce
+    from distmon.sources.ddp import _allreduce, _bucket_future
     from distmon.sources.fsdp import _MeasuringReduceScatter, _NotingPostBackward
 
     return {
         _allreduce.__code__,
+        _bucket_future.__code__,  # the reduced bucket as the hook's result, as torch's allreduce_hook
         _MeasuringReduceScatter.__call__.__code__,
         _NotingPostBackward.__call__.__code__,
     }
+
+
+def ddp_own_reduction(on):
+    """Whether distmon leaves DDP's own reduction alone on gloo in this process (no comm hook: the
+    path it takes on NCCL), or wraps it in its comm hook (its path on gloo)."""
+    from distmon.sources import ddp
+
+    (ddp.HOOKLESS_BACKENDS.add if on else ddp.HOOKLESS_BACKENDS.discard)("gloo")
 
 
 def in_distmon_code(frame, dm_dir):

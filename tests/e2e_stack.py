@@ -565,6 +565,49 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+class EndpointWatch:
+    """Scrapes ``url`` every ``interval`` s from a thread: when it answered, with which
+    ``distmon_restart_count``, and when each worker of ``job`` (its launcher's restart count in
+    its environment) started, from ``/proc``. For a job that torchrun restarts."""
+
+    def __init__(self, url: str, job: TorchrunJob, interval: float = 0.2) -> None:
+        self.url, self.job, self.interval = url, job, interval
+        self.scrapes: list[tuple[float, float | None]] = []  # (time, restart count; None: no answer)
+        self.workers: dict[int, tuple[float, int]] = {}  # pid -> (its start time, its restart count)
+        self._stop = threading.Event()
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            self._boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
+        self._thread = threading.Thread(target=self._run, name="e2e-endpoint-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=1) as r:
+                    body = r.read().decode()
+                found = re.search(r"^distmon_restart_count\{[^}]*\} (\S+)$", body, re.M)
+                self.scrapes.append((time.time(), float(found[1]) if found else -1.0))
+            except OSError:
+                self.scrapes.append((time.time(), None))
+            for pid in self.job.worker_pids():
+                if pid not in self.workers:
+                    try:
+                        with open(f"/proc/{pid}/environ", "rb") as f:
+                            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+                        with open(f"/proc/{pid}/stat") as f:
+                            start = int(f.read().rsplit(")", 1)[1].split()[19]) / self._ticks + self._boot
+                    except (OSError, ValueError):
+                        continue
+                    if b"TORCHELASTIC_RESTART_COUNT" in env:  # a worker, not the launcher
+                        self.workers[pid] = (start, int(env[b"TORCHELASTIC_RESTART_COUNT"]))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 class TorchrunJob:
     """One ``torchrun`` launcher (``python -m torch.distributed.run``) of launch/train.py.
 
@@ -585,6 +628,7 @@ class TorchrunJob:
         rdzv_endpoint: str | None = None,
         rdzv_id: str | None = None,
         rdzv_conf: str | None = None,
+        max_restarts: int = 0,
     ) -> None:
         self.name = name
         self.token = f"{name}-{uuid.uuid4().hex}"
@@ -597,6 +641,7 @@ class TorchrunJob:
             rdzv_endpoint=rdzv_endpoint,
             rdzv_id=rdzv_id,
             rdzv_conf=rdzv_conf,
+            max_restarts=max_restarts,
         )
         self.env = clean_env(**env, E2E_JOB_TOKEN=self.token)
         self.proc: subprocess.Popen | None = None

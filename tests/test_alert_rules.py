@@ -47,6 +47,7 @@ EXPECTED_ALERTS = {
     "DistmonMonitorErrors",
     "DistmonAnomalyDetected",
     "DistmonScalerStuck",
+    "DistmonRunRestarted",
 }
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -256,6 +257,20 @@ MUTATIONS = {
         "or last_over_time(distmon:grad_norm:median_30m[10s])",
         1,
         "explosion_spike.test.yml",
+    ),
+    "restart_compares_with_itself": (
+        ALERTS_FILE.name,
+        "max by (run_id) (distmon_restart_count) > max by (run_id) (distmon_restart_count offset 10m)",
+        "max by (run_id) (distmon_restart_count) >= max by (run_id) (distmon_restart_count offset 10m)",
+        1,
+        "lifecycle.test.yml",
+    ),
+    "restart_before_first_scrape_missed": (
+        ALERTS_FILE.name,
+        "max by (run_id) (distmon_restart_count) > 0\n",
+        "max by (run_id) (distmon_restart_count) > 5\n",
+        1,
+        "lifecycle.test.yml",
     ),
     "median_without_nan_filter": (
         RECORDING_FILE.name,

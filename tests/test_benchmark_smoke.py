@@ -125,6 +125,44 @@ def test_smoke_benchmark_produces_every_row(tmp_path):
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# the GPU preset's approaches (issue #35), baseline first
+GPU_APPROACHES = [
+    "baseline",
+    "distmon",
+    "distmon-detailed",
+    "distmon-activations",
+    "allreduce-hook",
+    "hand-written",
+    "clip-item",
+]
+
+
+def test_gpu_preset_runs_on_a_tiny_model(tmp_path):
+    """``--gpu`` on the smoke size: it runs anywhere (here on CPU: gloo, one rank, bf16 autocast) and
+    writes what the GPU run commits: per size and approach the paired ratio and its spread, the
+    GPU's name (none here) and the torch version, and the issue's targets in ``overhead.md``."""
+    proc = _run(SCRIPT, "--gpu", "--sizes", "smoke", "--out", str(tmp_path))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in log, log[-6000:]
+    res = json.loads((tmp_path / "overhead.json").read_text())
+    md = (tmp_path / "overhead.md").read_text()
+    assert res["mode"] == "gpu" and res["approaches"] == GPU_APPROACHES
+    assert res["machine"]["world_size"] == 1 and res["machine"]["torch"] and "gpu" in res["machine"]
+    (size,) = res["sizes"]
+    for name in GPU_APPROACHES[1:]:
+        row = size["rows"][name]
+        assert row["paired_q25"] <= row["paired"] <= row["paired_q75"], (name, row)
+        assert 0 < row["paired_lo"] <= row["paired"] <= row["paired_hi"], (name, row)
+        assert f"| {res['labels'][name]} |" in md, name
+    assert size["rows"]["distmon"]["sites_ms"].get("distmon::local_sums", 0) > 0
+    for name in ("distmon", "distmon-detailed", "distmon-activations"):
+        assert size["health"][name]["errors"] == 0
+        want = size["health"]["hand-written"]["grad_norm"]
+        assert math.isclose(size["health"][name]["grad_norm"], want, rel_tol=1e-4), name
+    assert "## Targets (issue #35)" in md and "distmon <= the hand-written best effort" in md
+    assert "No GPU: these are CPU figures" in md
+
+
 @pytest.mark.parametrize(
     "layout, size, header",
     [

@@ -50,6 +50,7 @@ from ddp_harness import (
     TinyLM,
     as_float64,
     close,
+    ddp_own_reduction,
     lm_loss,
     make_batch,
     reference_norms,
@@ -89,6 +90,20 @@ VARIANTS = {
     # nn.Embedding(sparse=True): its own sparse bucket, duplicate indices summed
     "sparse_embedding": {"model": {"sparse": True}},
 }
+# The configurations DDP reduces with its own reduction under distmon (no comm hook of distmon's:
+# the path taken on NCCL; on gloo only when asked, as here, through
+# distmon.sources.ddp.HOOKLESS_BACKENDS), again: named "hookless_<configuration>"
+HOOKLESS = (
+    "base",
+    "no_sync_accumulation",
+    "find_unused_parameters",
+    "static_graph",
+    "frozen_parameters",
+    "tied_weights",
+    "bf16_parameters",
+    "complex_parameter",
+)
+VARIANTS.update({f"hookless_{n}": {**VARIANTS[n], "hookless": True} for n in HOOKLESS})
 VARIANTS_2 = list(VARIANTS)
 # The variants are cheap: all of them run on 2 and on 3 ranks
 # (with 3 ranks the mean is not a power-of-two scaling of the sum).
@@ -133,7 +148,10 @@ def _run_variant(rank, world_size, name, steps):
     elif cfg.get("hook") == "half_mean":
         state = HalfMeanState()
         kwargs = {"comm_hook": half_mean_hook, "comm_state": state}
+    ddp_own_reduction(cfg.get("hookless", False))
     mon = distmon.GradMonitor(ddp, opt, export_every=1, serve="none", **kwargs)
+    # the path the variant is about is the one taken: no comm hook at all, or distmon's
+    assert mon._tracker.source.hookless == bool(cfg.get("hookless")) == (not ddp._comm_hooks), name
 
     params = dict(model.named_parameters())  # deduplicated, model order
     twin_params = dict(twin.named_parameters())
@@ -338,10 +356,11 @@ def test_norms_equal_references_in_every_ddp_configuration(numerics_runs, world_
     results = numerics_runs(world_size)
     problems = check_numerics(results, name, world_size)
     _assert_ok(problems, name, world_size)
+    kind = name.removeprefix("hookless_")
     recs = [res[name]["records"] for res in results]
     layers = results[0][name]["layers"]
 
-    if name == "find_unused_parameters":
+    if kind == "find_unused_parameters":
         # The test really exercised unused parameters: the branch's reference norm is 0
         # on the skipped steps and not on the others.
         for rec in recs[0]:
@@ -353,12 +372,12 @@ def test_norms_equal_references_in_every_ddp_configuration(numerics_runs, world_
                 ref,
             )
 
-    if name == "frozen_parameters":
+    if kind == "frozen_parameters":
         assert "blocks.0.ln" not in layers and "blocks.1.fc" in layers
         for rec in recs[0]:
             assert "blocks.0.ln" not in rec["snap"]["layer_grad_norms"], "frozen layer reported"
 
-    if name == "tied_weights":
+    if kind == "tied_weights":
         # the shared weight is counted once, under its first owner (named_parameters order)
         assert layers == ["emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "norm", "head"]
 
@@ -410,7 +429,7 @@ def test_monitor_leaves_the_reduced_gradient_unchanged(numerics_runs, world_size
             pytest.fail(results[r][name]["error"], pytrace=False)
     recs = [res[name]["records"] for res in results]
     scale = 0.5 if name == "custom_user_hook" else 1.0
-    tol = GRAD_TOL.get(name, 1e-5)
+    tol = GRAD_TOL.get(name.removeprefix("hookless_"), 1e-5)
     problems = []
     for i in range(STEPS):
         for pname in recs[0][i]["local_grads"]:

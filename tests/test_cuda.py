@@ -2,8 +2,9 @@
 
 The development machines of this project have no GPU, so this module is what a session with
 one runs first: figures against a float64 reference on the device, no host sync on ordinary
-steps under ``torch.cuda.set_sync_debug_mode("error")``, a GradScaler on CUDA, and the demo
-on one NCCL rank under torchrun.
+steps under ``torch.cuda.set_sync_debug_mode("error")`` (distmon's step hooks alone, and whole
+DDP training steps: forward, backward, optimizer step, in four settings), a GradScaler on CUDA,
+and the demo on one NCCL rank under torchrun. Then ``python benchmarks/overhead.py --gpu``.
 """
 
 import math
@@ -149,5 +150,77 @@ def test_one_rank_nccl_time_rule_vote_reaches_the_host_through_pinned_memory():
             snap = mon.latest()
             assert snap is not None and 6 <= snap.step <= 12, snap and snap.step
             assert snap.valid and snap.monitor_errors == 0
+    finally:
+        dist.destroy_process_group()
+
+
+# distmon's settings whose whole DDP steps must never sync the host (issue #35): its defaults
+# (DDP's own reduction, no comm hook, on NCCL), its comm hook (a hook of the user's: distmon's
+# own reduction wrapped), its most detailed setting (an export every step) and activations
+WHOLE_STEP_OPTIONS = {
+    "defaults": {},
+    "comm hook": {"comm_hook": "ddp_allreduce_hook"},
+    "most detailed": {"export_every": 1, "groups": lambda name, p: name, "max_layers": 100000},
+    "activations": {"activations": True, "activation_every": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(WHOLE_STEP_OPTIONS))
+def test_whole_ddp_steps_never_sync_the_host(name):
+    """Forward under bf16 autocast, backward, AdamW step, zero_grad: every step after the warm-up
+    (which builds distmon's plans and goes through an export) runs under
+    ``set_sync_debug_mode("error")``, export steps included; the figures stay exact."""
+    import sys
+
+    import torch.distributed as dist
+    from ddp_harness import free_port
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distmon.sources.ddp import ddp_allreduce_hook
+
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from model import GPT, GPTConfig
+
+    options = dict(WHOLE_STEP_OPTIONS[name])
+    if options.get("comm_hook"):
+        options["comm_hook"] = ddp_allreduce_hook
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(vocab=512, seq_len=64, d_model=128, n_layers=3, n_heads=4)).cuda()
+        ddp = DDP(net, device_ids=[0], bucket_cap_mb=0.25)  # several buckets
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randint(0, 512, (8, 65), device="cuda", generator=g)
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = ddp(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        with distmon.GradMonitor(ddp, opt, serve="none", **options) as mon:
+            hookless = mon._tracker.source.hookless
+            assert hookless == (name != "comm hook") and bool(ddp._comm_hooks) == (not hookless)
+            for _ in range(12):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(12):
+                    step()
+                # the last step's gradient, for the reference (outside the checked steps)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    _, loss = ddp(x[:, :-1], x[:, 1:])
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            true = reference(net)
+            opt.step()
+            snap = mon.flush()
+        assert snap.step == 25 and snap.valid and snap.monitor_errors == 0, snap
+        assert snap.grad_norm == pytest.approx(true, rel=1e-5)
+        assert snap.rank_grad_norms[0] == pytest.approx(true, rel=1e-5)
     finally:
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """A failure in any of distmon's hook paths never reaches training (issue #22).
 
 Each path distmon runs inside training is made to raise (``fault_injection.FailureInjector``)
-on one step: DDP's comm hook (the local side, the reduced side's callback on gloo's thread, the
-end of backward), FSDP2's reduce-scatter and post_backward wrappers and the read of its sharded
+on one step: DDP's comm hook (the local read at the last bucket, or in every bucket's hook where
+``p.grad`` is the bucket; the reduced read in the autograd callback after DDP's; the end of
+backward), FSDP2's reduce-scatter and post_backward wrappers and the read of its sharded
 gradients when backward ends, the single process's gradient-accumulation hook and its
 end-of-backward read, the optimizer step pre- and post-hooks, the guarded step
 (``guard="skip"``), the GradScaler's step wrapper (on a step it skips) and the activation hooks.
@@ -27,7 +28,7 @@ import math
 
 import pytest
 import torch
-from ddp_harness import TinyLM, close, lm_loss, make_batch, reference_norms, run_ranks
+from ddp_harness import TinyLM, close, ddp_own_reduction, lm_loss, make_batch, reference_norms, run_ranks
 from fault_injection import FailureInjector
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -42,14 +43,39 @@ CONFIGS = {
     "ddp": {
         "kind": "ddp",
         "plan": [
-            {"distmon.sources.ddp.sq_sums"},
+            {"distmon.sources.local.sq_sums"},  # the fused reads (local at the last bucket, reduced)
             {f"torch.{FUSED}"},
-            {"BucketLayouts.layout"},
-            {"BackwardSums.add_local"},
-            {"BackwardSums.add_reduced"},  # on gloo's callback thread
+            {"GradSums.read"},
+            {"BackwardSums.add_local"},  # in the comm hook
+            {"BackwardSums.add_reduced"},  # in the autograd callback after DDP's
             {"BackwardSums.end_backward"},
             *STEP_HOOKS,
             *ACTIVATIONS,
+        ],
+    },
+    # DDP's own reduction, no comm hook (NCCL's path; on gloo when asked): a forward hook, a hook on
+    # the outputs, the reads among the backward's final callbacks
+    "ddp_own_reduction": {
+        "kind": "ddp",
+        "hookless": True,
+        "plan": [
+            {"distmon.sources.ddp._find_tensors"},  # the forward hook
+            {"distmon.sources.local.sq_sums"},
+            {"GradSums.read"},
+            {"BackwardSums.begin_backward"},
+            {"BackwardSums.add_local"},
+            {"BackwardSums.add_reduced"},
+            {"BackwardSums.end_backward"},
+        ],
+    },
+    # p.grad is the bucket: each bucket read in its own hook
+    "ddp_bucket_view": {
+        "kind": "ddp_bucket_view",
+        "plan": [
+            {"distmon.sources.ddp.sq_sums"},
+            {"BucketLayouts.layout"},
+            {"BackwardSums.add_local"},
+            {"GradSums.read"},
         ],
     },
     "ddp_guard": {"kind": "ddp", "guard": "skip", "plan": [{"StepTracker.judge_now"}, *STEP_HOOKS]},
@@ -95,10 +121,14 @@ def _sites(kind):
     from distmon.sources.ddp import BucketLayouts
     from distmon.tracker import StepTracker
 
-    sites = [(BackwardSums, m) for m in ("add_local", "add_reduced", "end_backward")]
+    sites = [(BackwardSums, m) for m in ("begin_backward", "add_local", "add_reduced", "end_backward")]
     sites += [(StepTracker, m) for m in ("before_step", "after_step", "judge_now")]
     sites += [(ActivationWatch, "close_step"), (BucketLayouts, "layout"), (local.GradSums, "read")]
     sites.append((local, "in_compiled_autograd"))
+    if kind.startswith("ddp"):
+        import distmon.sources.ddp as ddp
+
+        sites.append((ddp, "_find_tensors"))
     if kind == "fsdp":
         import distmon.sources.fsdp as fsdp
 
@@ -128,8 +158,8 @@ def _full(t):
 
 
 def _wrap(net, kind):
-    if kind == "ddp":
-        return DDP(net, bucket_cap_mb=0.002)  # several buckets
+    if kind.startswith("ddp"):  # several buckets
+        return DDP(net, bucket_cap_mb=0.002, gradient_as_bucket_view=kind == "ddp_bucket_view")
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -162,6 +192,7 @@ def _train(rank, name, monitored):
     out = {"losses": [], "recs": [], "fired": []}
     mon = inj = None
     if monitored:
+        ddp_own_reduction(cfg.get("hookless", False))
         mon = distmon.GradMonitor(
             model,
             opt,
@@ -171,6 +202,8 @@ def _train(rank, name, monitored):
             guard=cfg.get("guard"),
             scaler=scaler,
         )
+        if cfg["kind"].startswith("ddp"):  # the path the configuration is about is the one taken
+            assert mon._tracker.source.hookless == bool(cfg.get("hookless")), name
         inj = FailureInjector(_sites(cfg["kind"]))
         inj.install()
     try:

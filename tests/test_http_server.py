@@ -490,3 +490,22 @@ def test_close_frees_the_port():
     finally:
         again.close()
     assert settled_threads(0) == []
+
+
+def test_a_restarted_worker_waits_for_its_predecessor_s_port():
+    """``wait_s``: a taken port is tried again until it is free (the old process on its way out),
+    and only then does the fallback move on; without it the next port is taken at once."""
+    with serving() as old:
+        port = old.port
+        threading.Timer(0.6, old.close).start()  # the predecessor lets go a moment later
+        again = MetricServer.bind("127.0.0.1", port, True, wait_s=5.0)
+        try:
+            assert again.port == port
+        finally:
+            again.close()
+    with serving() as taken:
+        elsewhere = MetricServer.bind("127.0.0.1", taken.port, True, wait_s=0.3)
+        try:
+            assert elsewhere.port != taken.port  # still taken after the wait: the fallback
+        finally:
+            elsewhere.close()

@@ -9,20 +9,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import close, free_port
+from ddp_harness import close
 from torch import nn
 
 import distmon
 from distmon.verify import DirectNorm
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_direct_norm_of_bf16_dtensor_gradients_is_float64(one_rank: None) -> None:

@@ -226,6 +226,24 @@ def test_a_restart_that_reuses_the_run_id_after_a_cut_line_is_a_new_run(tmp_path
     assert "steps 1..5 (5 logged)" in summary and "non-finite" not in summary, summary
 
 
+def test_a_resumed_run_is_one_run_its_rolled_back_steps_replaced_and_the_resume_marked(tmp_path):
+    """#30: a job killed at step 40 after a checkpoint at 30; a new job (another run id) resumes
+    from it and appends: one run, steps 1..60, the killed job's 31..40 (a NaN at 35) replaced."""
+    from dataclasses import replace
+
+    log = tmp_path / "run.jsonl"
+    _write(log, [_snap(s, run_id="job-1", nonfinite=s == 35) for s in range(1, 41)])
+    resumed = [_snap(s, run_id="job-2") for s in range(31, 61)]
+    _write(log, [replace(resumed[0], resumed_from=30)] + resumed[1:])
+    proc = _report(log, tmp_path / "r")
+    assert proc.returncode == 0, proc.stderr
+    assert "holds" not in proc.stdout, proc.stdout  # one run
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "steps 1..60 (60 logged)" in summary, summary
+    assert "resumed from a checkpoint 1 time: after step 30 (line 41)" in summary, summary
+    assert "non-finite" not in summary, summary  # step 35 was rolled back with the checkpoint
+
+
 def _wide_log(path, layers=3000, ranks=8, steps=30):
     rng = random.Random(0)
     names = [f"blocks.{i}.fc" for i in range(layers)]

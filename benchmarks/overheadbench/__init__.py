@@ -10,7 +10,7 @@
   and ``round_order``; ``measure``, ``memory``, ``profiling`` its clocks, byte counts and
   profiler breakdown;
 * ``stats``       paired ratios, their bootstrap interval, the order check, per-approach rows;
-* ``verdicts``    the targets and the acceptance verdicts;
+* ``verdicts``    the targets and the acceptance verdicts (``gpu``: the GPU preset's, and its report);
 * ``report``, ``plot``, ``fmt``  ``overhead.md``, the README's Performance section, ``overhead.png``;
 * ``results``     the typed results and their JSON form (``overhead.json``, format unchanged);
 * ``cli``, ``machine``, ``paths``  the command line, the machine it ran on, the checkout it measures.
@@ -39,6 +39,11 @@ Approaches (see ``approaches.APPROACHES``):
 * ``lightning``        PyTorch Lightning's ``grad_norm(module, 2)`` after every backward.
 * ``hand-written``     after backward: ``torch._foreach_norm`` over all gradients, ONE
                        ``all_reduce`` of the stacked squares, no host copy.
+* ``allreduce-hook``   (``--gpu``) DDP with torch's ``allreduce_hook``: a Python comm hook alone.
+* ``clip-item``        (``--gpu``) ``clip_grad_norm_(...).item()`` after every backward.
+
+``--gpu`` (``gpu``: its targets and report) is issue #35's preset: one GPU, one NCCL rank, bf16
+autocast, GPT-20M/124M/350M, ~5 minutes, into ``benchmarks/results/gpu/``.
 
 and the *floor*: one fused read of all gradient bytes (``torch._foreach_norm`` over the
 baseline's gradients), timed alone. Extra time is also given in units of the floor

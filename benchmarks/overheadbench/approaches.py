@@ -96,6 +96,16 @@ class Distmon(Approach):
         self.mon.close()
 
 
+class DistmonOwnReduction(Distmon):
+    """distmon's path on NCCL (DDP keeps its own reduction, no comm hook), taken on gloo too."""
+
+    name, label = "distmon-own-reduction", "distmon, defaults, DDP's own reduction (its NCCL path)"
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        with distmon_internals.own_reduction():
+            super().attach(ddp, opt, names)
+
+
 class DistmonDetailed(Distmon):
     name, label = "distmon-detailed", "distmon, most detailed"
     reports = (
@@ -259,6 +269,34 @@ class HandWritten(Approach):
         return Health(grad_norm=math.sqrt(float(self.sq.sum()) / world))
 
 
+class AllreduceHook(Approach):
+    """Reference, not a peer: DDP with torch's own ``allreduce_hook`` as its comm hook (what a
+    Python comm hook costs by itself: a Python call and a Python future per bucket, the division
+    a pass of its own)."""
+
+    name, label = "allreduce-hook", "DDP's own allreduce_hook (no monitoring)"
+    reports = "nothing (a Python comm hook that does DDP's reduction)"
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        super().attach(ddp, opt, names)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+class ClipItem(Approach):
+    name, label = "clip-item", "clip_grad_norm_(...).item() every step"
+    reports = "the global norm of the reduced gradients (host float, every step: one host sync)"
+
+    def after_backward(self):
+        import torch
+
+        t = cpu_s()
+        # a bound no gradient reaches: the norm is computed and the (unit) scale applied, nothing clipped
+        self.norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm=1e30).item()
+        self.timer.add("clip_grad_norm_+item", cpu_s() - t)
+
+
 class HookRead(Approach):
     """Reference, not a peer: the floor's one fused read, done where distmon reads.
 
@@ -299,6 +337,7 @@ class HookRead(Approach):
 APPROACHES: list[type[Approach]] = [
     Baseline,
     Distmon,
+    DistmonOwnReduction,
     DistmonDetailed,
     DistmonActivations,
     Tutorial,
@@ -307,6 +346,14 @@ APPROACHES: list[type[Approach]] = [
     Lightning,
     HandWritten,
     HookRead,
+    AllreduceHook,
+    ClipItem,
+]
+# what a run measures unless told (--approaches): the CPU modes' peers, the GPU preset's (issue #35)
+DEFAULT = [a.name for a in APPROACHES if a not in (DistmonOwnReduction, AllreduceHook, ClipItem)]
+GPU = [
+    a.name
+    for a in (Baseline, Distmon, DistmonDetailed, DistmonActivations, AllreduceHook, HandWritten, ClipItem)
 ]
 LABELS = {a.name: a.label for a in APPROACHES}
 REPORTS = {a.name: a.reports for a in APPROACHES}

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import tempfile
 
-from .approaches import APPROACHES, label
+from .approaches import APPROACHES, DEFAULT, GPU, label
+from .gpu import gpu_verdicts, render_gpu_md
 from .machine import machine_info
 from .measure import now_s
 from .paths import BENCH_DIR, REPO, use_checkout
@@ -26,8 +27,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
     Example:
         >>> a = parse(["--smoke", "--out", "/tmp/x", "--approaches", "distmon"])
-        >>> a.mode, a.approaches, a.hist_freq, a.profile_steps, a.readme
-        ('smoke', ['baseline', 'distmon'], 2, 3, None)
+        >>> a.mode, a.approaches, a.hist_freq, a.profile_steps, a.readme, a.ranks
+        ('smoke', ['baseline', 'distmon'], 2, 3, None, 2)
+        >>> g = parse(["--gpu"])
+        >>> g.approaches[:3], g.ranks, g.amp, g.profile, g.out.endswith("results/gpu")
+        (['baseline', 'distmon', 'distmon-detailed'], 1, 'bf16', False, True)
     """
     p = argparse.ArgumentParser(
         description=sys.modules[__package__].__doc__.split("\n\n")[0],
@@ -47,13 +51,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument(
         "--smoke", dest="mode", action="store_const", const="smoke", help="tiny model, a few steps"
     )
+    mode.add_argument(
+        "--gpu",
+        dest="mode",
+        action="store_const",
+        const="gpu",
+        help="issue #35's preset: 20M, 124M, 350M on one GPU, one NCCL rank, bf16 autocast, ~5 min "
+        "(--sizes smoke runs it on a tiny model, on CPU too)",
+    )
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), help="override the mode's model sizes")
     p.add_argument(
         "--approaches",
         nargs="+",
-        default=[a.name for a in APPROACHES],
+        default=None,
         choices=[a.name for a in APPROACHES],
-        help="subset of approaches (baseline is always run)",
+        help="subset of approaches (baseline is always run; default: the mode's)",
+    )
+    p.add_argument(
+        "--amp",
+        choices=["bf16"],
+        default=None,
+        help="forward under torch.autocast with this dtype (default: none; bf16 with --gpu)",
     )
     p.add_argument(
         "--rounds", type=int, default=0, help="timed rounds per size (default: from the time budget)"
@@ -71,8 +89,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         dest="profile",
         action="store_true",
-        default=True,
-        help="torch.profiler breakdown of distmon's time (default on)",
+        default=None,
+        help="torch.profiler breakdown of distmon's time (default on; off with --gpu)",
     )
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument(
@@ -95,7 +113,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="DDP(gradient_as_bucket_view=True) (default: DDP's default, False)",
     )
-    p.add_argument("--ranks", type=int, default=2, help="ranks when this script starts torchrun itself")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="ranks when this script starts torchrun itself (2; 1 with --gpu)",
+    )
     p.add_argument("--cpu", action="store_true", help="stay on CPU/gloo even if CUDA is available")
     p.add_argument(
         "--render",
@@ -105,16 +128,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.mode = args.mode or "quick"
+    gpu = args.mode == "gpu"
+    args.approaches = args.approaches or (GPU if gpu else DEFAULT)
     if "baseline" not in args.approaches:
         args.approaches = ["baseline"] + args.approaches
+    args.ranks = args.ranks or (1 if gpu else 2)
+    if args.profile is None:
+        args.profile = not gpu
+    if gpu:
+        args.amp = args.amp or "bf16"
     default_out = {
         "full": os.path.join(BENCH_DIR, "results"),
         "quick": os.path.join(BENCH_DIR, "results", "quick"),
+        "gpu": os.path.join(BENCH_DIR, "results", "gpu"),
     }
     if args.readme is None and args.mode == "full" and args.out is None:
         args.readme = os.path.join(BENCH_DIR, "README_performance.md")
-    if args.out is None:
-        args.out = default_out.get(args.mode) or (
+    if args.out is None:  # the GPU results committed are written by the preset's own sizes only
+        args.out = (None if args.sizes and gpu else default_out.get(args.mode)) or (
             tempfile.mkdtemp(prefix="distmon-bench-") if os.environ.get("RANK", "0") == "0" else ""
         )
     args.readme = args.readme or None
@@ -168,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(bench.cuda, bench.backend, bench.world)
     plan = [(s, b) for s, b in MODES[args.mode]]
     if args.sizes:
-        budgets = dict(MODES["full"])
+        budgets = {**dict(MODES["smoke"]), **dict(MODES["full"]), **dict(MODES[args.mode])}
         plan = [(s, budgets.get(s, 60.0)) for s in args.sizes]
     bench.log(
         f"distmon overhead benchmark, {args.mode} mode: {[s for s, _ in plan]}; {bench.world} ranks, "
@@ -201,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
             wall_s=now_s() - t0,
             load_avg_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
         )
-        res.acceptance = acceptance(results, bool(machine.gpu)) if "distmon" in args.approaches else []
         readme = args.readme
-        write_reports(res, args.out, readme)
+        if args.mode == "gpu":
+            res.acceptance = gpu_verdicts(results)
+            write_reports(res, args.out, None, render_gpu_md)
+        else:
+            res.acceptance = acceptance(results, bool(machine.gpu)) if "distmon" in args.approaches else []
+            write_reports(res, args.out, readme)
         print("\n".join(f"{v}: {w} -- {d}" for w, v, d in res.acceptance))
         print(
             f"\nwrote {os.path.join(args.out, 'overhead.md')}, overhead.json, overhead.png"

@@ -8,6 +8,8 @@ timed and is reported so (``SizeInfo.uninstrumented``, asserted empty by
 ``tests/test_benchmark_smoke.py``); the end-to-end numbers do not depend on it.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from .measure import SelfTimer, timed
@@ -16,30 +18,27 @@ from .measure import SelfTimer, timed
 def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[str]:
     """Time distmon's internal entry points into ``timer``; returns the sites that could not be.
 
-    Instance attributes shadow the methods; the comm hook and the optimizer hooks look them up
-    at call time. Sites: ``distmon::local_sums`` / ``distmon::reduced_sums`` (the comm hook's
-    sums of the local bucket and, in its future callback, of the reduced one),
-    ``distmon::before_step`` / ``distmon::after_step`` (the optimizer step hooks),
-    ``periodic::distmon::export`` (the export, nested in ``after_step``; each call's CPU
-    seconds also go to ``export_times``), ``background::publisher`` (the export thread).
+    Instance attributes shadow the methods; the comm hook, the forward and tensor hooks, the
+    autograd callbacks and the optimizer hooks look them up at call time. Sites:
+    ``distmon::local_sums`` (with distmon's comm hook, its own work on each bucket: nothing on
+    most, the local gradients' read on the last one, or a read of every bucket where ``p.grad``
+    is the bucket; with DDP's own reduction, the forward hook, the tensor hook where backward
+    begins and the local read where it ends), ``distmon::reduced_sums`` (the read of the reduced
+    gradients after DDP's backward), ``distmon::before_step`` /
+    ``distmon::after_step`` (the optimizer step hooks), ``periodic::distmon::export`` (the
+    export, nested in ``after_step``; each call's CPU seconds also go to ``export_times``),
+    ``background::publisher`` (the export thread).
     """
     uninstrumented: list[str] = []
     tr = getattr(mon, "_tracker", None)
     source = getattr(tr, "source", None)
-    if hasattr(source, "measure_local"):
-        local = timed(source.measure_local, timer, "distmon::local_sums")
-
-        def measure_local(bucket: Any) -> Any:
-            measure_reduced = local(bucket)  # the reduced-side callback, or None
-            return (
-                timed(measure_reduced, timer, "distmon::reduced_sums")
-                if callable(measure_reduced)
-                else measure_reduced
-            )
-
-        source.measure_local = measure_local
-    else:
-        uninstrumented.append("local_sums")
+    local = ("on_bucket", "_arm", "_backward_begins", "_before_ddp_finalize")
+    sites = [(a, "distmon::local_sums") for a in local] + [("_read_reduced", "distmon::reduced_sums")]
+    for attr, site in sites:
+        if hasattr(source, attr):
+            setattr(source, attr, timed(getattr(source, attr), timer, site))
+        else:
+            uninstrumented.append(attr)
     # The export (every export_every steps: totals and detectors over the rows since the last
     # one, host copy) runs inside after_step on few of the timed steps, so a median step hides
     # it: every export outside the profiler is timed here, and its mean is amortized.
@@ -79,3 +78,18 @@ def activation_watch(mon: Any) -> Any:
     """distmon's forward activation hooks (``activations=True``), switched on and off by hand in
     ``benchmarks/activation_overhead.py``."""
     return mon._tracker.activations
+
+
+@contextlib.contextmanager
+def own_reduction() -> Iterator[None]:
+    """Monitors built inside leave DDP's own reduction alone on gloo too (no comm hook: distmon's
+    path on NCCL), so that a CPU run can time it."""
+    from distmon.sources import ddp
+
+    added = "gloo" not in ddp.HOOKLESS_BACKENDS
+    ddp.HOOKLESS_BACKENDS.add("gloo")
+    try:
+        yield
+    finally:
+        if added:
+            ddp.HOOKLESS_BACKENDS.discard("gloo")

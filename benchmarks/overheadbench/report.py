@@ -3,6 +3,7 @@ Performance section."""
 
 import json
 import os
+from collections.abc import Callable
 
 from .approaches import LABELS, REPORTS, label
 from .fmt import fmt_bytes, fmt_num, fmt_paired, fmt_range
@@ -11,13 +12,18 @@ from .results import RunResult, SizeResult
 from .verdicts import TARGET_SIZE
 
 
-def write_reports(res: RunResult, out_dir: str, readme_path: str | None) -> None:
-    """``overhead.json``, ``overhead.png`` and ``overhead.md`` in ``out_dir``; the README section at
-    ``readme_path`` when given."""
+def write_reports(
+    res: RunResult,
+    out_dir: str,
+    readme_path: str | None,
+    render: Callable[[RunResult, str | None], str] | None = None,
+) -> None:
+    """``overhead.json``, ``overhead.png`` and ``overhead.md`` (by ``render``, default
+    :func:`render_md`) in ``out_dir``; the README section at ``readme_path`` when given."""
     os.makedirs(out_dir, exist_ok=True)
     res.save(os.path.join(out_dir, "overhead.json"))
     png = plot(res, os.path.join(out_dir, "overhead.png"))
-    md = render_md(res, png)
+    md = (render or render_md)(res, png)
     with open(os.path.join(out_dir, "overhead.md"), "w") as f:
         f.write(md)
     if readme_path:
@@ -166,14 +172,14 @@ def render_md(res: RunResult, png: str | None) -> str:
     L += profile_lines(sizes)
     L += [
         "Own-code time per step by site, CPU ms (wall ms, which adds blocking waits and preemption by other "
-        "jobs), median over timed steps, mean over ranks; `local_sums`/`reduced_sums` = sums of squares of "
-        "the "
-        "local / reduced bucket (comm hook, future callback), `before_step` = fold the local sums, pack and "
-        "start the step's collective (optimizer step pre-hook), `after_step` = optimizer step post-hook "
-        "without its export (fold the reduced sums into the step's row), `export` = "
-        "totals and detectors over the rows since the last export and the host copy, once per `export_every` "
-        "steps, mean CPU time of one export divided by `export_every` (no wall figure), `publisher` = host "
-        "thread decoding exported rows (off the training thread):",
+        "jobs), median over timed steps, mean over ranks; `local_sums` = the comm hook's own work on every "
+        "bucket, or without one its forward and backward hooks, and the one fused read of the local "
+        "gradients where the backward ends, `reduced_sums` = one fused read of the reduced gradients after "
+        "DDP's, `before_step` = fold the local sums, pack and start the step's collective (optimizer step "
+        "pre-hook), `after_step` = optimizer step post-hook without its export (fold the reduced sums into "
+        "the step's row), `export` = totals and detectors over the rows since the last export and the host "
+        "copy, once per `export_every` steps, mean CPU time of one export divided by `export_every` (no wall "
+        "figure), `publisher` = host thread decoding exported rows (off the training thread):",
         "",
     ]
     for s in sizes:

@@ -176,6 +176,9 @@ class Row:
     paired: float | None = field(default=None, metadata=OMIT_NONE)
     paired_lo: float | None = field(default=None, metadata=OMIT_NONE)
     paired_hi: float | None = field(default=None, metadata=OMIT_NONE)
+    # the spread of the per-round ratios: their 25th and 75th percentiles
+    paired_q25: float | None = field(default=None, metadata=OMIT_NONE)
+    paired_q75: float | None = field(default=None, metadata=OMIT_NONE)
     order: OrderEffect | None = field(default=None, metadata=FLAT)
     extra_ms: float
     extra_passes: float

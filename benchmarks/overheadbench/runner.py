@@ -199,8 +199,7 @@ class Bench:
         dist.barrier()
         self.sync()
         t0, c0 = now_s(), time.process_time()
-        _, loss = c.ddp(x, y)
-        loss.backward()
+        self.loss(c, x, y).backward()
         c.approach.after_backward()
         c.opt.step()
         self.sync()
@@ -208,6 +207,13 @@ class Bench:
         if not keep_grads:
             c.opt.zero_grad(set_to_none=True)
         return wall, cpu
+
+    def loss(self, c: Copy, x, y):  # noqa: ANN001, ANN201
+        """Copy ``c``'s forward and loss on the batch, under bf16 autocast with ``--amp bf16``."""
+        import torch
+
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16"):
+            return c.ddp(x, y)[1]
 
     def floor(self, c: Copy) -> tuple[float, float]:
         """One fused read of every gradient byte (the baseline's, after its step): (wall s, CPU s)."""
@@ -397,7 +403,7 @@ class Bench:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         for c in copies:
-            if c.approach.name not in ("baseline", "distmon", "distmon-detailed"):
+            if c.approach.name not in ("baseline", "distmon", "distmon-detailed", "distmon-activations"):
                 continue
             checked, failures = 0, []
             for s in range(12):
@@ -409,8 +415,7 @@ class Bench:
                 if not export:
                     torch.cuda.set_sync_debug_mode("error")
                 try:
-                    _, loss = c.ddp(x, y)
-                    loss.backward()
+                    self.loss(c, x, y).backward()
                     c.opt.step()
                     checked += 0 if export else 1
                 except RuntimeError as e:  # a host sync (the model is unusable afterwards)

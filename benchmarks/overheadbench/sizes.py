@@ -10,12 +10,17 @@ SIZES: dict[str, dict[str, int]] = {
     "20M": dict(vocab=4096, seq_len=256, d_model=512, n_layers=6, n_heads=8, batch=8),
     # 512 tokens per rank keep a 50M step within the time budget on 2 CPU cores
     "50M": dict(vocab=2048, seq_len=256, d_model=768, n_layers=7, n_heads=12, batch=2),
+    # the GPU preset's (issue #35): GPT-2 small and medium, batch 8 x 1024 tokens
+    "124M": dict(vocab=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12, batch=8),
+    "350M": dict(vocab=50257, seq_len=1024, d_model=1024, n_layers=24, n_heads=16, batch=8),
 }
 # mode -> [(size, seconds of timed rounds)]; rounds = budget / measured round time, clamped
 MODES: dict[str, list[tuple[str, float]]] = {
     "smoke": [("smoke", 0.0)],
     "quick": [("1M", 60.0), ("2k-tensors", 75.0), ("5M", 90.0)],
     "full": [("1M", 30.0), ("2k-tensors", 40.0), ("5M", 50.0), ("20M", 300.0), ("50M", 120.0)],
+    # one GPU, bf16 autocast, within ~5 minutes: a round of 7 copies is 0.1-0.5 s there
+    "gpu": [("20M", 20.0), ("124M", 30.0), ("350M", 40.0)],
 }
 MIN_ROUNDS = {"smoke": 3, "20M": 8}  # the acceptance size gets more rounds
 DEFAULT_MIN_ROUNDS = 5

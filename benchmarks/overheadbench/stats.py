@@ -25,6 +25,20 @@ def paired_ratio(t: list[float], base: list[float], n_boot: int = 2000) -> tuple
     return median(ratios), meds[int(0.025 * n_boot)], meds[int(0.975 * n_boot) - 1]
 
 
+def quartiles(t: list[float], base: list[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles of the per-round ratios ``t[i] / base[i]`` (their spread).
+
+    Example:
+        >>> quartiles([1.0, 1.1, 1.2, 1.3, 1.4], [1.0] * 5)
+        (1.1, 1.3)
+    """
+    ratios = sorted(a / b for a, b in zip(t, base))
+    if len(ratios) < 2:
+        return (ratios[0], ratios[0]) if ratios else (math.nan, math.nan)
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def order_effect(
     t: list[float], base: list[float], pos: list[int], base_pos: list[int]
 ) -> OrderEffect | None:
@@ -101,6 +115,7 @@ def analyse(run: SizeRun, repeats: int) -> SizeResult:
     for a in names:
         ratio, rmin, rmax = block_ratios(wall[a], wall["baseline"], blocks)
         paired, plo, phi = paired_ratio(wall[a], wall["baseline"])
+        q25, q75 = quartiles(wall[a], wall["baseline"])
         order = order_effect(wall[a], wall["baseline"], ranks[0].copies[a].positions, base_pos)
         cratio, cmin, cmax = block_ratios(cpu[a], cpu["baseline"], blocks)
         med, cmed = 1e3 * median(wall[a]), 1e3 * median(cpu[a])
@@ -139,6 +154,8 @@ def analyse(run: SizeRun, repeats: int) -> SizeResult:
             paired=paired,
             paired_lo=plo,
             paired_hi=phi,
+            paired_q25=q25,
+            paired_q75=q75,
             order=order,
             extra_ms=med - base_ms,
             extra_passes=(med - base_ms) / floor_ms,

@@ -15,12 +15,15 @@ Example:
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
 from transformers.training_args import ParallelMode
 
+from ..errors import logger
 from ..monitor import GradMonitor
 from . import checked_options
 
@@ -58,15 +61,38 @@ def _check_distributed(args: TrainingArguments) -> None:
         )
 
 
-class DistmonCallback(TrainerCallback):
+class DistmonCallback(TrainerCallback, ExportableState):
     """Builds a :class:`distmon.GradMonitor` with ``options`` when training begins, closes it at its end.
 
-    ``.monitor`` is the monitor (``None`` outside training). Options are checked here.
+    ``.monitor`` is the monitor (``None`` outside training). Options are checked here. The
+    monitor's state goes into every checkpoint's ``trainer_state.json`` (a stateful callback)
+    and, with ``TrainingArguments(restore_callback_states_from_checkpoint=True)``, comes back on
+    ``trainer.train(resume_from_checkpoint=...)``: steps, detectors and noise scale go on.
     """
 
-    def __init__(self, **options: object) -> None:
+    _user_options: ClassVar[dict[str, object]] = {}  # the options of the callback a user built last
+
+    def __init__(self, *, from_checkpoint: bool = False, **options: object) -> None:
+        # the Trainer restores a stateful callback as type(cb)(**state["args"]): a new instance that
+        # replaces the user's; its options (processes groups, callables: not JSON) are the user's
+        if from_checkpoint:
+            options = dict(DistmonCallback._user_options)
+        else:
+            DistmonCallback._user_options = options
         self.options = checked_options(options)
         self.monitor: GradMonitor | None = None
+        self.resume_state: dict[str, object] | None = None  # set by the Trainer from a checkpoint
+        self._saved: dict[str, object] | None = None  # the monitor's state at the step being saved
+
+    def state(self) -> dict[str, object]:
+        """What the Trainer keeps in a checkpoint (called on the saving process only: no collective)."""
+        return {"args": {"from_checkpoint": True}, "attributes": {"resume_state": self._saved}}
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
+        if control.should_save and self.monitor is not None:  # every rank, before the Trainer saves
+            self._saved = self.monitor.state_dict()
 
     def on_train_begin(
         self,
@@ -81,6 +107,16 @@ class DistmonCallback(TrainerCallback):
         trainer = _trainer()
         options = {"lr_scheduler": lr_scheduler, **self.options} if lr_scheduler is not None else self.options
         self.monitor = GradMonitor(trainer.model_wrapped, optimizer or trainer.optimizer, **options)
+        if self.resume_state:
+            resume, self.resume_state = self.resume_state, None
+            self.monitor.load_state_dict(resume)
+        elif state.global_step:
+            logger.warning(
+                "distmon: the Trainer resumed at step %d without distmon's state: steps are counted "
+                "from 1 and the detectors start cold; pass TrainingArguments("
+                "restore_callback_states_from_checkpoint=True) to resume them",
+                state.global_step,
+            )
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object

@@ -4,10 +4,12 @@ A source (:class:`~distmon.sources.base.Source`) is built with the
 :class:`~distmon.sources.base.Receiver` its hooks hand their sums to, and refuses in its
 constructor what it cannot measure; nothing is installed until :meth:`install`. DDP is
 measured in its comm hook (``ddp.py``), FSDP2 around its reduce-scatters and in its sharded
-gradients (``fsdp.py``), a single process's module when the optimizer steps (``local.py``).
+gradients (``fsdp.py``), a DeepSpeed engine where DeepSpeed holds each gradient
+(``deepspeed.py``), a single process's module when the optimizer steps (``local.py``).
+Lightning Fabric's module wrapper is seen through: its ``_forward_module`` is the model.
 
-``fsdp.py`` imports FSDP2 and DTensor (about 2 s): it is imported only for a model that is an
-FSDP2 model, which means the job imported FSDP2 itself already.
+``fsdp.py`` imports FSDP2 and DTensor (about 2 s), ``deepspeed.py`` DeepSpeed (about 4 s): each
+is imported only for a model of its kind, which means the job imported that library already.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..grouping import Grouping
 from ..layout import counts, declared_group, spec_of
 from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
-from .ddp import CommHook, DDPSource
+from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "process_group",
     "trained_module",
     "is_fsdp",
+    "is_deepspeed",
     "first_device",
     "uncompiled",
     "pipeline_stage",
@@ -52,17 +55,62 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
 
 
+# Why a DeepSpeed engine that Lightning drives is refused (Lightning runs DeepSpeed on CUDA GPUs only)
+LIGHTNING_DEEPSPEED = (
+    "Lightning's DeepSpeed strategy (Trainer(strategy='deepspeed...'), Fabric(strategy='deepspeed')) "
+    "runs only on CUDA GPUs (Lightning refuses the CPU), where distmon's DeepSpeed support has not been "
+    "verified under Lightning yet. distmon measures DeepSpeed exactly on its own (GradMonitor(engine, "
+    "optimizer) after deepspeed.initialize), under the Hugging Face Trainer and under accelerate; "
+    "Lightning's DDP and FSDP strategies are measured as usual"
+)
+
+
+def is_deepspeed(model: object) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (``deepspeed.initialize``'s; never imports DeepSpeed).
+
+    Example:
+        >>> is_deepspeed(torch.nn.Linear(2, 2))
+        False
+    """
+    engine = sys.modules.get("deepspeed.runtime.engine")  # not imported: no model can be an engine
+    return engine is not None and isinstance(model, engine.DeepSpeedEngine)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under ``torch.compile``'s wrapper and Lightning Fabric's (``fabric.setup``'s
+    ``_FabricModule``, whose ``_forward_module`` is the DDP or FSDP model); never imports Lightning.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2); unwrapped(torch.compile(net)) is net
+        True
+    """
+    return _peeled(model)[0]
+
+
+def _peeled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """:func:`unwrapped`'s model, and whether a ``torch.compile`` wrapper was among those peeled."""
+    compiled = False
+    for _ in range(8):  # wrappers of wrappers, but never a cycle
+        inner = uncompiled(model)
+        compiled |= inner is not model
+        forward = getattr(inner, "_forward_module", None)
+        if type(inner).__name__ != "_FabricModule" or not isinstance(forward, torch.nn.Module):
+            return inner, compiled
+        model = forward
+    return model, compiled
+
+
 def trained_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose parameters the optimizer steps: DDP's ``.module``, else the model itself
-    (under ``torch.compile``'s wrapper).
+    """The module whose parameters the optimizer steps: DDP's or a DeepSpeed engine's ``.module``,
+    else the model itself (under ``torch.compile``'s and Lightning Fabric's wrappers).
 
     Example:
         >>> net = torch.nn.Linear(2, 2); trained_module(torch.compile(net)) is net
         True
     """
     stage = pipeline_stage(model)
-    model = uncompiled(stage.submod if stage is not None else model)
-    if isinstance(model, DistributedDataParallel):
+    model = unwrapped(stage.submod if stage is not None else model)
+    if isinstance(model, DistributedDataParallel) or is_deepspeed(model):
         return uncompiled(model.module)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"distmon: GradMonitor needs a torch.nn.Module, got {type(model).__name__}")
@@ -89,7 +137,7 @@ def process_group(model: torch.nn.Module, *, declared: bool = False) -> dist.Pro
         True
     """
     if pipeline_stage(model) is None:
-        model = uncompiled(model)
+        model = unwrapped(model)
         if isinstance(model, DistributedDataParallel) and _ddp_is_the_job(model, declared=declared):
             return model.process_group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -102,16 +150,6 @@ def pipeline_stage(model: object) -> object | None:
     pipelining = sys.modules.get("torch.distributed.pipelining.stage")
     base = getattr(pipelining, "_PipelineStageBase", None)
     return model if base is not None and isinstance(model, base) else None
-
-
-def _ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
-    """The trainable parameters DDP reduces: the list it took when built (its module's parameters
-    less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
-    params = getattr(model, "_module_parameters", None)
-    if params is None:  # a DDP without the list: its module's, less the ignored names
-        ignored = getattr(model, "parameters_to_ignore", set())
-        params = [p for name, p in model.module.named_parameters() if name not in ignored]
-    return [p for p in params if p.requires_grad]
 
 
 class _Wrapping:
@@ -263,15 +301,27 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
-    model = uncompiled(model)  # torch.compile(model): the module it compiles is measured
+    fabric = type(model).__name__ == "_FabricModule"
+    model, compiled = _peeled(model)  # torch.compile(model), Fabric: the module they wrap is measured
     if stage is not None:
         model = uncompiled(stage.submod)
     if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
         raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
+    if is_deepspeed(model):
+        if fabric:
+            raise ValueError(f"distmon: {LIGHTNING_DEEPSPEED}")
+        if comm_hook is not None or replicated_over:
+            raise TypeError(
+                "distmon: comm_hook= and replicated_over= are DDP and layout options; a DeepSpeed "
+                "engine reduces its gradients itself (distmon reads DeepSpeed's own partitions)"
+            )
+        from .deepspeed import DeepSpeedSource
+
+        return DeepSpeedSource(model, receiver=receiver, grouping=grouping)
     declared = dict(replicated_over or {})
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        reduced_by_ddp = {id(p) for p in _ddp_parameters(model)}
+        reduced_by_ddp = {id(p) for p in ddp_parameters(model)}
         tracked = {id(p) for p in grouping.params}
         if not reduced_by_ddp <= tracked:
             raise ValueError(
@@ -283,7 +333,12 @@ def source_for(
         outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
         if stage is None and not outside and _ddp_is_the_job(model, declared=bool(declared)):
             return DDPSource(
-                model, receiver=receiver, grouping=grouping, comm_hook=comm_hook, comm_state=comm_state
+                model,
+                receiver=receiver,
+                grouping=grouping,
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                compiled=compiled,
             )
         counted = _counted(
             grouping,

@@ -1,38 +1,59 @@
-"""DDP as a source of measurements: one comm hook that reads every bucket around the user's hook.
+"""DDP as a source of measurements: two fused reads per backward, both where it ends.
 
-For each bucket the hook reads the *local* gradients before the user's hook runs (the default
-reduction scales the buffer in place, and with ``gradient_as_bucket_view=True`` that buffer
-is ``p.grad``), calls the user's hook, and reads the *reduced* result in a callback on its
-future. Reduced gradients are identical on every rank, so global and per-layer norms need no
-collective. The hook issues no collective of its own: the monitor's collective waits for the
-optimizer step, when DDP's reduction, and every collective the user's hook started from its
-callbacks, is complete.
+The *local* gradients (this rank's, before the reduction) are read once every gradient is in
+and before DDP's final callback copies the reduced buckets back into ``p.grad``: with DDP's
+default ``gradient_as_bucket_view=False`` every ``p.grad`` still holds its local gradient then
+(DDP reduces copies of them in its buckets), so one fused pass reads them all. The *reduced*
+gradients are read once that callback has written the reduction's result into ``p.grad``: one
+more fused pass, in an autograd callback. Reduced gradients are identical on every rank, so
+global and per-layer norms need no collective.
+
+On NCCL, with DDP's own reduction, distmon registers no comm hook (:class:`DDPSource`): the
+first output of a marked forward that the backward reaches queues the reads. Elsewhere one comm
+hook wraps the user's (:func:`monitor_hook`) and does the local read when it sees the last
+bucket; only where ``p.grad`` is the bucket (``gradient_as_bucket_view=True``) or a sparse
+gradient that the reduction divides in place is a bucket read in its own hook.
+
+Why not more: on a GPU the host must stay ahead of the device queue. A read per bucket inside
+the backward, a Python continuation on each bucket's future and a Python comm hook itself are
+host work between the backward's kernel launches, in full where the backward is launch-bound;
+two fused reads where it ends cost what the one-process path costs (``local.py``). No
+collective is issued here: the monitor's collective waits for the optimizer step, when DDP's
+reduction, and every collective the user's hook started from its callbacks, is complete.
 
 No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` annotation of a
 Python comm hook when it is registered, and a string annotation fails that check.
 """
 
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
+from torch.utils.hooks import RemovableHandle
 
 from ..compat import real_flat, reduced_bucket
+from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
 from .base import OrderLearner, Receiver, first_device
+from .local import GradSums
 
 __all__ = [
     "DDPSource",
+    "ddp_parameters",
+    "sparse_parameters",
     "BucketLayout",
     "BucketLayouts",
     "HookSlot",
     "monitor_hook",
     "ddp_allreduce_hook",
     "RUN_SLACK",
+    "HOOKLESS_BACKENDS",
     "CommHook",
 ]
 
@@ -45,9 +66,19 @@ CommHook = Callable[[object, dist.GradBucket], torch.futures.Future]
 # holds: a weight keeps its bias, thousands of small tensors become runs of ~64K elements.
 RUN_SLACK = 1 << 16
 
+# Backends on which distmon leaves DDP's own reduction alone (no comm hook) when it can. Not gloo:
+# under torch.profiler its default reduction must be distmon's own, waited when backward ends
+# (HookSlot.start); tests put gloo here to run the hookless path on CPU.
+HOOKLESS_BACKENDS = {"nccl"}
+# Without a comm hook: how many of a forward's outputs (those that need a gradient, in order)
+# are marked; a backward that reaches none of them is not read (and said once, at the step).
+MARKED_OUTPUTS = 16
+
 
 def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's own reduction written as a comm hook: scale by 1/size, sum over ``process_group``.
+
+    ``process_group`` None: the default group, as for torch's own hooks.
 
     DDP without a hook multiplies a dense gradient by ``1/size`` as it copies it into the
     bucket (a sparse one it divides), then all-reduces with SUM. torch's ``allreduce_hook``
@@ -63,17 +94,37 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
     """:func:`ddp_allreduce_hook`'s arithmetic, its all-reduce started; the work returned."""
-    buffer = bucket.buffer()
-    if buffer.is_sparse:
-        buffer.div_(process_group.size())
-    else:
-        buffer.mul_(1.0 / process_group.size())
-    return dist.all_reduce(buffer, group=process_group, async_op=True)
+    group = process_group if process_group is not None else dist.group.WORLD  # as torch's hooks take it
+    buffer, size = bucket.buffer(), group.size()
+    if size > 1:  # on one rank DDP multiplies by 1.0 (x * 1.0 is x, bit for bit): a pass saved
+        if buffer.is_sparse:
+            buffer.div_(size)
+        else:
+            buffer.mul_(1.0 / size)
+    return dist.all_reduce(buffer, group=group, async_op=True)
 
 
 def _bucket_future(work: dist.Work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """The future a comm hook returns for ``work``, the all-reduce of ``buffer``: the reduced bucket."""
     return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0], buffer))
+
+
+def ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
+    """The trainable parameters DDP reduces: the list it took when built (its module's parameters
+    less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
+    params = getattr(model, "_module_parameters", None)
+    if params is None:  # a DDP without the list: its module's, less the ignored names
+        ignored = getattr(model, "parameters_to_ignore", set())
+        params = [p for name, p in model.module.named_parameters() if name not in ignored]
+    return [p for p in params if p.requires_grad]
+
+
+def sparse_parameters(module: torch.nn.Module) -> set[int]:
+    """Ids of the parameters whose gradients are sparse, as DDP decides it (each gets a sparse
+    bucket of its own): those of ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    sparse = [m for m in module.modules() if isinstance(m, kinds) and m.sparse]
+    return {id(p) for m in sparse for p in m.parameters(recurse=False)}
 
 
 @dataclass
@@ -90,13 +141,9 @@ class BucketLayout(Runs):
     split_sizes: list[int]  # chunks covering the whole flat buffer: runs, untracked parameters, gaps
     pick: list[int] | None  # chunk indices that are runs; None = all chunks
     sparse: bool = False
-    # the runs whose reduced part this rank counts (None: all, every rank holds the whole reduced
-    # gradient of a DDP model that is the whole job), as a run set of their own
-    counted: Runs | None = None
-    counted_pick: list[int] | None = None  # indices into the runs' views
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The runs' views of a flat tensor laid out like the bucket (DDP's buffer or a hook's result)."""
+        """The runs' views of a flat tensor laid out like the bucket (DDP's buffer, in real elements)."""
         chunks = real_flat(flat).split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
 
@@ -106,20 +153,9 @@ class BucketLayout(Runs):
             return [sparse_sq_sum(flat)]
         return sq_sums(views if views is not None else self.views(flat))
 
-    def measure_counted(
-        self, flat: torch.Tensor, views: list[torch.Tensor] | None = None
-    ) -> tuple[Runs, list[torch.Tensor]] | None:
-        """The counted runs and their sums of squares (the reduced side's share); None if none count."""
-        if self.counted is None or self.counted_pick is None:
-            return self, self.measure(flat, views)
-        if not self.counted_pick:
-            return None
-        views = views if views is not None else self.views(flat)
-        return self.counted, sq_sums([views[i] for i in self.counted_pick])
-
 
 class BucketLayouts:
-    """The layouts of DDP's buckets, cached.
+    """The layouts of DDP's buckets, cached (for the buckets read inside the comm hook).
 
     DDP hands out the same live buffer object every step once its buckets are rebuilt, and a
     buffer's parameters never change while it lives: a layout and its views of the buffer are
@@ -135,15 +171,9 @@ class BucketLayouts:
         >>> layout, views, buffer = layouts.layout(bucket)  # in a comm hook  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        grouping: Grouping,
-        device: torch.device,
-        counted: Sequence[bool] | None = None,
-    ) -> None:
+    def __init__(self, grouping: Grouping, device: torch.device, seqs: Iterator[int] | None = None) -> None:
         self.device = device
-        self.counted = counted  # per tracked slot: its reduced part counts here (None: all do)
-        self._seqs = itertools.count()
+        self._seqs = seqs if seqs is not None else itertools.count()
         self.slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self.param_layer = grouping.param_layer
         self._layouts: dict[tuple[int, ...], BucketLayout] = {}
@@ -185,7 +215,6 @@ class BucketLayouts:
         if flat.is_sparse:  # DDP gives every sparse gradient a bucket of its own
             slots = [self.slot_of.get(id(p)) for p in params]
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
-            counts = self.counted is None or all(self.counted[s] for s in slots if s is not None)
             return BucketLayout(
                 layer_ids=ids,
                 layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
@@ -193,12 +222,10 @@ class BucketLayouts:
                 split_sizes=[],
                 pick=None,
                 sparse=True,
-                counted=None if counts else Runs((), torch.zeros(0, dtype=torch.int64), seq=next(self._seqs)),
-                counted_pick=None if counts else [],
             )
         flat = real_flat(flat)  # a complex bucket (torch < 2.10) in real elements, as the views are
         base, itemsize = flat.data_ptr(), flat.element_size()
-        # [size, layer, largest parameter, counted]; layer -1: untracked or gap
+        # [size, layer, largest parameter]; layer -1: untracked or gap
         chunks: list[list[int]] = []
         cursor = 0
         for p, g in zip(params, bucket.gradients()):
@@ -206,46 +233,28 @@ class BucketLayouts:
             if offset < cursor:
                 raise RuntimeError("distmon: overlapping gradient views in a DDP bucket")
             if offset > cursor:
-                chunks.append([offset - cursor, -1, 0, 0])
+                chunks.append([offset - cursor, -1, 0])
             slot = self.slot_of.get(id(p))
             layer = -1 if slot is None else self.param_layer[slot]
-            count = 1 if slot is None or self.counted is None or self.counted[slot] else 0
             # a complex parameter lies in the (real) buffer as its real view: twice its numel
             n = p.numel() * (2 if p.is_complex() else 1)
             run = chunks[-1] if chunks else None
-            if (
-                layer >= 0
-                and run
-                and run[1] == layer
-                and run[3] == count
-                and run[0] + n <= max(run[2], n) + RUN_SLACK
-            ):
+            if layer >= 0 and run and run[1] == layer and run[0] + n <= max(run[2], n) + RUN_SLACK:
                 run[0] += n  # right after a parameter of the same layer: one run
                 run[2] = max(run[2], n)
             else:
-                chunks.append([n, layer, n, count])
+                chunks.append([n, layer, n])
             cursor = offset + n
         if cursor < flat.numel():
-            chunks.append([flat.numel() - cursor, -1, 0, 0])
+            chunks.append([flat.numel() - cursor, -1, 0])
         pick = [i for i, c in enumerate(chunks) if c[1] >= 0]
-        ids = [chunks[i][1] for i in pick]
-        counted_pick = [k for k, i in enumerate(pick) if chunks[i][3]]
-        counted = None
-        if len(counted_pick) < len(pick):  # some runs are copies counted on another rank
-            counted_ids = tuple(ids[k] for k in counted_pick)
-            counted = Runs(
-                counted_ids,
-                torch.tensor(counted_ids, dtype=torch.int64, device=self.device),
-                seq=next(self._seqs),
-            )
+        ids = tuple(chunks[i][1] for i in pick)
         return BucketLayout(
-            layer_ids=tuple(ids),
+            layer_ids=ids,
             layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
             seq=next(self._seqs),
             split_sizes=[c[0] for c in chunks],
             pick=None if len(pick) == len(chunks) else pick,
-            counted=counted,
-            counted_pick=counted_pick if counted is not None else None,
         )
 
 
@@ -296,19 +305,20 @@ class HookSlot:
 
 
 def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Measure the local bucket, run the user's hook, measure its reduced result.
+    """Let the source see the bucket, then run the user's hook and return its future untouched.
 
-    Every monitor failure is caught inside the source; the user's hook, its process group and
-    its result are never altered.
+    No continuation is chained on the future: the reduced gradients are read once, when DDP's
+    backward has finished (:meth:`DDPSource.on_bucket`). Every monitor failure is caught inside
+    the source; the user's hook, its process group and its result are never altered.
 
     Example:
         >>> ddp.register_comm_hook(HookSlot(source, ddp_allreduce_hook, ddp.process_group),
         ...                        monitor_hook)                                 # doctest: +SKIP
     """
     source = slot.source
-    measure_reduced = source.measure_local(bucket) if source is not None else None
-    fut = slot.start(bucket)
-    return fut if measure_reduced is None else fut.then(measure_reduced)
+    if source is not None:
+        source.on_bucket(bucket)
+    return slot.start(bucket)
 
 
 def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
@@ -332,11 +342,40 @@ def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
 
 
 class DDPSource:
-    """Measurements of a ``DistributedDataParallel`` model, taken in its comm hook.
+    """Measurements of a ``DistributedDataParallel`` model: two fused reads per backward.
+
+    Both reads are one fused pass over the gradients, where the backward ends (the device has
+    the backward's kernels queued ahead of it there), nothing per bucket:
+
+    - **local**: this rank's gradients before the reduction. With DDP's default
+      ``gradient_as_bucket_view=False``, DDP reduces copies of the gradients in its buckets and
+      leaves ``p.grad`` alone until its final callback (``finalize_backward``) copies the
+      reduced buckets back: once every gradient is in, and before that callback, every
+      ``p.grad`` holds its local gradient (summed over any ``no_sync`` micro-batches).
+    - **reduced**: ``p.grad`` once ``finalize_backward`` has written the reduction's result
+      (the user's hook's) into it: read by an autograd callback queued behind DDP's, before any
+      clipping a framework does between backward and step. Reduced gradients are identical on
+      every rank, so global and per-layer norms need no collective.
+
+    With DDP's own reduction on NCCL (no ``comm_hook=``), distmon registers **no comm hook**:
+    DDP keeps its C++ reduction (no Python call, no Python future per bucket, the division fused
+    into the copy into the bucket). A forward hook on the DDP module marks the outputs of a
+    forward whose backward DDP reduces; the first of them that backward reaches queues the
+    local read, which so runs before DDP's ``finalize_backward`` (queued later in that backward,
+    or, ``static_graph``, by the node the outputs feed). Elsewhere distmon wraps the reduction
+    in its comm hook (:func:`monitor_hook`, DDP accepts one): a hook of the user's, gloo (whose
+    default reduction distmon completes itself under ``torch.profiler``, see
+    :meth:`HookSlot.start`), a job DDP is one dimension of, ``gradient_as_bucket_view=True`` and
+    sparse gradients. The local read is then done when the hook sees the last bucket, before
+    that bucket's reduction; where ``p.grad`` is the bucket (``gradient_as_bucket_view=True``),
+    or a sparse gradient the reduction divides in place, each such bucket is read in its own
+    hook instead. Nothing is chained on a bucket's future either way, and no collective is
+    issued here: the monitor's collective waits for the optimizer step.
 
     The constructor checks that the model's comm hook can be wrapped (raises for someone
-    else's hook or an open monitor); :meth:`install` registers the hook, or takes over the slot
-    a closed monitor left on the model; :meth:`remove` leaves the slot.
+    else's hook or an open monitor); :meth:`install` registers the forward hook, or the comm
+    hook or takes over the slot a closed monitor left on the model; :meth:`remove` removes the
+    one, leaves the other.
 
     Example:
         >>> source = DDPSource(ddp, receiver=sums, grouping=grouping)   # doctest: +SKIP
@@ -355,6 +394,7 @@ class DDPSource:
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         counted: Sequence[bool] | None = None,
+        compiled: bool = False,
     ) -> None:
         self.model = model
         self.module = model.module
@@ -371,7 +411,33 @@ class DDPSource:
         # a subgroup must stay one). A hook given is called exactly as the user wrote it.
         self.inner_hook = comm_hook or ddp_allreduce_hook
         self.inner_state = comm_state if comm_hook is not None else model.process_group
-        self.layouts = BucketLayouts(grouping, self.device, counted)
+        reduced = {id(p) for p in ddp_parameters(model)}
+        slots = [i for i, p in enumerate(grouping.params) if id(p) in reduced]
+        sparse = sparse_parameters(model.module) & reduced
+        bucket_view = bool(getattr(model, "gradient_as_bucket_view", False))
+        self.hookless = (
+            comm_hook is None
+            and self._existing is None
+            and not (self.partial or bucket_view or sparse or compiled)
+            and not getattr(model, "_delay_all_reduce_all_params", False)
+            # Lightning's manual optimization runs the backward inside DDP's forward (and prepares
+            # DDP for it itself): no forward has ended when that backward begins
+            and getattr(model.module, "automatic_optimization", True) is not False
+            and dist.get_backend(model.process_group) in HOOKLESS_BACKENDS
+        )
+        seqs = itertools.count()  # the run sets of one backward fold together: distinct seqs
+        # buckets read in the comm hook: every bucket when p.grad is the bucket, else sparse ones
+        self._every_bucket = bucket_view
+        self._sparse_buckets = bool(sparse) and not bucket_view
+        self.layouts = BucketLayouts(grouping, self.device, seqs)
+        dense = [i for i in slots if id(grouping.params[i]) not in sparse]
+        self._local = None if bucket_view or not dense else self._reader(grouping, dense, seqs)
+        kept = [i for i in slots if counted is None or counted[i]]  # the parts this rank counts
+        self._reduced = self._reader(grouping, kept, seqs)
+        self._forward_hook: RemovableHandle | None = None
+        self._armed_task = -2  # the backward whose local read is queued (its graph task's id)
+        self._read_since_step = True  # a backward was read since the last step began
+        self._told_unread = False
         # the layers' backward order, from the gradients' accumulation in the first backward
         self._order = OrderLearner(
             grouping.params, grouping.param_layer, len(grouping.layers), receiver.set_layer_order
@@ -380,8 +446,17 @@ class DDPSource:
         mesh = getattr(model, "device_mesh", None)
         self.meshes = (mesh,) if mesh is not None else ()
 
+    def _reader(self, grouping: Grouping, slots: list[int], seqs: Iterator[int]) -> GradSums:
+        """One fused read of the ``p.grad`` of the parameters in ``slots`` (DDP's are plain tensors)."""
+        params = [grouping.params[i] for i in slots]
+        return GradSums(params, [grouping.param_layer[i] for i in slots], self.device, local=None, seqs=seqs)
+
     def install(self) -> None:
         self._order.install()
+        if self.hookless:
+            # looked up at each call (a benchmark times it), not bound once
+            self._forward_hook = self.model.register_forward_hook(lambda m, _, out: self._arm(m, out))
+            return
         slot = self._existing
         if slot is None:
             self.model.register_comm_hook(HookSlot(self, self.inner_hook, self.inner_state), monitor_hook)
@@ -390,61 +465,151 @@ class DDPSource:
 
     def remove(self) -> None:
         self._order.remove()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         hooks = getattr(self.model, "_comm_hooks", [])
         if hooks and isinstance(hooks[0][1], HookSlot) and hooks[0][1].source is self:
             hooks[0][1].source = None
 
     def read_at_step(self) -> None:
-        """Nothing: DDP's buckets were measured in backward."""
+        """Nothing to read: DDP's gradients were read in backward. Without a comm hook, a step
+        whose gradients no marked forward led to is said once (the loop prepared DDP's backward
+        itself: its figures are NaN, not valid)."""
+        if not self.hookless:
+            return
+        read, self._read_since_step = self._read_since_step, False
+        if read or self._told_unread or not any(p.grad is not None for p in self._reduced.params):
+            return
+        self._told_unread = True
+        logger.warning(
+            "distmon: an optimizer step whose DDP backward distmon did not see (no forward of the DDP "
+            "model whose backward DDP reduces led to it): its figures are NaN. A loop that prepares "
+            "DDP's backward itself (reducer.prepare_for_backward) needs distmon's comm hook: pass "
+            "GradMonitor(..., comm_hook=distmon.sources.ddp.ddp_allreduce_hook)"
+        )
 
     def read_pending(self) -> None:
-        """Nothing: DDP's buckets were measured in backward."""
+        """Nothing: DDP's gradients were read in backward."""
 
-    def measure_local(self, bucket: dist.GradBucket) -> Callable[[torch.futures.Future], object] | None:
-        """Measure the bucket's local gradients; returns the callback that measures the reduced ones.
+    # -- without a comm hook: DDP's own reduction ----------------------------------------------
+    def _arm(self, model: DistributedDataParallel, output: object) -> None:
+        """After a forward whose backward DDP reduces (its own test): mark the outputs, so that the
+        first one the backward reaches queues the reads."""
+        if not (self.receiver.active and torch.is_grad_enabled() and model.require_backward_grad_sync):
+            return
+        try:
+            # the outputs of one forward share a token: the first backward through them is DDP's
+            # reduced one; another through the same graph (retain_graph) is not reduced, not read
+            hook = functools.partial(self._backward_begins, [False])
+            # the first few that need a gradient (a model's cache of keys and values can be many more)
+            marked = itertools.islice((t for t in _find_tensors(output) if t.requires_grad), MARKED_OUTPUTS)
+            for t in marked:
+                t.register_hook(hook)
+        except Exception:
+            self.receiver.fail("DDP forward hook")
 
-        None when inactive, on failure or for a bucket with nothing tracked (the hook then passes
-        the user's future through).
+    def _backward_begins(self, used: list[bool], grad: torch.Tensor) -> None:
+        """The backward reached a marked output: the first of a backward queues the local read,
+        which then runs once every gradient is in, before DDP's finalize_backward (queued later)."""
+        try:
+            task = torch._C._current_graph_task_id()
+            if used[0] and task != self._armed_task:
+                return  # a second backward through this forward's outputs: DDP does not reduce it
+            used[0] = True
+            if task != self._armed_task and self.receiver.active:
+                self._armed_task = task
+                self._queue(self._before_ddp_finalize)
+        except Exception:  # a tensor hook that raised would fail the user's backward
+            self.receiver.fail("DDP backward hook")
+
+    def _before_ddp_finalize(self) -> None:
+        """Among the backward's final callbacks, before DDP's: the local gradients, still in ``p.grad``."""
+        self._read_since_step = True
+        self._read_local()
+        self._queue(self._read_reduced)  # behind DDP's finalize_backward, queued by now
+
+    # -- with the comm hook --------------------------------------------------------------------
+    def on_bucket(self, bucket: dist.GradBucket) -> None:
+        """A bucket is about to be reduced (its hook is called next): read what must be read now.
+
+        On an ordinary bucket nothing, unless it is read in the hook (bucket views, a sparse
+        gradient); on the last one, every local gradient and the reduced read's queueing.
+        Failures are counted, never raised into the backward.
         """
         receiver = self.receiver
         if not receiver.active:
-            return None
+            return
+        try:
+            last = bucket.is_last()
+            if self._every_bucket or (self._sparse_buckets and bucket.buffer().is_sparse):
+                self._read_bucket(bucket)
+            if last:
+                self._backward_end()
+        except Exception:
+            receiver.fail("comm hook")
+
+    def _read_bucket(self, bucket: dist.GradBucket) -> None:
+        """This bucket's local gradients, from its buffer, before the user's hook changes it."""
+        receiver = self.receiver
         try:
             receiver.begin_backward()
             layout, views, buffer = self.layouts.layout(bucket)
-            if not layout.layer_ids:
-                return None  # no tracked parameter in this bucket: nothing to measure either side
-            receiver.add_local(layout, layout.measure(buffer, views))
-            return self._reduced_side(layout, views, buffer)
+            if layout.layer_ids:
+                receiver.add_local(layout, layout.measure(buffer, views))
         except Exception:
-            receiver.fail("comm hook (local gradients)")
-            return None
-        finally:
-            try:  # whatever failed above, nothing reaches the backward
-                if bucket.is_last():
-                    self.layouts.end_backward()
-                    receiver.end_backward()
-            except Exception:
-                receiver.fail("comm hook (end of backward)")
+            receiver.fail("comm hook (local gradients)", reduced=False)
 
-    def _reduced_side(
-        self, layout: BucketLayout, views: list[torch.Tensor] | None, buffer: torch.Tensor
-    ) -> Callable[[torch.futures.Future], object]:
+    def _backward_end(self) -> None:
+        """The last bucket: read the local gradients still in ``p.grad``; queue the reduced read."""
+        if self._every_bucket:
+            self.layouts.end_backward()
+        self._read_local()
+        # DDP queues its finalize_backward (which writes the reduced gradients into p.grad) right
+        # after this hook returns, or calls it at once when the hooks run inside one of its
+        # callbacks (static_graph's first iteration): a callback queued now runs before it or
+        # after it, and the one that callback queues in turn runs after it either way
+        self._queue(self._queue_reduced_read)
+
+    # -- both ----------------------------------------------------------------------------------
+    def _read_local(self) -> None:
+        """The backward's local gradients in ``p.grad`` (those not read bucket by bucket): one fused read."""
         receiver = self.receiver
+        try:
+            receiver.begin_backward()
+            if self._local is not None:
+                read = self._local.read()
+                if read is not None:
+                    receiver.add_local(*read)
+        except Exception:
+            receiver.fail("DDP local gradients", reduced=False)
 
-        def measure_reduced(fut: torch.futures.Future) -> object:
-            result = fut.value()  # the user's hook failing is the user's error: let it raise
+    def _queue_reduced_read(self) -> None:
+        """Among the backward's final callbacks: queue the reduced read behind DDP's finalize."""
+        self._queue(self._read_reduced)
+
+    def _queue(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when the backward's final callbacks queued so far have run; never raises
+        (an autograd callback that raised would fail the user's backward)."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+        except Exception:
+            self.receiver.fail("DDP end of backward", local=False)
             try:
-                flat = result[0] if isinstance(result, (list, tuple)) else result
-                # an in-place hook (the default reduction) reduced DDP's own views: reuse them
-                same = (
-                    views is not None and flat.data_ptr() == buffer.data_ptr() and flat.dtype == buffer.dtype
-                )
-                counted = layout.measure_counted(flat, views if same else None)
-                if counted is not None:
-                    receiver.add_reduced(*counted)
+                self.receiver.end_backward()
             except Exception:
-                receiver.fail("comm hook (reduced gradients)", local=False)
-            return result
+                self.receiver.fail("DDP end of backward")
 
-        return measure_reduced
+    def _read_reduced(self) -> None:
+        """The reduced gradients, now in ``p.grad``: one fused read; the backward's sums are all in."""
+        receiver = self.receiver
+        try:
+            read = self._reduced.read()
+            if read is not None:
+                receiver.add_reduced(*read)
+        except Exception:
+            receiver.fail("DDP reduced gradients", local=False)
+        try:
+            receiver.end_backward()
+        except Exception:
+            receiver.fail("DDP end of backward")

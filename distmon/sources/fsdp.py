@@ -380,7 +380,7 @@ class FSDPSource:
             receiver.local_unmeasured()  # not a failure: refused at construction
         if self._repeated:
             self._repeated = False
-            receiver.local_unmeasured()
+            receiver.local_unmeasured()  # only the first micro-batch was read: not even non-finite
             if not self._told_repeated:
                 self._told_repeated = True
                 logger.warning(

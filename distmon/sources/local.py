@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,12 +49,25 @@ def _refuse_partial(params: Sequence[torch.nn.Parameter]) -> None:
             )
 
 
+@dataclass(frozen=True)
+class _ReadPlan:
+    """How the gradients of one combination of present parameters are read (made once)."""
+
+    runs: Runs  # the layer of each present gradient, in order
+    sparse: tuple[int, ...]  # positions (among the present) of sparse gradients: coalesced apart
+    complex_: tuple[int, ...]  # positions of complex gradients: read as their real views
+
+
 class GradSums:
     """Sums of squares of the tracked parameters' ``.grad`` as they are now: one fused pass.
 
-    Parameters without a gradient are left out (their layers get 0); the run set of each
-    combination of parameters with a gradient is made once. ``local`` maps a gradient to the
-    tensor to read (a DTensor's local shard, say).
+    Parameters without a gradient are left out (their layers get 0). What each combination of
+    present gradients needs (its run set, which gradients are sparse or complex) is planned once
+    and cached, so an ordinary read is the list of gradients and one fused call: nothing per
+    parameter but fetching its ``.grad``. A read that raises drops its plan (the next read
+    plans afresh, looking at every gradient again). ``local`` maps a gradient to the tensor to
+    read (a DTensor's local shard, say; None: the gradient itself); ``attr`` is the attribute
+    that holds it (``grad``; DeepSpeed's ``BF16_Optimizer`` accumulates in ``_hp_grad``).
 
     Example:
         >>> net = torch.nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward()
@@ -67,40 +81,65 @@ class GradSums:
         params: list[torch.nn.Parameter],
         layer_of: list[int],
         device: torch.device,
-        local: Callable[[torch.Tensor], torch.Tensor] = local_part,
+        local: Callable[[torch.Tensor], torch.Tensor] | None = local_part,
         seqs: Iterator[int] | None = None,
+        attr: str = "grad",
     ) -> None:
         self.params = params
+        self.attr = attr
         self.layer_of = layer_of
         self.device = device
         self.local = local
-        self._runs: dict[tuple[int, ...], Runs] = {}
+        self._complex = [p.is_complex() for p in params]  # a gradient has its parameter's dtype
+        self._plans: dict[tuple[int, ...] | None, _ReadPlan] = {}  # None: every parameter present
         self._placements_checked = False
         # run sets folded together must not share a seq: a source with run sets of its own shares its count
         self._seqs = seqs if seqs is not None else itertools.count()
 
     def read(self) -> tuple[Runs, list[torch.Tensor]] | None:
         """The runs and sums of the gradients present now, or None when no parameter has one."""
-        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        attr = self.attr  # .grad read as such: the common case stays one attribute fetch per parameter
+        if attr == "grad":
+            grads = [p.grad for p in self.params]
+        else:
+            grads = [getattr(p, attr, None) for p in self.params]
+        present = [g for g in grads if g is not None]
         if not present:
             return None
+        key = None if len(present) == len(grads) else tuple(i for i, g in enumerate(grads) if g is not None)
+        if self.local is not None:
+            present = [self.local(g) for g in present]
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(key, present)
+        try:
+            return plan.runs, self._sums(plan, present)
+        except Exception:
+            del self._plans[key]  # a gradient's layout changed (dense to sparse?): plan afresh next time
+            raise
+
+    @staticmethod
+    def _sums(plan: _ReadPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i in plan.complex_:
+            grads[i] = torch.view_as_real(grads[i])
+        sparse = plan.sparse
+        if not sparse:
+            return sq_sums(grads)
+        dense = [g for i, g in enumerate(grads) if i not in sparse]
+        dense_sums = iter(sq_sums(dense) if dense else ())
+        return [sparse_sq_sum(g) if i in sparse else next(dense_sums) for i, g in enumerate(grads)]
+
+    def _plan(self, key: tuple[int, ...] | None, present: list[torch.Tensor]) -> _ReadPlan:
+        slots = range(len(self.params)) if key is None else key
         if not self._placements_checked:
             self._placements_checked = True
-            _refuse_partial([self.params[i] for i in present])
-        grads = [self.local(self.params[i].grad) for i in present]
-        dense = [torch.view_as_real(g) if g.is_complex() else g for g in grads if not g.is_sparse]
-        dense_sums = iter(sq_sums(dense) if dense else ())
-        sums = [sparse_sq_sum(g) if g.is_sparse else next(dense_sums) for g in grads]
-        key = tuple(present)
-        runs = self._runs.get(key)
-        if runs is None:
-            ids = tuple(self.layer_of[i] for i in present)
-            runs = self._runs[key] = Runs(
-                ids,
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
-                seq=next(self._seqs),
-            )
-        return runs, sums
+            _refuse_partial([self.params[i] for i in slots])
+        ids = tuple(self.layer_of[i] for i in slots)
+        return _ReadPlan(
+            runs=Runs(ids, torch.tensor(ids, dtype=torch.int64, device=self.device), seq=next(self._seqs)),
+            sparse=tuple(k for k, g in enumerate(present) if g.is_sparse),
+            complex_=tuple(k for k, i in enumerate(slots) if self._complex[i]),
+        )
 
 
 class LocalSource:

@@ -70,8 +70,9 @@ if rank == 0 and mode != "nan":  # Prometheus' part: scrape every 0.2 s, keep th
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     body = r.read().decode()
-                with open(os.path.join(out, "scrapes.txt"), "w") as f:
+                with open(os.path.join(out, "scrapes.tmp"), "w") as f:
                     f.write(body)
+                os.replace(os.path.join(out, "scrapes.tmp"), os.path.join(out, "scrapes.txt"))  # whole at exit
             except OSError:
                 pass
             time.sleep(0.2)

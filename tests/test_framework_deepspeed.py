@@ -1,0 +1,291 @@
+"""DeepSpeed ZeRO 0-3, alone and under the Hugging Face Trainer and accelerate, run for real (issue #29).
+
+One torchrun job of 2 gloo ranks (``tests/jobs/deepspeed_job.py``) trains every configuration of
+its grid (ZeRO 0-3 x fp32/bf16 x accumulation 1/4; ZeRO 1-3 in bf16 with fp32 accumulation;
+ZeRO 0-2 with DeepSpeed MoE) with ``launch/examples/deepspeed_example.py``: without distmon,
+with it, and with a NaN in rank 1's loss at step 20, with the guard and without (DeepSpeed on
+its own). A second job (``tests/jobs/deepspeed_hf_job.py``) runs the Hugging Face Trainer with a
+ZeRO-2 config and accelerate with a ZeRO-3 plugin. Every figure is compared with references
+that do not come from distmon:
+
+- global and per-layer norms: float64 norms of ``deepspeed.utils.safe_get_full_grad`` (DeepSpeed
+  gathers its partitions) after each step's last backward, and DeepSpeed's own
+  ``engine.get_global_grad_norm()`` where it reports one;
+- each rank's local norms: float64 sums of every micro-batch's gradients from tensor hooks
+  (what autograd hands DeepSpeed); their mean over the ranks is the reduced gradient (fp32).
+
+``python -m pytest -s`` prints the closing table, per ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from ddp_harness import sample_value
+from framework_jobs import jsonl_rows, needs, torchrun_job
+from test_framework_hf import NORM_SERIES  # what the Trainer and accelerate serve without DeepSpeed
+
+pytestmark = pytest.mark.slow  # real ranks and frameworks
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "jobs"))
+import deepspeed_job as job  # noqa: E402
+
+WORLD = 2
+TOL = 1e-6  # relative, the acceptance bound
+BF16_ACCUMULATION_TOL = 2e-2  # DeepSpeed sums micro-batches in bf16; the reference in float64
+CONFIGS = {job.name(c): c for c in job.grid()}
+MAIN = [n for n, c in CONFIGS.items() if c["main"]]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> dict[str, object]:
+    needs("deepspeed")
+    out = tmp_path_factory.mktemp("deepspeed_grid")
+    torchrun_job(ROOT / "tests" / "jobs" / "deepspeed_job.py", out, world=WORLD, timeout=420)
+    ranks = [torch.load(out / f"deepspeed-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    logs = {p.stem: jsonl_rows(p) for p in out.glob("*.jsonl")}
+    return {"ranks": ranks, "logs": logs}
+
+
+@pytest.fixture(scope="module")
+def frameworks(tmp_path_factory) -> dict[str, object]:
+    needs("deepspeed", "transformers", "accelerate")
+    out = tmp_path_factory.mktemp("deepspeed_frameworks")
+    torchrun_job(ROOT / "tests" / "jobs" / "deepspeed_hf_job.py", out, world=WORLD, timeout=300)
+    return {
+        fw: {
+            "ranks": [torch.load(out / f"{fw}-rank{r}.pt", weights_only=False) for r in range(WORLD)],
+            "rows": jsonl_rows(out / f"{fw}.jsonl"),
+        }
+        for fw in ("hf", "accelerate")
+    }
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a)
+
+
+def local_measured(cfg: dict[str, object]) -> bool:
+    """Where one reduction input holds the step's local gradient: ZeRO 0 and 1 reduce at the
+    boundary; ZeRO 2 and 3 reduce every micro-batch."""
+    return cfg["stage"] <= 1 or cfg["accumulation"] == 1
+
+
+def _job_layer_sq(ranks: list[dict], name: str, step: int, side: str) -> dict[str, float]:
+    """The job's reduced per-layer sums of squares of ``step``: a dense layer's from rank 0 (every
+    rank holds it), an expert layer's added up over the ranks (each holds its own expert)."""
+    mon = [r[name]["monitored"] for r in ranks]
+    experts = set(mon[0]["experts"])
+    return {
+        layer: sum(m["steps"][step - 1][side][layer] for m in mon) if layer in experts else value
+        for layer, value in mon[0]["steps"][step - 1][side].items()
+    }
+
+
+# configuration -> figure -> the worst relative difference (or a fact), for the closing table
+SUMMARY: dict[str, dict[str, object]] = defaultdict(dict)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_step_valid_global_and_layer_norms_equal_float64_and_deepspeed(grid, name):
+    ranks, rows = grid["ranks"], grid["logs"][f"{name}-monitored"]
+    assert [row["step"] for row in rows] == list(range(1, CONFIGS[name]["steps"] + 1))
+    worst = {"global vs float64": 0.0, "layers vs float64": 0.0, "vs DeepSpeed": 0.0}
+    reported = 0
+    for row in rows:
+        assert row["valid"] and not row["skipped"] and row["monitor_errors"] == 0, row
+        layers = _job_layer_sq(ranks, name, row["step"], "reduced")
+        norm = math.sqrt(sum(layers.values()))
+        worst["global vs float64"] = max(worst["global vs float64"], _rel(row["grad_norm"], norm))
+        assert list(row["layer_grad_norms"]) == list(layers)
+        for layer, sq in layers.items():
+            worst["layers vs float64"] = max(
+                worst["layers vs float64"], _rel(row["layer_grad_norms"][layer], math.sqrt(sq))
+            )
+        ds = ranks[0][name]["monitored"]["steps"][row["step"] - 1]["deepspeed_norm"]
+        if ds is not None:
+            reported += 1
+            worst["vs DeepSpeed"] = max(worst["vs DeepSpeed"], _rel(row["grad_norm"], ds))
+    assert max(worst.values()) < TOL, worst
+    SUMMARY[name].update(worst)
+    if not reported:  # ZeRO-0 in fp32: engine.get_global_grad_norm() is None
+        SUMMARY[name]["vs DeepSpeed"] = "none reported"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_rank_local_figures_equal_float64_where_one_reduction_input_holds_them(grid, name):
+    cfg, ranks, rows = CONFIGS[name], grid["ranks"], grid["logs"][f"{name}-monitored"]
+    measured = local_measured(cfg)
+    tol = BF16_ACCUMULATION_TOL if cfg["precision"] == "bf16" and cfg["accumulation"] > 1 else TOL
+    worst = {"rank": 0.0}
+    for row in rows:
+        assert row["rank_valid"] == [measured] * WORLD, row
+        steps = [r[name]["monitored"]["steps"][row["step"] - 1] for r in ranks]
+        locals_ = [math.sqrt(sum(s["local"].values())) for s in steps]
+        for rank, local in enumerate(locals_):
+            served = row["rank_grad_norms"][rank]
+            if measured:
+                worst["rank"] = max(worst["rank"], _rel(served, local))
+                # each rank's own: nearer its reference than the other rank's (its own batches)
+                assert abs(served - local) < abs(served - locals_[1 - rank]), (row, locals_)
+            else:
+                assert math.isnan(served), row
+    assert worst["rank"] < tol, worst
+    SUMMARY[name]["local vs float64"] = worst["rank"] if measured else "NaN (rank_valid False)"
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if c["precision"] == "fp32" and not c["moe"]])
+def test_the_local_references_average_to_the_reduced_gradient(grid, name):
+    """The method: autograd's local gradients (the references of every rank's local figures),
+    averaged over the ranks, are the gradient DeepSpeed reduced (fp32: to rounding)."""
+    ranks = [r[name]["monitored"]["steps"] for r in grid["ranks"]]
+    for steps in zip(*ranks):
+        mean = sum(s["local_vector"] for s in steps) / WORLD
+        reduced = steps[0]["reduced_vector"]
+        assert float((mean - reduced).norm() / reduced.norm()) < TOL, name
+        assert all(torch.equal(s["reduced_vector"], reduced) for s in steps)  # the same on every rank
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_training_bit_identical_to_the_script_without_distmon(grid, name):
+    steps = CONFIGS[name]["steps"]
+    for rank, result in enumerate(grid["ranks"]):
+        plain, monitored = result[name]["plain"], result[name]["monitored"]
+        assert torch.equal(monitored["params"], plain["params"]), (name, rank)
+        assert monitored["applied"] == plain["applied"] == [True] * steps, (name, rank)
+        assert monitored["lrs"] == plain["lrs"], (name, rank)
+        assert monitored["monitor_errors"] == 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_nan_on_rank_1_named_and_not_applied_with_the_guard(grid, name):
+    """The NaN is in rank 1's loss: every gradient of rank 1 is NaN, and the output layer is the
+    first layer backward reaches. It is named with its rank (with gradient accumulation at stages
+    2/3 from the sums of every micro-batch, which are no norm), and DeepSpeed takes the step without the
+    update on every rank: parameters, optimizer step count and learning rate as before it."""
+    cfg, rows = CONFIGS[name], grid["logs"][f"{name}-nan_guard"]
+    nan_step = cfg["nan_step"]
+    assert [row["step"] for row in rows] == list(range(1, nan_step + 2))
+    for row in rows:
+        bad = row["step"] == nan_step
+        assert row["valid"] and row["monitor_errors"] == 0, row
+        assert row["skipped"] == bad and row["skip_reason"] == ("guard" if bad else ""), row
+        assert row["nonfinite"] == bad and math.isfinite(row["grad_norm"]) != bad, row
+    bad = rows[nan_step - 1]
+    rank = job.NAN_RANK
+    assert bad["first_nonfinite"] == [rank, "out"], bad
+    assert bad["rank_valid"] == [local_measured(cfg)] * 2, bad  # the norm itself: only where measured
+    assert [(e["kind"], e["rank"], e["layer"]) for e in bad["events"]] == [("nonfinite", rank, "out")]
+    for r, result in enumerate(grid["ranks"]):
+        run, plain = result[name]["nan_guard"], result[name]["plain"]
+        snaps = run["snapshots"]
+        assert torch.equal(snaps[nan_step - 1], plain["snapshots"][nan_step - 1]), (name, r)
+        assert torch.equal(snaps[nan_step], snaps[nan_step - 1]), (name, r)  # not applied
+        assert torch.isfinite(run["params"]).all(), (name, r)
+        assert not torch.equal(run["params"], snaps[nan_step]), (name, r)  # the next step was
+        assert run["applied"] == [s != nan_step for s in range(1, nan_step + 2)], (name, r)
+        assert run["skipped_steps"] == 1 and run["global_steps"] == nan_step + 1, (name, r)
+        # the learning rate held back with the step: one step behind the plain run's after it
+        assert run["lrs"][: nan_step - 1] == plain["lrs"][: nan_step - 1], (name, r)
+        assert run["lrs"][nan_step - 1] == run["lrs"][nan_step - 2] < plain["lrs"][nan_step - 1], (name, r)
+        assert run["lrs"][nan_step] == plain["lrs"][nan_step - 1], (name, r)
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_deepspeed_s_own_overflow_skip_is_recorded_like_the_grad_scaler_s(grid, name):
+    """Without a guard: a step DeepSpeed skips itself (its overflow check) is recorded as skipped,
+    like a GradScaler's ("scaler"); one it applies (no check in that configuration) is recorded
+    as taken, its non-finite norm served, and the parameters are NaN: what the guard prevents."""
+    nan_step = CONFIGS[name]["nan_step"]
+    runs = [r[name]["nan_deepspeed"] for r in grid["ranks"]]
+    skipped = not runs[0]["applied"][nan_step - 1]
+    assert all(run["applied"][nan_step - 1] != skipped for run in runs)  # DeepSpeed agrees on every rank
+    bad = grid["logs"][f"{name}-nan_deepspeed"][nan_step - 1]
+    assert bad["nonfinite"] and bad["skipped"] == skipped, bad
+    assert bad["skip_reason"] == ("scaler" if skipped else ""), bad
+    for run in runs:
+        assert bool(torch.isfinite(run["params"]).all()) == skipped, name
+    SUMMARY[name]["DeepSpeed skips the NaN step itself"] = "yes" if skipped else "no"
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("fp16", "fp16 is not supported yet"),
+        ("offload", "ZeRO-Offload"),
+        ("another optimizer", "takes the optimizer deepspeed.initialize returned"),
+        ("comm_hook", "a DeepSpeed engine reduces its gradients itself"),
+        ("a second monitor", "already measured by an open GradMonitor"),
+    ],
+)
+def test_what_cannot_be_measured_exactly_is_refused_at_construction_on_every_rank(grid, case, says):
+    for rank in grid["ranks"]:
+        said = rank["refusals"][case]
+        assert says in said and "did not start on any rank" in said, said
+
+
+def test_closing_table_per_stage(grid):
+    """The closing table, per ZeRO stage, from what the tests above measured (``pytest -s``)."""
+    if not SUMMARY:
+        pytest.skip("prints what the tests above measured: run them with it")
+    lines = []
+    for stage in range(4):
+        lines.append(f"ZeRO-{stage}")
+        for name in (n for n, c in CONFIGS.items() if c["stage"] == stage):
+            figures = ", ".join(
+                f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in SUMMARY[name].items()
+            )
+            lines.append(f"  {name:22s} {figures}")
+    print("\nmax relative difference of distmon's figures, per configuration\n" + "\n".join(lines))
+
+
+# -- the Hugging Face Trainer (ZeRO-2) and accelerate (ZeRO-3) --------------------------------------
+
+
+@pytest.mark.parametrize("fw", ["hf", "accelerate"])
+def test_framework_norms_equal_float64_and_the_framework_s_own(frameworks, fw):
+    ranks, rows = frameworks[fw]["ranks"], frameworks[fw]["rows"]
+    measured, meta = ranks[0]["measured"], ranks[0]["meta"]
+    assert measured["engine"] == "DeepSpeedEngine"
+    own = [h[1] for h in measured["history"]] if fw == "hf" else measured["history"]
+    assert [row["step"] for row in rows] == list(range(1, meta["steps"] + 1))
+    assert len(own) == len(measured["reference"]) == meta["steps"]
+    worst = {"vs float64": 0.0, "vs framework": 0.0}
+    for row, ref, logged in zip(rows, measured["reference"], own):
+        assert row["valid"] and not row["skipped"], row
+        assert row["rank_valid"] == [meta["accumulation"] == 1 or meta["stage"] <= 1] * WORLD
+        assert ref > 1.5 * meta["max_grad_norm"], ref  # clipping was active: a clipped figure would fail
+        worst["vs float64"] = max(worst["vs float64"], _rel(row["grad_norm"], ref))
+        worst["vs framework"] = max(worst["vs framework"], _rel(row["grad_norm"], logged))
+    assert max(worst.values()) < TOL, worst
+    print(f"{fw}, ZeRO-{meta['stage']}, {WORLD} ranks: max relative difference {worst}")
+
+
+@pytest.mark.parametrize("fw", ["hf", "accelerate"])
+def test_framework_training_bit_identical_without_distmon(frameworks, fw):
+    for rank, result in enumerate(frameworks[fw]["ranks"]):
+        assert torch.equal(result["measured"]["params"], result["plain"]["params"]), rank
+        assert result["measured"]["history"] == result["plain"]["history"], rank
+
+
+@pytest.mark.parametrize("fw", ["hf", "accelerate"])
+def test_framework_prometheus_serves_every_gradient_series(frameworks, fw):
+    ranks = frameworks[fw]["ranks"]
+    samples = ranks[0]["measured"]["samples"]
+    assert samples and ranks[1]["measured"]["samples"] is None  # scraped on rank 0, the one serving
+    served = {n for n, _, _ in samples}
+    meta = ranks[0]["meta"]
+    local = local_measured(meta)  # else NaN on every step, not served (ZeRO-2 with accumulation)
+    expected = set(NORM_SERIES) - (set() if local else {"distmon_rank_grad_norm"})
+    assert expected <= served, expected - served
+    assert ("distmon_rank_grad_norm" in served) == local
+    norms = ranks[0]["measured"]["reference"]
+    assert _rel(sample_value(samples, "distmon_grad_norm"), norms[-1]) < TOL
+    assert sample_value(samples, "distmon_optimizer_steps_total") == len(norms)
+    assert sample_value(samples, "distmon_nonfinite_steps_total") == 0

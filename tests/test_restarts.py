@@ -1,0 +1,102 @@
+"""torchrun restarts (#30): a worker failing under ``--max-restarts``, and a shutdown by SIGTERM.
+
+A restart: rank 1 of a 2-rank ``launch/train.py`` job fails at step 25 of the first attempt;
+torchrun restarts both workers, which resume from the checkpoint of step 20. The restarted
+rank 0 serves on the same port within 10 s of its process starting, with the same run id
+(torchrun's ``--rdzv-id``) and ``distmon_restart_count`` 1, and the log reads as one run with
+one resume. (``tests/test_e2e_deploy.py`` runs the same with a real Prometheus and the shipped
+rules, among a dozen other processes.)
+
+A shutdown by SIGTERM: what torchrun sends every worker when one fails or the job is stopped.
+
+torchrun SIGKILLs what is still running 30 s later, and restarts the workers only once all are
+gone: a monitor that spent that window lingering would delay every restart by 30 s. Each worker
+of a 2-rank ``launch/train.py`` job gets SIGTERM mid-run; each must be gone within 5 s, its port
+free at once, the JSONL log whole up to its last exported step (every line a snapshot, the steps
+1..k without a gap, k a multiple of ``export_every``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from ddp_harness import free_port
+from e2e_stack import EndpointWatch, TorchrunJob, wait_for
+
+from distmon.log_reader import read_log
+
+pytestmark = pytest.mark.slow
+
+EXPORT_EVERY = 5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _listening(port: int) -> bool:
+    """Whether any socket listens on ``port`` (state 0A in /proc/net/tcp*). A bind would also fail on
+    another process's outgoing connection that drew the same ephemeral port, which is not distmon's."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        if any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" for r in rows):
+            return True
+    return False
+
+
+def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(tmp_path: Path):
+    port, log = free_port(), tmp_path / "log.jsonl"
+    args = ["--preset", "tiny", "--steps", "100000", "--min-step-s", "0.05", "--port", str(port)]
+    args += ["--log-path", str(log), "--export-every", str(EXPORT_EVERY)]
+    job = TorchrunJob("sigterm", tmp_path, args, {}).start()
+    try:
+        wait_for(lambda: log.exists() and log.read_text().count("\n") >= 20, 180, "20 logged steps", job.log_tail)
+        workers = job.worker_pids()
+        assert len(workers) == 2, job.log_tail()
+        sent = time.monotonic()
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not any(map(_alive, workers)), 30, "the workers to exit", job.log_tail)
+        took = time.monotonic() - sent
+        assert took <= 5.0, f"{took:.1f} s to exit after SIGTERM\n{job.log_tail()}"
+        assert not _listening(port), f"a process still listens on {port}\n{job.log_tail()}"
+        rows = [json.loads(line) for line in log.read_text().splitlines()]  # every line whole
+        steps = [row["step"] for row in rows]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) % EXPORT_EVERY == 0, steps[-7:]
+    finally:
+        job.kill_all()
+
+
+def test_a_restarted_worker_serves_on_its_port_within_10_s_and_resumes_the_run(tmp_path: Path):
+    port, log = free_port(), tmp_path / "log.jsonl"
+    args = ["--preset", "tiny", "--steps", "40", "--min-step-s", "0.05", "--port", str(port)]
+    args += ["--log-path", str(log), "--crash-step", "25", "--crash-rank", "1", "--linger", "0"]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "10"]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch/pytorch#135712 (README)
+    job = TorchrunJob("restart", tmp_path, args, env, rdzv_id="job-restart", max_restarts=1).start()
+    watch = EndpointWatch(f"http://127.0.0.1:{port}/metrics", job)
+    try:
+        assert job.wait(300, job.log_tail) == 0, job.log_tail()
+    finally:
+        watch.stop()
+        job.kill_all()
+    restarted = [start for start, count in watch.workers.values() if count == 1]
+    back = [t for t, count in watch.scrapes if count == 1.0]
+    assert len(restarted) == 2 and back, (watch.workers, job.log_tail())
+    assert back[0] - max(restarted) <= 10.0, f"{back[0] - max(restarted):.1f} s"
+    assert [c for _, c in watch.scrapes if c is not None][0] == 0.0  # the first attempt served too
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {row["run_id"] for row in rows} == {"job-restart"} and {row["restart"] for row in rows} == {0, 1}
+    read = read_log(str(log))
+    assert read.run_count == 1 and list(read.run.steps) == list(range(1, 41))
+    assert [step for step, _ in read.run.restarts] == [20]
