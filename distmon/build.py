@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ._version import __version__
 from .backward import BackwardSums
+from .compat import has_step_hooks
 from .config import MonitorConfig, features
 from .decode import RowDecoder
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector
@@ -65,7 +66,7 @@ def unwrap_optimizer(opt: object) -> torch.optim.Optimizer:
     """
     seen = opt
     for _ in range(8):  # wrappers of wrappers, but never a cycle
-        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+        if has_step_hooks(opt):
             return opt
         inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
         if inner is None or inner is opt:

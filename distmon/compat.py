@@ -7,7 +7,13 @@ the fast tier plus DDP, FSDP2 and N-D parity jobs on 2.9 and 2.11 (``tests/run_t
 
 Each difference is one name here, with what distmon uses it for, the release that made its
 fallback unnecessary (delete the fallback once :data:`FLOOR` reaches that release) and what
-breaks without it. Torch is looked up when called, not bound at import, so that tests which
+breaks without it. So is every use of a name torch keeps private (an attribute or module whose
+name begins with ``_``): a release may rename or drop one without notice, so each has a note
+(what distmon needs it for, the releases it was checked on, what breaks without it) and no
+other module of distmon reaches one (``tests/test_codebase.py`` parses them all to keep it so).
+"Checked on 2.6-2.14" means the name exists and behaves as used on torch 2.6.0, 2.7.1, 2.8.0,
+2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0 and 2.14.1 (the CI tiers run 2.9.1, 2.11.0, 2.13.0 and
+2.14.1). Torch is looked up when called, not bound at import, so that tests which
 wrap a torch function (the collective and sync recorders, the failure injector) see the calls.
 FSDP2 is imported only by the functions that need it (``import distmon`` must not pay for it).
 """
@@ -15,10 +21,15 @@ FSDP2 is imported only by the functions that need it (``import distmon`` must no
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # FSDP2's parameter group, for annotations only (FSDP2 is imported where used)
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 __all__ = [
     "FLOOR",
@@ -36,6 +47,30 @@ __all__ = [
     "FSDP_LOCAL_FIGURES",
     "fsdp_reduce_scatter_base",
     "fsdp_pre_divide_factor",
+    "queue_callback",
+    "graph_task_id",
+    "profiler_enabled",
+    "foreach_mul_",
+    "foreach_copy_",
+    "foreach_sub_",
+    "compiled_autograd_on",
+    "in_compiled_autograd",
+    "uncompiled",
+    "WRAPPER_SEGMENTS",
+    "spec_of",
+    "local_tensor",
+    "ddp_localized",
+    "has_step_hooks",
+    "scaler_optimizer_states",
+    "pipeline_stage_base",
+    "find_tensors",
+    "ddp_module_parameters",
+    "ddp_comm_hooks",
+    "ddp_delays_all_reduce",
+    "ddp_python_reducer",
+    "fsdp_reduce_scatter_comm",
+    "fsdp_reduce_scatter_group",
+    "fsdp_param_unsharded",
 ]
 
 FLOOR = (2, 6)  # the oldest torch distmon runs on: DDP, one process, frameworks, compile; FSDP2 in part
@@ -145,8 +180,9 @@ def root_mesh(mesh: object) -> object:
 
 # --- FSDP2 ---------------------------------------------------------------------------------------
 # FSDPState._fsdp_param_groups: torch 2.12 (several parameter groups per fully_shard call, via
-# shard_placement_fn). Before it, one optional _fsdp_param_group.
-# Without it: every FSDP2 model fails at construction.
+# shard_placement_fn). Before it, one optional _fsdp_param_group. Both reached through
+# FSDPModule._get_fsdp_state() (checked on 2.6-2.14), the only handle on a unit's parameters,
+# reduce-scatter comm and post_backward. Without it: every FSDP2 model fails at construction.
 def fsdp_param_groups(module: torch.nn.Module) -> list[object]:
     """The parameter groups (``FSDPParamGroup``) of one ``fully_shard`` module: none, one or several."""
     state = module._get_fsdp_state()
@@ -185,8 +221,11 @@ def fsdp_reduce_scatter_base() -> type:
 
 
 # _get_gradient_divide_factors(rs_group, ar_group, dtype, device_type, factor,
-# force_sum_reduction_for_comms): this signature since torch 2.8 (2.7: no factor keywords; 2.6:
-# no device_type either). Only the per-rank local figures use it, which need 2.9: no fallback.
+# force_sum_reduction_for_comms), from torch.distributed.fsdp._fully_shard._fsdp_collectives, fed
+# the group's _reduce_scatter_process_group and (HSDP) _all_reduce_process_group: this signature
+# since torch 2.8 (2.7: no factor keywords; 2.6: no device_type either), checked on 2.9-2.14.
+# Only the per-rank local figures use it, which need 2.9: no fallback. Without it: fp16 FSDP2
+# local figures cannot undo FSDP2's pre-division (refused).
 def fsdp_pre_divide_factor(pgroup: object, reduce_dtype: torch.dtype, device_type: str) -> float | None:
     """The factor FSDP2 divides a unit's reduce-scatter input by before reducing it (fp16), or None."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
@@ -200,3 +239,203 @@ def fsdp_pre_divide_factor(pgroup: object, reduce_dtype: torch.dtype, device_typ
         factor=pgroup.gradient_divide_factor,
         force_sum_reduction_for_comms=pgroup.force_sum_reduction_for_comms,
     )[0]
+
+
+# === torch's private names (every use in distmon; none elsewhere) ===============================
+# --- autograd's engine ---------------------------------------------------------------------------
+# torch.autograd.Variable._execution_engine.queue_callback: runs a callback once the current
+# backward's work is done (FSDP2 and DDP queue theirs the same way); checked on 2.6-2.14. Without
+# it: no figure is read where a backward ends (DDP, FSDP2, one process, DeepSpeed: every figure).
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward's final callbacks queued so far have run."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# torch._C._current_graph_task_id(): the running backward's id, -1 outside one; checked on
+# 2.6-2.14. Without it: no activation-checkpoint recomputation told from a forward (activation
+# figures counted twice), DDP's second backward through one forward read as reduced, FSDP2's
+# shards read before the backward assigned them.
+def graph_task_id() -> int:
+    """The id of the backward running on this thread, -1 outside any."""
+    return torch._C._current_graph_task_id()
+
+
+# torch._C._autograd._profiler_enabled(): whether a torch.profiler window is open; checked on
+# 2.6-2.14. Without it: gloo's collectives are not completed before a profiler window closes
+# (heap corruption, the process dies later; see DDP's HookSlot.start and RankBuffers).
+def profiler_enabled() -> bool:
+    """Whether the autograd profiler (``torch.profiler``) records now."""
+    return torch._C._autograd._profiler_enabled()
+
+
+# --- fused list arithmetic -----------------------------------------------------------------------
+# torch._foreach_mul_ / _foreach_copy_ / _foreach_sub_: one kernel per list (the fused form of a
+# Python loop over parameters); checked on 2.6-2.14. Without them: a Python loop per tensor on
+# the hot path (each would need a replacement, not a fallback). Looked up at each call, so that
+# tests which wrap them see the calls.
+def foreach_mul_(tensors: list[torch.Tensor], scalar: float) -> None:
+    """``t *= scalar`` for every tensor, one fused call."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` pairwise, one fused call."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_sub_(dst: list[torch.Tensor], other: list[torch.Tensor]) -> None:
+    """``d -= o`` pairwise, one fused call."""
+    torch._foreach_sub_(dst, other)
+
+
+# --- torch.compile ------------------------------------------------------------------------------
+# torch._dynamo.config.compiled_autograd and torch._dynamo.compiled_autograd's
+# compiled_autograd_enabled / in_compiled_autograd_region; checked on 2.6-2.14 (read from
+# sys.modules: dynamo is never imported for it). Without them: a compiled-autograd backward,
+# whose hooks distmon cannot measure exactly, would run measured (wrong figures) instead of refused.
+def compiled_autograd_on() -> bool:
+    """Whether compiled autograd is switched on for ``torch.compile`` now (never imports dynamo)."""
+    config = sys.modules.get("torch._dynamo.config")
+    state = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(config, "compiled_autograd", False)) or bool(
+        getattr(state, "compiled_autograd_enabled", False)
+    )
+
+
+def in_compiled_autograd() -> bool:
+    """Whether a compiled-autograd backward is being traced now (hooks must not measure)."""
+    state = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(state, "in_compiled_autograd_region", False))
+
+
+# OptimizedModule._orig_mod: the module torch.compile(model) wraps (public classes keep no other
+# handle on it); checked on 2.6-2.14. Without it: a compiled model is not seen through (no source
+# found for a compiled DDP/FSDP2 model).
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (``model`` itself when not compiled).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2); uncompiled(net) is net
+        True
+    """
+    while type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), torch.nn.Module
+    ):
+        model = model._orig_mod
+    return model
+
+
+# The name segments torch's wrappers put between a module and its parameters: torch.compile's
+# OptimizedModule (_orig_mod), activation checkpointing's CheckpointWrapper
+# (_checkpoint_wrapped_module), FSDP1 (_fsdp_wrapped_module); checked on 2.6-2.14. Without them:
+# turning a wrapper on renames every layer series (a dashboard's history breaks).
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+# --- DTensor -------------------------------------------------------------------------------------
+# DTensor._spec (its placements and mesh, without DTensor's import) and _st_info, the spec DDP's
+# tensor-parallel support (_pre_dp_module_transform) keeps on a parameter it localized; checked on
+# 2.6-2.14. Without them: tensor-parallel parameters are not recognised (refused or counted whole).
+def spec_of(param: torch.Tensor) -> object | None:
+    """The DTensor spec of a parameter: its own, or the one DDP's tensor-parallel support
+    (``_pre_dp_module_transform``) kept on a parameter it localized (``_st_info``)."""
+    spec = getattr(param, "_spec", None)
+    if spec is not None and hasattr(spec, "placements"):
+        return spec
+    return getattr(param, "_st_info", None)
+
+
+def ddp_localized(param: torch.Tensor) -> bool:
+    """Whether DDP's tensor-parallel support localized ``param`` (its gradient comes in late)."""
+    return hasattr(param, "_st_info")
+
+
+# DTensor._local_tensor: a DTensor's shard without to_local()'s autograd Function (~10 us a
+# tensor on the hot path); checked on 2.6-2.14. Without it: every tensor-parallel and FSDP2
+# gradient read fails (figures NaN).
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, else ``t`` itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+# --- optimizers and AMP --------------------------------------------------------------------------
+# Optimizer._optimizer_step_pre_hooks: present on every torch.optim.Optimizer since step hooks
+# exist (a subclass that skipped Optimizer.__init__ lacks it); checked on 2.6-2.14. Without it:
+# such an optimizer is accepted and its step hooks fail at the first step instead of construction.
+def has_step_hooks(opt: object) -> bool:
+    """Whether ``opt`` is a ``torch.optim.Optimizer`` that can take step hooks."""
+    return isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks")
+
+
+# GradScaler._per_optimizer_states: the only record of whether unscale_ ran on an optimizer this
+# step; checked on 2.6-2.14. Without it: whether the gradients were unscaled is unknown (None).
+def scaler_optimizer_states(scaler: object) -> dict[int, dict[str, object]]:
+    """GradScaler's per-optimizer stage records (``{id(opt): {"stage": OptState, ...}}``)."""
+    return getattr(scaler, "_per_optimizer_states", {})
+
+
+# --- pipeline parallelism -----------------------------------------------------------------------
+# torch.distributed.pipelining.stage._PipelineStageBase: the base of PipelineStage and of the
+# stages the schedules build; checked on 2.6-2.14 (read from sys.modules: never imported for it).
+# Without it: a pipeline stage is not recognised (its module measured as a whole job).
+def pipeline_stage_base() -> type | None:
+    """The base class of ``torch.distributed.pipelining`` stages, None when pipelining is not imported."""
+    return getattr(sys.modules.get("torch.distributed.pipelining.stage"), "_PipelineStageBase", None)
+
+
+# --- DDP -----------------------------------------------------------------------------------------
+# torch.nn.parallel.distributed._find_tensors: the tensors of a forward's output, as DDP finds
+# them for its own reduction; checked on 2.6-2.14. Without it: DDP without a comm hook (NCCL)
+# reads nothing (every figure NaN).
+def find_tensors(obj: object) -> list[torch.Tensor]:
+    """The tensors in a (nested) forward output, as DDP finds them."""
+    from torch.nn.parallel.distributed import _find_tensors
+
+    return _find_tensors(obj)
+
+
+# DistributedDataParallel._module_parameters (the parameters it reduces, those of
+# _ddp_params_and_buffers_to_ignore left out), _comm_hooks (its registered comm hook and state),
+# _delay_all_reduce_all_params (delay_all_reduce_named_params), _use_python_reducer (compiled
+# autograd's Python reducer); checked on 2.6-2.14. Without them: ignored parameters counted,
+# a second monitor registering a second comm hook (DDP refuses), delayed reductions read too early.
+def ddp_module_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter] | None:
+    """The parameters a DDP model reduces, as it listed them when built (None if it keeps no list)."""
+    return getattr(model, "_module_parameters", None)
+
+
+def ddp_comm_hooks(model: torch.nn.Module) -> list[tuple[object, object]]:
+    """The ``(hook, state)`` pairs registered with a DDP model (at most one)."""
+    return getattr(model, "_comm_hooks", [])
+
+
+def ddp_delays_all_reduce(model: torch.nn.Module) -> bool:
+    """Whether a DDP model reduces some parameters after backward (``delay_all_reduce_named_params``)."""
+    return bool(getattr(model, "_delay_all_reduce_all_params", False))
+
+
+def ddp_python_reducer(model: torch.nn.Module) -> bool:
+    """Whether a DDP model reduces through compiled autograd's Python reducer."""
+    return bool(getattr(model, "_use_python_reducer", False))
+
+
+# --- FSDP2's parameter groups --------------------------------------------------------------------
+# FSDPParamGroup._reduce_scatter_comm (the comm set_custom_reduce_scatter replaces: distmon wraps
+# it and restores it), _reduce_scatter_process_group (the shard group), FSDPParam._unsharded_param
+# (set only once the parameter was unsharded: FSDP's own test in post_backward); checked on
+# 2.6-2.14 (_reduce_scatter_comm: 2.9-2.14, where custom reduce-scatters exist). distmon also
+# wraps the public post_backward of this private class. Without them: FSDP2 models fail at
+# construction (the per-rank local figures cannot be read).
+def fsdp_reduce_scatter_comm(pgroup: FSDPParamGroup) -> object:
+    """The reduce-scatter comm an FSDP2 parameter group uses now (its default, or a custom one)."""
+    return pgroup._reduce_scatter_comm
+
+
+def fsdp_reduce_scatter_group(pgroup: FSDPParamGroup) -> dist.ProcessGroup:
+    """The process group an FSDP2 parameter group reduce-scatters over (its shard group)."""
+    return pgroup._reduce_scatter_process_group
+
+
+def fsdp_param_unsharded(fsdp_param: object) -> bool:
+    """Whether an ``FSDPParam`` was unsharded (has its unsharded parameter)."""
+    return hasattr(fsdp_param, "_unsharded_param")

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import ctypes
 import time
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from . import sums
-from .compat import all_gather
+from .compat import all_gather, profiler_enabled
 from .errors import ErrorCounter
 from .ring import DeviceRing
 from .rows import Head, RowPlan
@@ -141,7 +141,7 @@ class RankBuffers:
         """
         self.wait()
         self._work = work
-        if torch._C._autograd._profiler_enabled():
+        if profiler_enabled():
             self.wait()
 
     def wait(self, timeout_s: float | None = None) -> None:

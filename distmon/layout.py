@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .compat import root_mesh
+from .compat import root_mesh, spec_of
 
 __all__ = ["Coordinates", "counts", "coordinates", "spec_of", "declared_group", "COORD_LABELS"]
 
@@ -55,15 +55,6 @@ class Coordinates:
     def peers(self) -> tuple[int | None, int | None, int | None]:
         """What ranks that hold the same shards share (all but the data-parallel coordinate)."""
         return (self.tp, self.pp, self.ep)
-
-
-def spec_of(param: torch.Tensor) -> object | None:
-    """The DTensor spec of a parameter: its own, or the one DDP's tensor-parallel support
-    (``_pre_dp_module_transform``) kept on a parameter it localized (``_st_info``)."""
-    spec = getattr(param, "_spec", None)
-    if spec is not None and hasattr(spec, "placements"):
-        return spec
-    return getattr(param, "_st_info", None)
 
 
 PP_DIMS = ("pp",)  # mesh dimensions whose slices hold different parameters (pipeline stages)

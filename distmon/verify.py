@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from . import hostinfo
-from .layout import declared_group, spec_of
+from .compat import local_tensor, spec_of
+from .layout import declared_group
 
 __all__ = ["DirectNorm", "LayoutCheck", "agrees", "refusal"]
 
@@ -112,7 +113,7 @@ class LayoutCheck:
         read = torch.zeros((), dtype=torch.float64, device=_device(self.direct.named))
         for (_, p), counts in zip(self.direct.named, self.counted):
             if counts and p.grad is not None:
-                read += _sq(getattr(p.grad, "_local_tensor", p.grad))  # this rank's part
+                read += _sq(local_tensor(p.grad))  # this rank's part
         dist.all_reduce(read)
         return float(read), self.direct()
 

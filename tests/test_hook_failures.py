@@ -59,7 +59,7 @@ CONFIGS = {
         "kind": "ddp",
         "hookless": True,
         "plan": [
-            {"distmon.sources.ddp._find_tensors"},  # the forward hook
+            {"distmon.sources.ddp.find_tensors"},  # the forward hook
             {"distmon.sources.local.sq_sums"},
             {"GradSums.read"},
             {"BackwardSums.begin_backward"},
@@ -128,7 +128,7 @@ def _sites(kind):
     if kind.startswith("ddp"):
         import distmon.sources.ddp as ddp
 
-        sites.append((ddp, "_find_tensors"))
+        sites.append((ddp, "find_tensors"))
     if kind == "fsdp":
         import distmon.sources.fsdp as fsdp
 

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import compiled_autograd_on, ddp_python_reducer, pipeline_stage_base, spec_of, uncompiled
 from ..grouping import Grouping
-from ..layout import counts, declared_group, spec_of
-from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
+from ..layout import counts, declared_group
+from .base import COMPILED_AUTOGRAD, Receiver, Source, first_device
 from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
 
@@ -147,8 +148,7 @@ def process_group(model: torch.nn.Module, *, declared: bool = False) -> dist.Pro
 
 def pipeline_stage(model: object) -> object | None:
     """The ``torch.distributed.pipelining`` stage ``model`` is (its ``.submod`` is measured), or None."""
-    pipelining = sys.modules.get("torch.distributed.pipelining.stage")
-    base = getattr(pipelining, "_PipelineStageBase", None)
+    base = pipeline_stage_base()  # None when pipelining was never imported
     return model if base is not None and isinstance(model, base) else None
 
 
@@ -305,7 +305,7 @@ def source_for(
     model, compiled = _peeled(model)  # torch.compile(model), Fabric: the module they wrap is measured
     if stage is not None:
         model = uncompiled(stage.submod)
-    if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
+    if compiled_autograd_on() or ddp_python_reducer(model):
         raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
     if is_deepspeed(model):
         if fabric:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from ..compat import compiled_autograd_on, ddp_localized, in_compiled_autograd, queue_callback, uncompiled
 from ..sums import Runs
 
 logger = logging.getLogger("distmon")
@@ -36,35 +36,6 @@ COMPILED_AUTOGRAD = (
     "compiled autograd off (torch._dynamo.config.compiled_autograd = False, "
     "torch._dynamo.config.optimize_ddp != 'python_reducer') for a monitored model"
 )
-
-
-def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else the model.
-
-    Example:
-        >>> net = torch.nn.Linear(2, 2); uncompiled(net) is net
-        True
-    """
-    while type(model).__name__ == "OptimizedModule" and isinstance(
-        getattr(model, "_orig_mod", None), torch.nn.Module
-    ):
-        model = model._orig_mod
-    return model
-
-
-def compiled_autograd_on() -> bool:
-    """Whether compiled autograd is switched on for ``torch.compile`` now (never imports dynamo)."""
-    config = sys.modules.get("torch._dynamo.config")
-    state = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(getattr(config, "compiled_autograd", False)) or bool(
-        getattr(state, "compiled_autograd_enabled", False)
-    )
-
-
-def in_compiled_autograd() -> bool:
-    """Whether a compiled-autograd backward is being traced now (hooks must not measure)."""
-    state = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(getattr(state, "in_compiled_autograd_region", False))
 
 
 class Receiver(Protocol):
@@ -190,7 +161,7 @@ class OrderLearner:
     ) -> None:
         self._params, self._n_layers, self._on_order = list(params), n_layers, on_order
         self._layer_of = {id(p): layer for p, layer in zip(params, layers)}
-        self._late = {layer for p, layer in zip(params, layers) if hasattr(p, "_st_info")}
+        self._late = {layer for p, layer in zip(params, layers) if ddp_localized(p)}
         self._first_seen: dict[int, int] = {}
         self._handles: list[RemovableHandle] = []
 
@@ -205,7 +176,7 @@ class OrderLearner:
     def _seen(self, param: torch.Tensor) -> None:
         try:
             if not self._first_seen:
-                torch.autograd.Variable._execution_engine.queue_callback(self._done)
+                queue_callback(self._done)
             self._first_seen.setdefault(self._layer_of[id(param)], len(self._first_seen))
         except Exception:  # an order is a nicety: never a failure in the user's backward
             logger.debug("distmon: backward order not learned", exc_info=True)

@@ -36,12 +36,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from .. import compat
 from ..errors import logger
@@ -49,6 +49,9 @@ from ..grouping import Grouping
 from ..sums import Runs, sq_sums
 from .base import COMPILED_AUTOGRAD, Receiver, backward_positions, in_compiled_autograd
 from .local import GradSums
+
+if TYPE_CHECKING:
+    from ..compat import FSDPParamGroup
 
 __all__ = ["FSDPSource", "is_fsdp", "LOCAL_REFUSED"]
 
@@ -119,7 +122,7 @@ def _present(pgroup: FSDPParamGroup) -> tuple[bool, ...]:
     """
     zeros = getattr(pgroup, "reduce_scatter_unused_params", False)
     return tuple(
-        hasattr(fp, "_unsharded_param")
+        compat.fsdp_param_unsharded(fp)
         and (
             fp.unsharded_accumulated_grad is not None
             or fp.unsharded_param.grad is not None
@@ -175,7 +178,7 @@ class FSDPSource:
         if not self.units:
             raise ValueError("distmon: no fully_shard module holds parameters in this model")
         # each unit's shard group (units may shard over different meshes: experts over theirs)
-        self._shard_world = [g._reduce_scatter_process_group.size() for _, g in self.units]
+        self._shard_world = [compat.fsdp_reduce_scatter_group(g).size() for _, g in self.units]
         if min(self._shard_world) < 2:  # a world of one is measured as one process (source_for)
             raise ValueError(
                 "distmon: an FSDP unit's shard group has one rank on a job of several (nothing is "
@@ -276,8 +279,9 @@ class FSDPSource:
         self._inner, self._post_backward = [], []
         for i, (m, g) in enumerate(self.units):
             if self.local_figures:
-                self._inner.append(g._reduce_scatter_comm)
-                m.set_custom_reduce_scatter(_MeasuringReduceScatter(g._reduce_scatter_comm, self, i))
+                inner = compat.fsdp_reduce_scatter_comm(g)
+                self._inner.append(inner)
+                m.set_custom_reduce_scatter(_MeasuringReduceScatter(inner, self, i))
             # FSDP calls it on the instance (its autograd function, its final callback)
             g.post_backward = _NotingPostBackward(g.post_backward, self, i)
             self._post_backward.append(g.post_backward)
@@ -287,7 +291,7 @@ class FSDPSource:
             if vars(g).get("post_backward") is noting:
                 del g.post_backward
         for (m, g), inner in zip(self.units, self._inner):
-            comm = g._reduce_scatter_comm
+            comm = compat.fsdp_reduce_scatter_comm(g)
             if isinstance(comm, _MeasuringReduceScatter) and comm.source is self:
                 m.set_custom_reduce_scatter(inner)
 
@@ -317,8 +321,8 @@ class FSDPSource:
             raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
         self.receiver.begin_backward()
         if not self._queued:
-            if torch._C._current_graph_task_id() != -1:  # read the shards once the backward assigned them
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if compat.graph_task_id() != -1:  # read the shards once the backward assigned them
+                compat.queue_callback(self._backward_done)
             else:  # FSDP's post-backward run outside autograd (a pipeline stage's last one)
                 self._pending = True
             self._queued = True
@@ -351,7 +355,7 @@ class FSDPSource:
             sums = sq_sums([pieces[i] for i in layout.pick])
             pre = self._pre_factor(unit, flat.dtype)
             if pre not in (None, 1):
-                torch._foreach_mul_(sums, float(pre) ** 2)
+                compat.foreach_mul_(sums, float(pre) ** 2)
             receiver.add_local(layout, sums)
         except Exception:
             receiver.fail("FSDP reduce-scatter (local gradients)", reduced=False)

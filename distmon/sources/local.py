@@ -21,17 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from ..compat import local_tensor, queue_callback
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
 from .base import COMPILED_AUTOGRAD, OrderLearner, Receiver, first_device, in_compiled_autograd
 
 __all__ = ["LocalSource", "GradSums"]
-
-
-def local_part(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient's local tensor: a DTensor's shard (``to_local()`` costs an autograd Function,
-    ~10 us a tensor), else the gradient itself."""
-    return getattr(grad, "_local_tensor", grad)
 
 
 def _refuse_partial(params: Sequence[torch.nn.Parameter]) -> None:
@@ -81,7 +76,7 @@ class GradSums:
         params: list[torch.nn.Parameter],
         layer_of: list[int],
         device: torch.device,
-        local: Callable[[torch.Tensor], torch.Tensor] | None = local_part,
+        local: Callable[[torch.Tensor], torch.Tensor] | None = local_tensor,
         seqs: Iterator[int] | None = None,
         attr: str = "grad",
     ) -> None:
@@ -251,7 +246,7 @@ class LocalSource:
         try:
             if in_compiled_autograd():
                 raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            queue_callback(self._backward_done)
             self._queued = True
         except Exception:
             self.receiver.fail("gradient read (single process)")
