@@ -2,19 +2,22 @@
 
 distmon runs on torch 2.6 and newer and refuses an older torch when it is imported. From 2.9 it is
 complete; on 2.6-2.8 everything but FSDP2's per-rank local figures, which need a hook those
-releases lack (:data:`FSDP_LOCAL_FIGURES`). CI runs the whole suite on the pinned release and
-the fast tier plus DDP, FSDP2 and N-D parity jobs on 2.9 and 2.11 (``tests/run_torch_tiers.sh``).
+releases lack (:data:`FSDP_LOCAL_FIGURES`). CI runs the whole suite on the pinned release (2.13),
+the fast tier plus DDP, FSDP2 and N-D parity jobs on 2.9 and 2.11, and the fast tier plus the
+FSDP2, layout and framework tests on the newest release that installs here, 2.14
+(``tests/run_torch_tiers.sh``).
 
 Each difference is one name here, with what distmon uses it for, the release that made its
 fallback unnecessary (delete the fallback once :data:`FLOOR` reaches that release) and what
 breaks without it. So is every use of a name torch keeps private (an attribute or module whose
 name begins with ``_``): a release may rename or drop one without notice, so each has a note
 (what distmon needs it for, the releases it was checked on, what breaks without it) and no
-other module of distmon reaches one (``tests/test_codebase.py`` parses them all to keep it so).
-"Checked on 2.6-2.14" means the name exists and behaves as used on torch 2.6.0, 2.7.1, 2.8.0,
-2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0 and 2.14.1 (the CI tiers run 2.9.1, 2.11.0, 2.13.0 and
-2.14.1). Torch is looked up when called, not bound at import, so that tests which
-wrap a torch function (the collective and sync recorders, the failure injector) see the calls.
+other module of distmon reaches one (``tests/test_private_torch.py`` parses them all to keep it so).
+"Checked on 2.6-2.14" means the name is in torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0,
+2.12.1, 2.13.0 and 2.14.1 (``bash tests/private_torch_names.sh`` over the CI's cached venvs) and
+exercised by the tests on 2.9.1, 2.11.0, 2.13.0 and 2.14.1. Torch is looked up when called,
+not bound at import, so that tests which wrap a torch function (the collective and sync
+recorders, the failure injector) see the calls.
 FSDP2 is imported only by the functions that need it (``import distmon`` must not pay for it).
 """
 

@@ -200,6 +200,23 @@ def test_readme_pyproject_and_the_tiers_state_one_range():
         assert version in readme, version
 
 
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_tier_whose_torch_cannot_be_installed_fails_under_ci(tmp_path, ci):
+    """Under CI=true a tier whose venv cannot be built fails the run (never a silent skip); by
+    hand it is skipped, saying why. (A release no index serves, pip kept off the network.)"""
+    env = {**os.environ, "CI": ci, "TIERS": "0.0.1", "DISTMON_CI_CACHE": str(tmp_path)}
+    env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path))
+    out = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "tests", "run_torch_tiers.sh")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "torch 0.0.1 cannot be installed" in out.stderr, out.stderr
+    if ci:
+        assert out.returncode != 0 and "failing (CI=true)" in out.stderr
+    else:
+        assert out.returncode == 0 and "skipped" in out.stderr
+
+
 # --- real ranks against float64 ------------------------------------------------------------------
 def _named_full(net):
     """(name, gradient as a whole plain tensor) in model order: a DTensor's full_tensor(); DDP's
