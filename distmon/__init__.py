@@ -15,7 +15,8 @@ default. Public names: :class:`GradMonitor`, :class:`Snapshot`, :class:`AnomalyE
 :class:`DetectorConfig` (detector thresholds), :class:`GradientAnomalyError` (``guard="raise"``).
 
 The names are imported on first use, so ``import distmon`` and ``python -m distmon report``
-do not import torch.
+do not import torch. distmon runs on torch 2.6 and newer (complete from 2.9,
+:mod:`distmon.compat`); the first use of a name refuses an older torch with an ImportError.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def __getattr__(name: str) -> object:
     """Import a public name's module on first use (PEP 562) and keep the name here."""
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(".compat", __name__)  # first: refuses an unsupported torch by name
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value
     return value

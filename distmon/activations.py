@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .compat import graph_task_id
 from .errors import ErrorCounter
 from .grouping import plain_name
 from .sums import sq_sums
@@ -142,7 +143,7 @@ class ActivationWatch:
     def _hook(self, index: int) -> Callable[[torch.nn.Module, object, object], None]:
         @torch.compiler.disable
         def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
-            if not self.active or torch._C._current_graph_task_id() != -1:
+            if not self.active or graph_task_id() != -1:
                 return  # not an activation step, or a checkpoint's recomputation inside backward
             try:
                 out = _first_tensor(output)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .compat import foreach_mul_
 from .errors import ErrorCounter
 from .loss_scale import LossScale
 from .sums import LayerFold, Runs
@@ -148,7 +149,7 @@ class BackwardSums:
         # a single process hands over the same sums as local and reduced: scale each tensor once
         unique = {id(t): t for _, sums in self._local + self._reduced for t in sums}
         if unique:
-            torch._foreach_mul_(list(unique.values()), factor * factor)
+            foreach_mul_(list(unique.values()), factor * factor)
 
     def local_unmeasured(self) -> None:
         """This step's local figures cannot be measured, and that is no failure (no local gradient

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ._version import __version__
 from .backward import BackwardSums
 from .census import JobReading, Parts, digest
+from .compat import has_step_hooks, local_tensor
 from .config import MonitorConfig, features
 from .decode import RowDecoder
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector
@@ -86,7 +87,7 @@ def unwrap_optimizer(opt: object) -> torch.optim.Optimizer:
     """
     seen = opt
     for _ in range(8):  # wrappers of wrappers, but never a cycle
-        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+        if has_step_hooks(opt):
             return opt
         inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
         if inner is None or inner is opt:
@@ -184,7 +185,7 @@ def read_rank(model: torch.nn.Module, optimizer: object, options: dict[str, obje
         )
     parts = Parts(
         names=local.param_names,
-        tensors=[getattr(p, "_local_tensor", p) for p in local.params],
+        tensors=[local_tensor(p) for p in local.params],
         positions=[part_position(p) for p in local.params],
         layer_of=[local.layers[i] for i in local.param_layer],
         layers=local.layers,
@@ -253,7 +254,7 @@ def build_rank(
     plan = RowPlan.build(
         n_layers=n_layers,
         world=source.world_size,
-        rank_layers=cfg.rank_layers,
+        rank_layers=cfg.rank_layers and source.local_figures,
         partial=source.partial,
         vote=source.group is not None and cfg.export_interval_s > 0,
         batch=extra.batch_of_step is not None,
@@ -358,6 +359,7 @@ def build_exports(
         detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
         watched=tracker.activations.names if tracker.activations else (),
         coords=coords if any(coords) else None,
+        local_figures=tracker.source.local_figures,
         restart=restart_count(),
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)

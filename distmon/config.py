@@ -336,8 +336,8 @@ class Features(NamedTuple):
 def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: ErrorCounter) -> Features:
     """The noise-scale, activation and update-ratio parts, or the error naming the option.
 
-    What each needs of the source: ``batch_size`` 2+ data-parallel ranks and a reduction that
-    is the ranks' mean;
+    What each needs of the source: ``batch_size`` 2+ data-parallel ranks, each rank's local
+    figures and a reduction that is the ranks' mean;
     ``activations`` modules to watch; ``update_ratio`` unsharded weights.
     """
     batch_of_step = None
@@ -346,6 +346,12 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
             raise ValueError(
                 "distmon: batch_size= turns on the gradient noise scale, which compares one rank's "
                 "batch with the global one: it needs 2 or more data-parallel ranks"
+            )
+        if not source.local_figures:
+            raise ValueError(
+                "distmon: batch_size= turns on the gradient noise scale, which needs each rank's "
+                f"local gradient: FSDP2 hands it to distmon from torch 2.9 (this is torch "
+                f"{torch.__version__})"
             )
         if source.divide_factor_set:
             raise ValueError(

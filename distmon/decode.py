@@ -29,7 +29,9 @@ class RowDecoder:
     """Decodes step rows of one monitor into snapshots (on the export thread).
 
     ``order`` holds each layer's position in backward order (known once the source saw a
-    backward); ``detector`` turns the detector columns into events and scores.
+    backward); ``detector`` turns the detector columns into events and scores. Without
+    ``local_figures`` (a source that cannot measure each rank's local gradient: FSDP2 before
+    torch 2.9) the per-rank figures are left out (empty), not NaN.
 
     Example:
         >>> import torch
@@ -51,6 +53,7 @@ class RowDecoder:
         detector: DetectorDecoder | None = None,
         watched: Sequence[str] = (),
         coords: Sequence[Coordinates | None] | None = None,
+        local_figures: bool = True,
         restart: int = 0,
     ) -> None:
         self.plan = plan
@@ -62,6 +65,7 @@ class RowDecoder:
         self.detector = detector
         self.watched = tuple(watched)  # modules whose forward outputs are watched
         self.coords = coords  # each rank's place in each parallel dimension (several of them)
+        self.local_figures = local_figures
 
     def decode(self, info: StepInfo, row: list[float]) -> Snapshot:
         step, f = self.plan.step, self.plan.rank
@@ -88,6 +92,8 @@ class RowDecoder:
             first_bad = f.first_nonfinite_layer(vals, order) if vals[f.valid] > 0.0 else -1
             if first_bad >= 0:
                 bad.append((r, first_bad))
+        if not self.local_figures:  # refused at construction: absent, never NaN
+            rank_norms, rank_valid = [], []
         grad_norm = _sqrt(row[Head.TOTAL_SQ]) if measured else math.nan
         first: tuple[int, str] | None = None
         if bad:
@@ -128,6 +134,8 @@ class RowDecoder:
             snap = self._noise(row[step.noise], snap)
         if self.detector is not None:
             snap = self.detector(info.step, row[step.detector], snap)
+            if not self.local_figures:
+                snap = replace(snap, rank_outlier_scores=[])
         if step.n_watched:
             snap = self._activations(info.step, row[step.act], ranks, snap)
         if step.upd.stop > step.upd.start:

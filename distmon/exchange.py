@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import ctypes
 import time
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from . import sums
+from .compat import all_gather, profiler_enabled
 from .errors import ErrorCounter
 from .ring import DeviceRing
 from .rows import Head, RowPlan
@@ -126,7 +127,7 @@ class RankBuffers:
         k, width = last - first + 1, self.fields.width
         out = self._gathered[: self.world * k * width]
         rows = self.rows[first : last + 1].view(-1)
-        self._start(dist.all_gather_single(out, rows, group=self.group, async_op=True))
+        self._start(all_gather(out, rows, group=self.group, async_op=True))
         return out.view(self.world, k, width)
 
     def _start(self, work: dist.Work) -> None:
@@ -140,7 +141,7 @@ class RankBuffers:
         """
         self.wait()
         self._work = work
-        if torch._C._autograd._profiler_enabled():
+        if profiler_enabled():
             self.wait()
 
     def wait(self, timeout_s: float | None = None) -> None:

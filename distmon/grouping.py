@@ -14,15 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import WRAPPER_SEGMENTS
+
 GroupFn = Callable[[str, torch.nn.Parameter], str]
 GroupRules = Sequence[tuple[str, str]]
 GroupSpec = GroupFn | GroupRules | None
 
 OTHER = "other"
 ROOT = "root"  # parameters owned directly by the top module
-# Name segments wrappers put between a module and its parameters: torch.compile's OptimizedModule,
-# activation checkpointing, FSDP1's wrapper. Turning one on must not rename a layer series.
-WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# Name segments wrappers put between a module and its parameters (compat.WRAPPER_SEGMENTS: torch.compile's
+# OptimizedModule, activation checkpointing, FSDP1's wrapper). Turning one on must not rename a layer series.
 
 __all__ = ["Grouping", "build_grouping", "validate_groups", "plain_name", "GroupSpec", "OTHER"]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather
 from .layout import Coordinates
 
 __all__ = ["RankInfo", "resolve_run_id", "restart_count", "local_rank_info", "exchange"]
@@ -111,7 +112,7 @@ def exchange(payload: object, group: dist.ProcessGroup | None) -> list:
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     world = dist.get_world_size(group)
     everyone = torch.empty(world * size, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(everyone, mine.to(device), group=group)
+    all_gather(everyone, mine.to(device), group=group, async_op=False)
     host = everyone.cpu()
     # a pickle ends at its STOP opcode: the padding after it is never read
     return [pickle.loads(ctypes.string_at(host.data_ptr() + r * size, size)) for r in range(world)]

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .compat import root_mesh, spec_of
+
 __all__ = [
     "Coordinates",
     "counts",
@@ -67,15 +69,6 @@ class Coordinates:
         return (self.tp, self.pp, self.ep)
 
 
-def spec_of(param: torch.Tensor) -> object | None:
-    """The DTensor spec of a parameter: its own, or the one DDP's tensor-parallel support
-    (``_pre_dp_module_transform``) kept on a parameter it localized (``_st_info``)."""
-    spec = getattr(param, "_spec", None)
-    if spec is not None and hasattr(spec, "placements"):
-        return spec
-    return getattr(param, "_st_info", None)
-
-
 PP_DIMS = ("pp",)  # mesh dimensions whose slices hold different parameters (pipeline stages)
 
 
@@ -90,7 +83,7 @@ def copy_dimension(meshes: Sequence[object], distinct: Collection[int] = ()) -> 
     hold different parts). The job's reading at start-up (:mod:`distmon.census`) checks the
     inference against the values the ranks hold.
     """
-    root = meshes[0]._get_root_mesh()
+    root = root_mesh(meshes[0])
     if any(m is root for m in meshes):
         return None
     members = {r for m in meshes for r in m.mesh.flatten().tolist()} | set(distinct)
@@ -218,7 +211,7 @@ def coordinates(
         True
     """
     specs = [s for s in map(spec_of, params) if s is not None]
-    named = mesh_coordinates([s.mesh for s in specs] + [m._get_root_mesh() for m in meshes])
+    named = mesh_coordinates([s.mesh for s in specs] + [root_mesh(m) for m in meshes])
     tp, ep = named.get("tp"), named.get("ep")
     if tp is None and ep is None and stage is None:
         return None
@@ -233,7 +226,7 @@ def mesh_coordinates(meshes: Sequence[object]) -> dict[str, int]:
         {}
     """
     coords: dict[str, int] = {}
-    for m in [m for given in meshes for m in (given, given._get_root_mesh())]:
+    for m in [m for given in meshes for m in (given, root_mesh(given))]:
         for dim, name in enumerate(m.mesh_dim_names or ()):
             coords.setdefault(name, m.get_local_rank(dim))
     return coords

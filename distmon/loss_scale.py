@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch.amp.grad_scaler import OptState
 
+from .compat import scaler_optimizer_states
+
 __all__ = ["LossScale"]
 
 
@@ -70,5 +72,5 @@ class LossScale:
         if self.scaler is None or not self.scaler.is_enabled():
             return None
         # GradScaler keeps no public record of this; its per-optimizer stage is the record
-        states: dict[int, dict[str, object]] = getattr(self.scaler, "_per_optimizer_states", {})
+        states = scaler_optimizer_states(self.scaler)
         return all(states.get(id(opt), {}).get("stage") is OptState.UNSCALED for opt in self.optimizers)

@@ -44,7 +44,9 @@ class Snapshot:
             code failed; ``valid`` is then False).
         layer_grad_norms: layer -> L2 norm of its reduced gradient (NaN when not measured).
         rank_grad_norms: per rank, the L2 norm of its local gradient before all-reduce
-            (NaN where it was not measured; see ``monitor_errors``).
+            (NaN where it was not measured; see ``monitor_errors``). Empty, as are
+            ``rank_valid`` and ``rank_outlier_scores``, where no rank's local gradient can be
+            read (FSDP2 before torch 2.9: said when the monitor is built).
         rank_layer_grad_norms: ranks x layers local norms (layers in ``layer_grad_norms``
             order), or None with ``rank_layers=False``.
         nonfinite: any local or reduced gradient held a NaN/Inf.

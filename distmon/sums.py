@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import sq_sums_fp32
+
 __all__ = [
     "sq_sums",
     "sparse_sq_sum",
@@ -38,7 +40,7 @@ def sq_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         >>> [float(s) for s in sq_sums([torch.tensor([3.0, 4.0]), torch.view_as_real(torch.tensor([1j]))])]
         [25.0, 1.0]
     """
-    return torch._foreach_powsum(list(tensors), 2, dtype=torch.float32)
+    return sq_sums_fp32(tensors)  # torch._foreach_powsum, or its fallback before torch 2.11
 
 
 def sparse_sq_sum(grad: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from .compat import foreach_copy_, foreach_sub_
 from .sums import LayerFold, Runs, sq_sums
 
 __all__ = ["UpdateRatio"]
@@ -45,7 +46,7 @@ class UpdateRatio:
     def begin(self) -> None:
         """The step begins: copy the parameters, and their per-layer sums of squares."""
         with torch.no_grad():
-            torch._foreach_copy_(self._copy, [p.detach() for p in self.params])
+            foreach_copy_(self._copy, [p.detach() for p in self.params])
         self._fold([(self._runs, sq_sums(self._copy))], self._weight_sq)
         self.taken = True
 
@@ -56,6 +57,6 @@ class UpdateRatio:
             return
         self.taken = False
         with torch.no_grad():
-            torch._foreach_sub_(self._copy, [p.detach() for p in self.params])
+            foreach_sub_(self._copy, [p.detach() for p in self.params])
         self._fold([(self._runs, sq_sums(self._copy))], out)
         out.div_(self._weight_sq).sqrt_()

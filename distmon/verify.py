@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .census import digest, distinct_sq
-from .layout import declared_group, part_position, spec_of
+from .compat import local_tensor, spec_of
+from .layout import declared_group, part_position
 
 __all__ = ["DirectNorm", "JobNorm", "LayoutCheck", "agrees", "refusal"]
 
@@ -108,7 +109,7 @@ class JobNorm:
         self._slots = [digest(name, part_position(p)) for name, p in named]
 
     def __call__(self) -> float:
-        grads = [None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad) for p in self.params]
+        grads = [None if p.grad is None else local_tensor(p.grad) for p in self.params]
         return distinct_sq(self._slots, grads, self.group)
 
 
@@ -132,7 +133,7 @@ class LayoutCheck:
         read = torch.zeros((), dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
         for p, counts in zip(self.params, self.counted):
             if counts and p.grad is not None:
-                read += _sq(getattr(p.grad, "_local_tensor", p.grad))  # this rank's part
+                read += _sq(local_tensor(p.grad))  # this rank's part
         dist.all_reduce(read, group=self.group)
         return float(read), self.reference()
 

@@ -4,18 +4,29 @@
 #   bash launch/install.sh --test   # + pytest, pyyaml, bcrypt, the frameworks (Lightning, transformers,
 #                                   #   accelerate, DeepSpeed) and the Prometheus/Alertmanager and
 #                                   #   openssl binaries
-# torch is pinned and installed FIRST: an unpinned `torch` requirement would pull several GB
-# of CUDA wheels on a CPU machine. Set DISTMON_TORCH_SPEC to use another torch build.
+# torch is installed FIRST, pinned: an unpinned `torch` requirement would pull several GB of
+# CUDA wheels on a CPU machine. A torch already installed in distmon's range (pyproject.toml's
+# floor and up) is kept; DISTMON_TORCH_SPEC installs the build it names in any case.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-TORCH_SPEC=${DISTMON_TORCH_SPEC:-torch==2.13.0}
-want=${TORCH_SPEC#torch==}
+PIN=torch==2.13.0
+floor=$(sed -n 's/.*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 
 have=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
-if [ "$have" != "$want" ]; then
-  echo "[install] torch: have '${have:-none}', installing $TORCH_SPEC"
-  "$PY" -m pip install --quiet "$TORCH_SPEC"
+in_range() {  # release (major.minor) of $1 at or above the floor
+  "$PY" -c 'import sys; r = lambda v: tuple(int(x) for x in v.split(".")[:2]); sys.exit(r(sys.argv[1]) < r(sys.argv[2]))' "$1" "$floor"
+}
+if [ -n "${DISTMON_TORCH_SPEC:-}" ]; then
+  if [ "$have" != "${DISTMON_TORCH_SPEC#torch==}" ]; then
+    echo "[install] torch: have '${have:-none}', installing $DISTMON_TORCH_SPEC"
+    "$PY" -m pip install --quiet "$DISTMON_TORCH_SPEC"
+  fi
+elif [ -n "$have" ] && in_range "$have"; then
+  echo "[install] torch $have: kept (distmon runs on torch >= $floor)"
+else
+  echo "[install] torch: have '${have:-none}', installing $PIN (distmon runs on torch >= $floor)"
+  "$PY" -m pip install --quiet "$PIN"
 fi
 
 extras=""

@@ -123,6 +123,18 @@ class Layout:
         return math.prod(self.dims.values())
 
 
+def torch_limit(layout: Layout) -> str | None:
+    """Why the torch running the tests cannot train ``layout`` on CPU with gloo (torch's own
+    limits, not distmon's: such a layout is skipped, with this reason), or None."""
+    from distmon.compat import TORCH
+
+    if layout.dp in ("fsdp", "hsdp") and TORCH < (2, 7):
+        return "torch 2.6's FSDP2 does not run on CPU ('Stream' object has no attribute 'record_event')"
+    if "pp" in layout.dims and TORCH == (2, 9):
+        return "torch 2.9's pipeline schedules abort on gloo (EnforceNotMet) and refuse 1 micro-batch"
+    return None
+
+
 class Built:
     """One rank's laid-out model: what GradMonitor takes, the optimizer, the training step."""
 
@@ -220,7 +232,8 @@ class Built:
 
     def train_step(self, step: int, poison: bool = False) -> float | None:
         """One optimizer step on this rank's batch (the dp coordinate's); the loss where it is known."""
-        x, y = make_batch(self.dp, step, batch=BATCH, vocab=VOCAB)
+        # contiguous: torch <= 2.10's pipeline stages check their inputs' strides
+        x, y = (t.contiguous() for t in make_batch(self.dp, step, batch=BATCH, vocab=VOCAB))
         hook = None
         if poison:
             fc2 = self.module.blocks["1"].fc2

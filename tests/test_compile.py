@@ -46,6 +46,8 @@ from ddp_harness import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distmon.compat import TORCH
+
 pytestmark = pytest.mark.slow  # real ranks: not in the fast tier
 
 STEPS = 3
@@ -355,6 +357,9 @@ def test_compiled_autograd_is_refused_at_construction_and_training_goes_on(compi
 
 
 def test_fsdp_under_compiled_autograd_serves_no_wrong_figure_and_trains_unchanged(compiled_autograd):
+    plain = compiled_autograd[0]["fsdp"][0]
+    if TORCH < (2, 11) and plain["raised"]:  # torch's own limit: the run without distmon fails alike
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 fails under compiled autograd: {plain['raised']}")
     problems = []
     for rank in range(2):
         plain, monitored = compiled_autograd[rank]["fsdp"]

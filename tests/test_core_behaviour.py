@@ -50,6 +50,8 @@ from fault_injection import FailureInjector
 from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distmon.compat import ALL_GATHER
+
 pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
 
 REL = 1e-5
@@ -489,7 +491,7 @@ def test_export_steps_gather_every_ranks_rows_since_the_last_in_place_of_the_all
                 where = (interval_s, rank, step, colls)
                 if step % SCHEDULE_EVERY == 0:
                     rows = SCHEDULE_EVERY * width
-                    assert colls == [("dist.all_gather_single", [world * rows, rows])], where
+                    assert colls == [(f"dist.{ALL_GATHER}", [world * rows, rows])], where
                 elif interval_s:
                     assert colls == [("dist.all_reduce", [1])], where
                 else:

@@ -20,6 +20,8 @@ import torch
 from ddp_harness import SyncRecorder, run_ranks, scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distmon.compat import ALL_GATHER
+
 pytestmark = pytest.mark.slow
 
 STEP_S, INTERVAL_S, EXPLODE = 2.0, 1.0, 3
@@ -95,7 +97,7 @@ def _agree_job(rank, world, workdir):
             ddp(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        if any(name == "dist.all_gather_single" for name, _, _ in rec.collectives):
+        if any(name == f"dist.{ALL_GATHER}" for name, _, _ in rec.collectives):
             gathers.append(step)
     mon.close()
     snaps = None

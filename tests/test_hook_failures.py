@@ -33,6 +33,8 @@ from fault_injection import FailureInjector
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REL = 1e-5
+# the fused kernel distmon's sums run on (distmon.compat.sq_sums_fp32: _foreach_norm before torch 2.11)
+FUSED = "_foreach_powsum" if hasattr(torch, "_foreach_powsum") else "_foreach_norm"
 WATCHED = ("blocks.0.fc", "blocks.1.fc", "head")  # activations=[nn.Linear] on TinyLM
 STEP_HOOKS = [{"StepTracker.before_step"}, {"StepTracker.after_step"}]
 ACTIVATIONS = [{"distmon.activations.sq_sums"}, {"ActivationWatch.close_step"}]
@@ -42,7 +44,7 @@ CONFIGS = {
         "kind": "ddp",
         "plan": [
             {"distmon.sources.local.sq_sums"},  # the fused reads (local at the last bucket, reduced)
-            {"torch._foreach_powsum"},
+            {f"torch.{FUSED}"},
             {"GradSums.read"},
             {"BackwardSums.add_local"},  # in the comm hook
             {"BackwardSums.add_reduced"},  # in the autograd callback after DDP's
@@ -57,7 +59,7 @@ CONFIGS = {
         "kind": "ddp",
         "hookless": True,
         "plan": [
-            {"distmon.sources.ddp._find_tensors"},  # the forward hook
+            {"distmon.sources.ddp.find_tensors"},  # the forward hook
             {"distmon.sources.local.sq_sums"},
             {"GradSums.read"},
             {"BackwardSums.begin_backward"},
@@ -126,7 +128,7 @@ def _sites(kind):
     if kind.startswith("ddp"):
         import distmon.sources.ddp as ddp
 
-        sites.append((ddp, "_find_tensors"))
+        sites.append((ddp, "find_tensors"))
     if kind == "fsdp":
         import distmon.sources.fsdp as fsdp
 

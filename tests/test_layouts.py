@@ -12,11 +12,22 @@ a world size run in one spawn.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 from ddp_harness import close, rel_err, run_ranks
-from layout_harness import LAYERS, NAN_LAYER, SPY_STEPS, STEPS, Layout, by_layer, combined, layout_job
+from layout_harness import (
+    LAYERS,
+    NAN_LAYER,
+    SPY_STEPS,
+    STEPS,
+    Layout,
+    by_layer,
+    combined,
+    layout_job,
+    torch_limit,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +55,34 @@ NAMES = [layout.name for layout in LAYOUTS]
 BY_NAME = {layout.name: layout for layout in LAYOUTS + [MISDECLARED]}
 
 
+class _Runs(dict):
+    """Each layout's per-rank results; a layout this torch cannot run is skipped, naming why."""
+
+    def __missing__(self, name: str) -> list[dict]:
+        pytest.skip(torch_limit(BY_NAME[name]) or f"{name} was not selected")
+
+
+def _selected(session: pytest.Session) -> set[str]:
+    """The layouts the selected tests of this file compare (all of them when the file runs whole):
+    ``pytest "tests/test_layouts.py::...[tp_fsdp]"`` trains that layout alone."""
+    names = set()
+    for item in session.items:
+        if item.path.name == os.path.basename(__file__) and "runs" in getattr(item, "fixturenames", ()):
+            param = getattr(item, "callspec", None)
+            # the one test without a layout parameter compares the misdeclared layout with "tp"
+            names |= {param.params["name"]} if param else {MISDECLARED.name, "tp"}
+    return names
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def runs(request, tmp_path_factory) -> dict[str, list[dict]]:
     """Each layout's per-rank results, the layouts of one world size in one spawn."""
     by_world: dict[int, list[Layout]] = {}
+    wanted = _selected(request.session)
     for layout in LAYOUTS + [MISDECLARED]:
-        by_world.setdefault(layout.world, []).append(layout)
-    out: dict[str, list[dict]] = {}
+        if layout.name in wanted and torch_limit(layout) is None:
+            by_world.setdefault(layout.world, []).append(layout)
+    out = _Runs()
     for world, layouts in sorted(by_world.items()):
         logs = tmp_path_factory.mktemp(f"world{world}")
         ranks = run_ranks(layout_job, world, layouts, str(logs), timeout=600)

@@ -12,6 +12,7 @@ The frameworks stay optional (``pip install 'distmon[lightning]'``, ``'distmon[t
 
 from __future__ import annotations
 
+from .. import compat  # noqa: F401  (first: an unsupported torch is refused before anything runs)
 from ..config import MonitorConfig
 
 __all__ = ["checked_options"]

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import compiled_autograd_on, ddp_python_reducer, pipeline_stage_base, spec_of, uncompiled
 from ..grouping import Grouping
-from ..layout import copy_reason, declared_group, spec_of
-from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
+from ..layout import copy_reason, declared_group
+from .base import COMPILED_AUTOGRAD, Receiver, Source, first_device
 from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
 
@@ -171,7 +172,7 @@ def enclosing(model: object) -> object:
     if pipeline_stage(model) is not None or not isinstance(model, torch.nn.Module):
         return model
     inner = unwrapped(model)
-    stages = getattr(sys.modules.get("torch.distributed.pipelining.stage"), "_PipelineStageBase", None)
+    stages = pipeline_stage_base()
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     wrapped = isinstance(inner, DistributedDataParallel) or is_fsdp(inner) or is_deepspeed(inner)
     plain = several and not wrapped
@@ -216,8 +217,7 @@ def _subclasses(cls: type) -> set[type]:
 
 def pipeline_stage(model: object) -> object | None:
     """The ``torch.distributed.pipelining`` stage ``model`` is (its ``.submod`` is measured), or None."""
-    pipelining = sys.modules.get("torch.distributed.pipelining.stage")
-    base = getattr(pipelining, "_PipelineStageBase", None)
+    base = pipeline_stage_base()  # None when pipelining was never imported
     return model if base is not None and isinstance(model, base) else None
 
 
@@ -229,7 +229,7 @@ class _Wrapping:
         self.inner = inner
         self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
         self.device, self.partial, self.counted = inner.device, inner.partial, inner.counted
-        self.divide_factor_set = inner.divide_factor_set
+        self.divide_factor_set, self.local_figures = inner.divide_factor_set, inner.local_figures
         self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
 
     def install(self) -> None:
@@ -418,7 +418,7 @@ def read_layout(
     """
     fabric = type(model).__name__ == "_FabricModule"
     model = unwrapped(stage.submod if stage is not None else model)
-    if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
+    if compiled_autograd_on() or ddp_python_reducer(model):
         raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
     replicated_over, distinct_over = dict(replicated_over or {}), dict(distinct_over or {})
     declared = bool(replicated_over or distinct_over)
@@ -491,12 +491,14 @@ def source_for(
 
     A DDP model is measured in its comm hook, an FSDP2 model (``fully_shard``) around its
     reduce-scatters and in its sharded gradients, anything else when each backward ends: a
-    single process's module; on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
-    module, parameters declared ``replicated_over`` or ``distinct_over`` a group. Which parts
-    count are the model's ``reading`` (:func:`read_layout`), or ``counted``, the job's
-    (:mod:`distmon.census`). Where a rank holds a part of the reduced gradient (shards, a stage,
-    a copy counted elsewhere) the source is *partial*. A pipeline ``stage``'s source is wrapped
-    in :class:`PipelineSource` by the caller.
+    single process's module (an FSDP2 model in a world of one among them: FSDP2 reduce-scatters
+    nothing there and hands each gradient whole to its post-accumulate-grad hooks); on several
+    ranks, tensor-parallel DTensors, a pipeline ``stage``'s module, parameters declared
+    ``replicated_over`` or ``distinct_over`` a group. Which parts count are the model's
+    ``reading`` (:func:`read_layout`), or ``counted``, the job's (:mod:`distmon.census`). Where a
+    rank holds a part of the reduced gradient (shards, a stage, a copy counted elsewhere) the
+    source is *partial*. A pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by
+    the caller.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -558,7 +560,7 @@ def source_for(
         return CompositeSource(ddp, extra)
     if comm_hook is not None:
         raise TypeError("distmon: comm_hook is a DDP option; only a DDP model has a DDP comm hook")
-    if is_fsdp(model):
+    if is_fsdp(model) and world > 1:
         from .fsdp import FSDPSource
 
         fsdp = FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from ..compat import compiled_autograd_on, ddp_localized, in_compiled_autograd, queue_callback, uncompiled
 from ..sums import Runs
 
 logger = logging.getLogger("distmon")
@@ -36,35 +36,6 @@ COMPILED_AUTOGRAD = (
     "compiled autograd off (torch._dynamo.config.compiled_autograd = False, "
     "torch._dynamo.config.optimize_ddp != 'python_reducer') for a monitored model"
 )
-
-
-def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else the model.
-
-    Example:
-        >>> net = torch.nn.Linear(2, 2); uncompiled(net) is net
-        True
-    """
-    while type(model).__name__ == "OptimizedModule" and isinstance(
-        getattr(model, "_orig_mod", None), torch.nn.Module
-    ):
-        model = model._orig_mod
-    return model
-
-
-def compiled_autograd_on() -> bool:
-    """Whether compiled autograd is switched on for ``torch.compile`` now (never imports dynamo)."""
-    config = sys.modules.get("torch._dynamo.config")
-    state = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(getattr(config, "compiled_autograd", False)) or bool(
-        getattr(state, "compiled_autograd_enabled", False)
-    )
-
-
-def in_compiled_autograd() -> bool:
-    """Whether a compiled-autograd backward is being traced now (hooks must not measure)."""
-    state = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(getattr(state, "in_compiled_autograd_region", False))
 
 
 class Receiver(Protocol):
@@ -110,7 +81,8 @@ class Source(Protocol):
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
     (None in one process: where the monitor's own collective runs), ``partial`` whether each
     rank holds only a part of the reduced gradient (shards, a pipeline stage: the job's figures
-    are the sum of every rank's counted parts, :mod:`distmon.layout`), and ``divide_factor_set``
+    are the sum of every rank's counted parts, :mod:`distmon.layout`), ``local_figures`` whether it
+    measures each rank's local gradient (not FSDP2 before torch 2.9), and ``divide_factor_set``
     whether the reduction is not the ranks' mean. Every source reads gradients in backward,
     before any loss scale was divided out or any clipping done.
     """
@@ -126,6 +98,7 @@ class Source(Protocol):
     dp_rank: int  # this rank's place among the data-parallel ranks (a label: dp_rank)
     meshes: tuple[object, ...]  # the device meshes its wrappers use (coordinates come from them)
     divide_factor_set: bool
+    local_figures: bool
 
     def install(self) -> None: ...
 
@@ -188,7 +161,7 @@ class OrderLearner:
     ) -> None:
         self._params, self._n_layers, self._on_order = list(params), n_layers, on_order
         self._layer_of = {id(p): layer for p, layer in zip(params, layers)}
-        self._late = {layer for p, layer in zip(params, layers) if hasattr(p, "_st_info")}
+        self._late = {layer for p, layer in zip(params, layers) if ddp_localized(p)}
         self._first_seen: dict[int, int] = {}
         self._handles: list[RemovableHandle] = []
 
@@ -203,7 +176,7 @@ class OrderLearner:
     def _seen(self, param: torch.Tensor) -> None:
         try:
             if not self._first_seen:
-                torch.autograd.Variable._execution_engine.queue_callback(self._done)
+                queue_callback(self._done)
             self._first_seen.setdefault(self._layer_of[id(param)], len(self._first_seen))
         except Exception:  # an order is a nicety: never a failure in the user's backward
             logger.debug("distmon: backward order not learned", exc_info=True)

@@ -33,9 +33,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _find_tensors
 from torch.utils.hooks import RemovableHandle
 
+from ..compat import (
+    ddp_comm_hooks,
+    ddp_delays_all_reduce,
+    ddp_module_parameters,
+    find_tensors,
+    graph_task_id,
+    profiler_enabled,
+    queue_callback,
+    real_flat,
+    reduced_bucket,
+)
 from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sparse_sq_sum, sq_sums
@@ -88,7 +98,7 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     Example:
         >>> ddp.register_comm_hook(ddp.process_group, ddp_allreduce_hook)   # doctest: +SKIP
     """
-    return _bucket_future(_allreduce(process_group, bucket))
+    return _bucket_future(_allreduce(process_group, bucket), bucket.buffer())
 
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
@@ -103,15 +113,15 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
     return dist.all_reduce(buffer, group=group, async_op=True)
 
 
-def _bucket_future(work: dist.Work) -> torch.futures.Future[torch.Tensor]:
-    """The future a comm hook returns for ``work``: the reduced bucket."""
-    return work.get_future().then(lambda fut: fut.value()[0])
+def _bucket_future(work: dist.Work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The future a comm hook returns for ``work``, the all-reduce of ``buffer``: the reduced bucket."""
+    return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0], buffer))
 
 
 def ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
     """The trainable parameters DDP reduces: the list it took when built (its module's parameters
     less the names in ``_ddp_params_and_buffers_to_ignore``, which the model's own code reduces)."""
-    params = getattr(model, "_module_parameters", None)
+    params = ddp_module_parameters(model)
     if params is None:  # a DDP without the list: its module's, less the ignored names
         ignored = getattr(model, "parameters_to_ignore", set())
         params = [p for name, p in model.module.named_parameters() if name not in ignored]
@@ -142,8 +152,8 @@ class BucketLayout(Runs):
     sparse: bool = False
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The runs' views of a flat tensor laid out like the bucket (DDP's buffer)."""
-        chunks = flat.split(self.split_sizes)
+        """The runs' views of a flat tensor laid out like the bucket (DDP's buffer, in real elements)."""
+        chunks = real_flat(flat).split(self.split_sizes)
         return list(chunks) if self.pick is None else [chunks[i] for i in self.pick]
 
     def measure(self, flat: torch.Tensor, views: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -222,6 +232,7 @@ class BucketLayouts:
                 pick=None,
                 sparse=True,
             )
+        flat = real_flat(flat)  # a complex bucket (torch < 2.10) in real elements, as the views are
         base, itemsize = flat.data_ptr(), flat.element_size()
         # [size, layer, largest parameter]; layer -1: untracked or gap
         chunks: list[list[int]] = []
@@ -283,16 +294,16 @@ class HookSlot:
         windows closing after the schedule's step: the soak test crashed ~5 runs out of 5).
         ``Work.wait()`` returns only once the work has ended its event.
         """
-        if self.inner_hook is ddp_allreduce_hook and torch._C._autograd._profiler_enabled():
+        if self.inner_hook is ddp_allreduce_hook and profiler_enabled():
             try:
                 if not self.profiled:  # the first of this backward: complete them all when it ends
-                    torch.autograd.Variable._execution_engine.queue_callback(self.wait_profiled)
+                    queue_callback(self.wait_profiled)
             except RuntimeError:  # not inside a backward: DDP's reduction as it is
                 pass
             else:
                 work = _allreduce(self.inner_state, bucket)
                 self.profiled.append(work)
-                return _bucket_future(work)
+                return _bucket_future(work, bucket.buffer())
         return self.inner_hook(self.inner_state, bucket)
 
     def wait_profiled(self) -> None:
@@ -321,7 +332,7 @@ def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Futur
 
 def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:
     """distmon's slot on ``model``, None if it has no comm hook; raise if it has someone else's."""
-    hooks = getattr(model, "_comm_hooks", [])
+    hooks = ddp_comm_hooks(model)
     if not hooks:
         return None
     hook, state = hooks[0]
@@ -381,6 +392,7 @@ class DDPSource:
     """
 
     divide_factor_set = False
+    local_figures = True
 
     def __init__(
         self,
@@ -416,7 +428,7 @@ class DDPSource:
             comm_hook is None
             and self._existing is None
             and not (self.partial or bucket_view or sparse or compiled)
-            and not getattr(model, "_delay_all_reduce_all_params", False)
+            and not ddp_delays_all_reduce(model)
             # Lightning's manual optimization runs the backward inside DDP's forward (and prepares
             # DDP for it itself): no forward has ended when that backward begins
             and getattr(model.module, "automatic_optimization", True) is not False
@@ -465,7 +477,7 @@ class DDPSource:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-        hooks = getattr(self.model, "_comm_hooks", [])
+        hooks = ddp_comm_hooks(self.model)
         if hooks and isinstance(hooks[0][1], HookSlot) and hooks[0][1].source is self:
             hooks[0][1].source = None
 
@@ -500,7 +512,7 @@ class DDPSource:
             # reduced one; another through the same graph (retain_graph) is not reduced, not read
             hook = functools.partial(self._backward_begins, [False])
             # the first few that need a gradient (a model's cache of keys and values can be many more)
-            marked = itertools.islice((t for t in _find_tensors(output) if t.requires_grad), MARKED_OUTPUTS)
+            marked = itertools.islice((t for t in find_tensors(output) if t.requires_grad), MARKED_OUTPUTS)
             for t in marked:
                 t.register_hook(hook)
         except Exception:
@@ -510,7 +522,7 @@ class DDPSource:
         """The backward reached a marked output: the first of a backward queues the local read,
         which then runs once every gradient is in, before DDP's finalize_backward (queued later)."""
         try:
-            task = torch._C._current_graph_task_id()
+            task = graph_task_id()
             if used[0] and task != self._armed_task:
                 return  # a second backward through this forward's outputs: DDP does not reduce it
             used[0] = True
@@ -589,7 +601,7 @@ class DDPSource:
         """Run ``callback`` when the backward's final callbacks queued so far have run; never raises
         (an autograd callback that raised would fail the user's backward)."""
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(callback)
+            queue_callback(callback)
         except Exception:
             self.receiver.fail("DDP end of backward", local=False)
             try:

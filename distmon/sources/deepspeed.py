@@ -56,6 +56,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import groups as ds_groups
 from torch.utils.hooks import RemovableHandle
 
+from ..compat import queue_callback
 from ..grouping import Grouping
 from ..sums import Runs, sq_sums
 from .base import OrderLearner, Receiver, first_device
@@ -226,7 +227,7 @@ class _InBackward:
                 self._in_backward = True
                 self._slots, self._sums = [], []
                 self._measuring = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                queue_callback(self._backward_done)
             if self._measuring:
                 self._slots.append(slot)
                 self._sums.append(sq_sums([grad])[0])
@@ -306,6 +307,7 @@ class DeepSpeedSource:
     """
 
     divide_factor_set = False
+    local_figures = True
     counted = None  # DeepSpeed's own partitions: nothing of distmon's placement rules to check
 
     def __init__(self, engine: DeepSpeedEngine, *, receiver: Receiver, grouping: Grouping) -> None:

@@ -17,9 +17,12 @@ Two points, read where FSDP2 itself holds the two gradients:
   shards: counted once).
 
 Refused at construction, never measured wrongly: several parameter groups in one unit
-(per-parameter meshes via ``shard_placement_fn``), a shard group of one rank (no reduce-scatter
-to read: use DDP). Units may shard over different meshes (experts over their own), a mesh may
-be a slice of the job (a pipeline stage's ranks, tensor parallelism's data-parallel slice):
+(per-parameter meshes via ``shard_placement_fn``), a shard group of one rank on a job of several
+(no reduce-scatter to read: use DDP; a world of one is measured as one process), and on torch
+2.6-2.8, which has no custom reduce-scatter, the per-rank local figures (:data:`LOCAL_REFUSED`:
+the backward's end is then noticed in ``post_backward``; the reduced figures are exact). Units
+may shard over different meshes (experts over their own), a mesh may be a slice of the job (a
+pipeline stage's ranks, tensor parallelism's data-parallel slice):
 which shards count is decided per parameter from its placements (``layout.counts``).
 A unit reduce-scatters only the parameters that have a gradient (an unused one is left out):
 which ones, distmon notes as FSDP's ``post_backward`` begins, and measures the input laid
@@ -33,21 +36,33 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from .. import compat
 from ..errors import logger
 from ..grouping import Grouping
 from ..sums import Runs, sq_sums
 from .base import COMPILED_AUTOGRAD, Receiver, backward_positions, in_compiled_autograd
 from .local import GradSums
 
-__all__ = ["FSDPSource", "is_fsdp"]
+if TYPE_CHECKING:
+    from ..compat import FSDPParamGroup
+
+__all__ = ["FSDPSource", "is_fsdp", "LOCAL_REFUSED"]
+
+# said at construction on torch 2.6-2.8 (compat.FSDP_LOCAL_FIGURES); %s: torch's version
+LOCAL_REFUSED = (
+    "distmon: torch %s hands FSDP2's reduce-scatter input to no hook (FSDPModule."
+    "set_custom_reduce_scatter, torch >= 2.9), the one place a rank's local gradient is whole: "
+    "FSDP2's per-rank local figures are not measured (Snapshot.rank_grad_norms, "
+    "rank_layer_grad_norms, rank_valid and rank_outlier_scores are empty; no distmon_rank_grad_norm "
+    "or distmon_rank_outlier_score; batch_size= is refused). The global and per-layer figures are exact"
+)
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -71,10 +86,13 @@ class _UnitLayout(Runs):
     per_rank: int  # elements of one rank's chunk
 
 
-class _MeasuringReduceScatter(ReduceScatter):
+_Comm = compat.fsdp_reduce_scatter_base()  # FSDP2's reduce-scatter comm interface (torch >= 2.9)
+
+
+class _MeasuringReduceScatter(_Comm):
     """A unit's reduce-scatter comm that measures its input, then calls the inner comm (which allocates)."""
 
-    def __init__(self, inner: ReduceScatter, source: FSDPSource, unit: int) -> None:
+    def __init__(self, inner: _Comm, source: FSDPSource, unit: int) -> None:
         self.inner = inner
         self.source = source
         self.unit = unit
@@ -104,7 +122,7 @@ def _present(pgroup: FSDPParamGroup) -> tuple[bool, ...]:
     """
     zeros = getattr(pgroup, "reduce_scatter_unused_params", False)
     return tuple(
-        hasattr(fp, "_unsharded_param")
+        compat.fsdp_param_unsharded(fp)
         and (
             fp.unsharded_accumulated_grad is not None
             or fp.unsharded_param.grad is not None
@@ -148,7 +166,7 @@ class FSDPSource:
         for name, m in model.named_modules():
             if not isinstance(m, FSDPModule):
                 continue
-            groups = m._get_fsdp_state()._fsdp_param_groups
+            groups = compat.fsdp_param_groups(m)
             if len(groups) > 1:
                 raise ValueError(
                     f"distmon: FSDP module {name or '<root>'!r} has {len(groups)} parameter groups "
@@ -160,14 +178,19 @@ class FSDPSource:
         if not self.units:
             raise ValueError("distmon: no fully_shard module holds parameters in this model")
         # each unit's shard group (units may shard over different meshes: experts over theirs)
-        self._shard_world = [g._reduce_scatter_process_group.size() for _, g in self.units]
-        if min(self._shard_world) < 2:
+        self._shard_world = [compat.fsdp_reduce_scatter_group(g).size() for _, g in self.units]
+        if min(self._shard_world) < 2:  # a world of one is measured as one process (source_for)
             raise ValueError(
-                "distmon: an FSDP unit's shard group has one rank (nothing is reduce-scattered): use "
-                "DistributedDataParallel, which distmon measures in its comm hook"
+                "distmon: an FSDP unit's shard group has one rank on a job of several (nothing is "
+                "reduce-scattered, so no rank's local gradient can be read): shard over two or more "
+                "ranks, or use DistributedDataParallel, which distmon measures in its comm hook"
             )
         # set_gradient_divide_factor: the reduced gradient is no longer the ranks' mean
-        self.divide_factor_set = any(g.gradient_divide_factor is not None for _, g in self.units)
+        self.divide_factor_set = any(compat.fsdp_divide_factor_set(g) for _, g in self.units)
+        # torch < 2.9 hands distmon no reduce-scatter input: no per-rank local figures
+        self.local_figures = compat.FSDP_LOCAL_FIGURES
+        if not self.local_figures:
+            logger.warning(LOCAL_REFUSED, torch.__version__)
         self.group = dist.group.WORLD  # the job: every rank adds its counted shards
         self.world_size = dist.get_world_size()
         self.device = self.units[0][1].device
@@ -186,14 +209,14 @@ class FSDPSource:
         self._queued = False  # this backward's end is awaited
         self._pending = False  # ... by read_pending: its post-backward ran outside autograd
         self._told_repeated = False
-        self._inner: list[ReduceScatter] = []
+        self._inner: list[_Comm] = []
         self._post_backward: list[_NotingPostBackward] = []
         self._seen: dict[int, None] = {}  # units reduce-scattered in this step, in that order
         self._order: tuple[int, ...] = ()  # the backward order of the units, as last told to the tracker
         self._grads: GradSums | None = None
         self._pre: dict[tuple[int, torch.dtype], float | None] = {}
         for _, g in self.units:
-            if isinstance(g._reduce_scatter_comm, _MeasuringReduceScatter):  # removed at close
+            if isinstance(vars(g).get("post_backward"), _NotingPostBackward):  # removed at close
                 raise RuntimeError(
                     "distmon: this FSDP model is already measured by an open GradMonitor; close() it "
                     "before building another"
@@ -249,18 +272,9 @@ class FSDPSource:
         """FSDP's division of the input before the reduce-scatter (fp16 reductions), as torch computes it."""
         key = (unit, reduce_dtype)
         if key not in self._pre:
-            from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
-
-            g = self.units[unit][1]
-            hsdp = g.mesh_info.mesh.ndim > 1
-            self._pre[key] = _get_gradient_divide_factors(
-                g._reduce_scatter_process_group,
-                g._all_reduce_process_group if hsdp else None,
-                reduce_dtype,
-                device_type=self.device.type,
-                factor=g.gradient_divide_factor,
-                force_sum_reduction_for_comms=g.force_sum_reduction_for_comms,
-            )[0]
+            self._pre[key] = compat.fsdp_pre_divide_factor(
+                self.units[unit][1], reduce_dtype, self.device.type
+            )
         return self._pre[key]
 
     def install(self) -> None:
@@ -268,27 +282,54 @@ class FSDPSource:
         self.receiver.set_layer_order([float(i) for i in range(self._n_layers)])
         self._inner, self._post_backward = [], []
         for i, (m, g) in enumerate(self.units):
-            self._inner.append(g._reduce_scatter_comm)
-            m.set_custom_reduce_scatter(_MeasuringReduceScatter(g._reduce_scatter_comm, self, i))
+            if self.local_figures:
+                inner = compat.fsdp_reduce_scatter_comm(g)
+                self._inner.append(inner)
+                m.set_custom_reduce_scatter(_MeasuringReduceScatter(inner, self, i))
             # FSDP calls it on the instance (its autograd function, its final callback)
             g.post_backward = _NotingPostBackward(g.post_backward, self, i)
             self._post_backward.append(g.post_backward)
 
     def remove(self) -> None:
-        for (m, g), inner, noting in zip(self.units, self._inner, self._post_backward):
-            comm = g._reduce_scatter_comm
-            if isinstance(comm, _MeasuringReduceScatter) and comm.source is self:
-                m.set_custom_reduce_scatter(inner)
+        for (_, g), noting in zip(self.units, self._post_backward):
             if vars(g).get("post_backward") is noting:
                 del g.post_backward
+        for (m, g), inner in zip(self.units, self._inner):
+            comm = compat.fsdp_reduce_scatter_comm(g)
+            if isinstance(comm, _MeasuringReduceScatter) and comm.source is self:
+                m.set_custom_reduce_scatter(inner)
 
     def note_present(self, unit: int) -> None:
-        """Note which parameters the unit's coming reduce-scatter holds (its post_backward begins)."""
+        """Note which parameters the unit's coming reduce-scatter holds (its post_backward begins).
+
+        Before torch 2.9 there is no reduce-scatter to wrap: a unit that is about to reduce
+        starts the backward here instead, and its end reads the shards as it does from 2.9.
+        """
+        pgroup = self.units[unit][1]
         try:
-            self._present[unit] = _present(self.units[unit][1])
+            present = _present(pgroup)
+            if self.local_figures:
+                self._present[unit] = present
+            elif pgroup.reduce_grads and any(present) and self.receiver.active:
+                self._begin_backward()
+                self._seen[unit] = None
         except Exception:
             self._present.pop(unit, None)  # unknown: a short input is then not measured
-            self.receiver.fail("FSDP post_backward (parameters with gradients)", reduced=False)
+            self.receiver.fail(
+                "FSDP post_backward (parameters with gradients)", reduced=not self.local_figures
+            )
+
+    def _begin_backward(self) -> None:
+        """A unit reduces its gradients: the receiver's backward begins; its end reads the shards."""
+        if in_compiled_autograd():
+            raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
+        self.receiver.begin_backward()
+        if not self._queued:
+            if compat.graph_task_id() != -1:  # read the shards once the backward assigned them
+                compat.queue_callback(self._backward_done)
+            else:  # FSDP's post-backward run outside autograd (a pipeline stage's last one)
+                self._pending = True
+            self._queued = True
 
     def measure_local(self, unit: int, flat: torch.Tensor) -> None:
         """Sums of squares of one unit's local gradients, from its reduce-scatter input."""
@@ -296,15 +337,7 @@ class FSDPSource:
         if not receiver.active:
             return
         try:
-            if in_compiled_autograd():
-                raise RuntimeError(f"distmon: {COMPILED_AUTOGRAD}")
-            receiver.begin_backward()
-            if not self._queued:
-                if torch._C._current_graph_task_id() != -1:  # read the shards once the backward assigned them
-                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-                else:  # FSDP's post-backward run outside autograd (a pipeline stage's last one)
-                    self._pending = True
-                self._queued = True
+            self._begin_backward()
             if unit in self._seen:  # reduce-scatter on every micro-batch: see read_at_step
                 self._repeated = True
                 return
@@ -326,7 +359,7 @@ class FSDPSource:
             sums = sq_sums([pieces[i] for i in layout.pick])
             pre = self._pre_factor(unit, flat.dtype)
             if pre not in (None, 1):
-                torch._foreach_mul_(sums, float(pre) ** 2)
+                compat.foreach_mul_(sums, float(pre) ** 2)
             receiver.add_local(layout, sums)
         except Exception:
             receiver.fail("FSDP reduce-scatter (local gradients)", reduced=False)
@@ -351,6 +384,8 @@ class FSDPSource:
         self.read_pending()
         receiver = self.receiver
         seen, self._seen = tuple(self._seen), {}
+        if not self.local_figures:
+            receiver.local_unmeasured()  # not a failure: refused at construction
         if self._repeated:
             self._repeated = False
             receiver.local_unmeasured()  # only the first micro-batch was read: not even non-finite
