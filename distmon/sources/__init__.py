@@ -560,7 +560,8 @@ def source_for(
         return CompositeSource(ddp, extra)
     if comm_hook is not None:
         raise TypeError("distmon: comm_hook is a DDP option; only a DDP model has a DDP comm hook")
-    if is_fsdp(model) and world > 1:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if is_fsdp(model) and world > 1:  # in a world of one FSDP2 reduce-scatters nothing: one process
         from .fsdp import FSDPSource
 
         fsdp = FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)
@@ -571,6 +572,6 @@ def source_for(
             model, receiver=receiver, grouping=grouping, counted=counted, params=fsdp.outside, alongside=True
         )
         return CompositeSource(fsdp, extra)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if world == 1:
         return LocalSource(model, receiver=receiver, grouping=grouping)
     return LocalSource(model, receiver=receiver, grouping=grouping, counted=counted)
