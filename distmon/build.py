@@ -1,9 +1,9 @@
 """What a monitor is made of, built in order: on every rank before the ranks agree, and after.
 
-:func:`build_rank` builds everything that can fail on one rank, nothing installed: the options
-(``config.py``), the layer groups, the sums the source hands over (``backward.py``), the
-source (``sources/``), the row plan (``rows.py``), the opt-in features, the detector and the
-noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
+:func:`build_rank` builds everything that can fail on one rank, nothing installed, from the
+options ``GradMonitor`` validated once (``config.py``): the layer groups, the sums the source
+hands over (``backward.py``), the source (``sources/``), the row plan (``rows.py``), the opt-in
+features, the detector and the noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
 :func:`build_exports` builds the exporters and the export thread that feeds them.
 """
 
@@ -105,19 +105,26 @@ class Built(NamedTuple):
 
 
 def pipeline_layers(
-    model: torch.nn.Module, options: dict[str, object], *, me: RankInfo, group: dist.ProcessGroup | None
+    model: torch.nn.Module,
+    cfg: MonitorConfig | None,
+    failure: Exception | None,
+    *,
+    me: RankInfo,
+    group: dist.ProcessGroup | None,
 ) -> tuple[str, ...] | None:
     """A pipeline stage's job: every stage's layers, agreed by all ranks (None for other models).
 
     Each stage holds its own layers; the rows hold every stage's, in pipeline order. Called on
-    every rank before anything else is built; a failure on any rank raises alike on every one.
+    every rank before anything else is built, with the validated options (or why they failed:
+    ``cfg`` None); a failure on any rank raises alike on every one.
     """
     stage = pipeline_stage(model)
     if stage is None:
         return None
-    names, failure = None, None
+    names = None
     try:
-        cfg = MonitorConfig.from_options(**options)
+        if cfg is None:
+            raise failure  # type: ignore[misc]  # set whenever cfg is not
         if cfg.activations:
             raise ValueError(
                 "distmon: activations= is not supported with pipeline stages yet (each stage watches "
@@ -139,18 +146,18 @@ def pipeline_layers(
 def build_rank(
     model: torch.nn.Module,
     optimizer: object,
-    options: dict[str, object],
+    cfg: MonitorConfig,
     *,
     errors: ErrorCounter,
     exports: ExportQueue,
     layers: tuple[str, ...] | None = None,
 ) -> Built:
-    """The options, the source and the step tracker of one rank (raises what is wrong, naming the option).
+    """The source and the step tracker of one rank, from its validated options ``cfg`` (raises what
+    is wrong, naming the option).
 
     The tracker hands its exports to ``exports``; the export thread that reads it is built later.
     ``layers``: the job's layers, when this rank's module holds some of them (a pipeline stage).
     """
-    cfg = MonitorConfig.from_options(**options)
     optimizers = _optimizers(optimizer)
     module = trained_module(model)
     grouping = build_grouping(module, cfg.groups, cfg.max_layers, layers=layers)

@@ -2,8 +2,8 @@
 # Install distmon and what it needs, on a fresh machine. Idempotent.
 #   bash launch/install.sh          # torch (pinned), prometheus-client, distmon (editable)
 #   bash launch/install.sh --test   # + pytest, pyyaml, bcrypt, the frameworks (Lightning, transformers,
-#                                   #   accelerate, DeepSpeed) and the Prometheus/Alertmanager and
-#                                   #   openssl binaries
+#                                   #   accelerate, DeepSpeed), mkdocs (the docs site) and the
+#                                   #   Prometheus/Alertmanager and openssl binaries
 # torch is pinned and installed FIRST: an unpinned `torch` requirement would pull several GB
 # of CUDA wheels on a CPU machine. Set DISTMON_TORCH_SPEC to use another torch build.
 set -euo pipefail
@@ -19,7 +19,7 @@ if [ "$have" != "$want" ]; then
 fi
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--test" ] && extras="[test,docs]"  # docs: the suite builds the docs site (mkdocs --strict)
 # DeepSpeed (a test extra) builds no CUDA or C++ ops at install: it runs on its CPU accelerator
 # here and compiles what it needs when first used; nothing CUDA is pulled in
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
