@@ -47,12 +47,7 @@ from ..sums import Runs, sq_sums
 from .base import COMPILED_AUTOGRAD, Receiver, backward_positions, in_compiled_autograd
 from .local import GradSums
 
-__all__ = ["FSDPSource", "is_fsdp"]
-
-
-def is_fsdp(model: torch.nn.Module) -> bool:
-    """Whether ``model`` or a submodule was passed to ``fully_shard``."""
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+__all__ = ["FSDPSource"]
 
 
 @dataclass
