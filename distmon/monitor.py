@@ -40,41 +40,40 @@ __all__ = ["GradMonitor", "GradientAnomalyError"]
 class GradMonitor:
     """Always-on gradient monitor for a DDP model (or a single process's module), served to Prometheus.
 
-        Measures every step's local and reduced gradients on the device, where the job keeps them
-        (DDP: two fused reads where the backward ends, inside a comm hook wrapping ``comm_hook``
-        where one is needed; FSDP2: around its reduce-scatter; a plain module in a single process:
-        its gradients when the backward ends), hooks the optimizers' ``step`` to begin and end
-        each training step, and exports host snapshots
-        every ``export_every`` steps from a background thread. Build it on every rank, after
-        ``DDP(...)`` and the optimizers, and close it on every rank (or use it as a context
-        manager). Construction is all or nothing on every rank: if anything fails on any rank
-        (an option, a port, the log file, the file_sd directory), every rank releases what it
-        prepared and raises the same error, naming the rank, the option and the path.
+    Measures every step's local and reduced gradients on the device, where the job keeps them
+    (DDP: two fused reads where the backward ends, inside a comm hook wrapping ``comm_hook``
+    where one is needed; FSDP2: around its reduce-scatter; a plain module in a single process:
+    its gradients when the backward ends), hooks the optimizers' ``step`` to begin and end
+    each training step, and exports host snapshots every ``export_every`` steps from a
+    background thread. Build it on every rank, after ``DDP(...)`` and the optimizers, and close
+    it on every rank (or use it as a context manager). Construction is all or nothing on every rank: if anything fails on any rank
+    (an option, a port, the log file, the file_sd directory), every rank releases what it
+    prepared and raises the same error, naming the rank, the option and the path.
 
-        Every option after ``optimizer`` is keyword-only and declared once, in ``distmon/options.py``
-        (these entries are rendered from it): one not given is read from its ``DISTMON_*`` variable if
-        it has one, else takes its default; all are validated here, before anything is installed.
+    Every option after ``optimizer`` is keyword-only and declared once, in ``distmon/options.py``
+    (these entries are rendered from it): one not given is read from its ``DISTMON_*`` variable if
+    it has one, else takes its default; all are validated here, before anything is installed.
 
-        Args:
-            model: the ``DistributedDataParallel`` model (it may have a comm hook already: pass
-                that as ``comm_hook``, DDP accepts one), an FSDP2 model, or in a single process the
-                plain module.
-            optimizer: the optimizer that steps the model, or a list of them: a training step is
-                one backward and one ``step()`` of each.
-    {options}
+    Args:
+        model: the ``DistributedDataParallel`` model (it may have a comm hook already: pass
+            that as ``comm_hook``, DDP accepts one), an FSDP2 model, or in a single process the
+            plain module.
+        optimizer: the optimizer that steps the model, or a list of them: a training step is
+            one backward and one ``step()`` of each.
+        {options}
 
-        Example:
-            A single process trains a plain module (on DDP: ``GradMonitor(DDP(net), opt)``,
-            on every rank):
+    Example:
+        A single process trains a plain module (on DDP: ``GradMonitor(DDP(net), opt)``,
+        on every rank):
 
-            >>> net = torch.nn.Linear(4, 1)
-            >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
-            >>> with GradMonitor(net, opt, serve="none") as mon:
-            ...     for _ in range(3):
-            ...         net(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
-            >>> snap = mon.latest()
-            >>> snap.step, round(snap.grad_norm, 3)   # d(sum of 2 outputs)/d(w, b): [2, 2, 2, 2, 2]
-            (3, 4.472)
+        >>> net = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> with GradMonitor(net, opt, serve="none") as mon:
+        ...     for _ in range(3):
+        ...         net(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+        >>> snap = mon.latest()
+        >>> snap.step, round(snap.grad_norm, 3)   # d(sum of 2 outputs)/d(w, b): [2, 2, 2, 2, 2]
+        (3, 4.472)
     """
 
     def __init__(
@@ -394,4 +393,6 @@ class GradMonitor:
 
 
 # help(GradMonitor) documents every option: its Args entries are rendered from their declarations
-GradMonitor.__doc__ = (GradMonitor.__doc__ or "").replace("{options}", options.options_args())
+GradMonitor.__doc__ = (GradMonitor.__doc__ or "").replace(
+    "        {options}\n", options.options_args() + "\n"
+)

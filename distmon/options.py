@@ -274,9 +274,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "update_ratio",
         False,
-        "per-layer update-to-weight ratio `\\|Δθ\\|/\\|θ\\|` on export steps (one copy of the "
-        "parameters is kept for it; not when ranks hold parts of the model: FSDP, tensor or "
-        "pipeline parallelism)",
+        "per-layer update-to-weight ratio `\\|Δθ\\|/\\|θ\\|` on every `export_every`-th step (one "
+        "copy of the parameters is kept for it; not when ranks hold parts of the model: FSDP, tensor "
+        "or pipeline parallelism)",
         agreed=True,
     ),
 )

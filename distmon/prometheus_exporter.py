@@ -112,7 +112,7 @@ METRICS: dict[str, MetricSpec] = {
     "distmon_layer_update_ratio": MetricSpec(
         "gauge",
         ("layer", "depth"),
-        "A layer's ||update|| / ||weights|| at the latest export step (update_ratio=True).",
+        "A layer's ||update|| / ||weights|| at the latest export_every-th step (update_ratio=True).",
     ),
 
     "distmon_rank_nonfinite_steps_total": MetricSpec(

@@ -215,9 +215,9 @@ class StepTracker:
         self.sums.freeze()
         step = self.step + 1
         ratio = self.update_ratio
-        if ratio is not None and step % self.export_every == 0:
+        if ratio is not None and self.exchange.counted(step):
             try:
-                ratio.begin()  # the parameters before this (export) step's update
+                ratio.begin()  # the parameters before this count step's update (known in advance)
             except Exception:
                 self.errors.record("update ratio")
         ex, sums = self.exchange, self.sums
