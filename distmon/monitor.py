@@ -46,9 +46,10 @@ class GradMonitor:
     its gradients when the backward ends), hooks the optimizers' ``step`` to begin and end
     each training step, and exports host snapshots every ``export_every`` steps from a
     background thread. Build it on every rank, after ``DDP(...)`` and the optimizers, and close
-    it on every rank (or use it as a context manager). Construction is all or nothing on every rank: if anything fails on any rank
-    (an option, a port, the log file, the file_sd directory), every rank releases what it
-    prepared and raises the same error, naming the rank, the option and the path.
+    it on every rank (or use it as a context manager). Construction is all or nothing on every
+    rank: if anything fails on any rank (an option, a port, the log file, the file_sd
+    directory), every rank releases what it prepared and raises the same error, naming the
+    rank, the option and the path.
 
     Every option after ``optimizer`` is keyword-only and declared once, in ``distmon/options.py``
     (these entries are rendered from it): one not given is read from its ``DISTMON_*`` variable if
