@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -176,9 +176,7 @@ def test_every_default_is_declared_once_with_its_option():
 
 def test_the_docs_site_builds_strictly(tmp_path):
     """mkdocs build --strict: a broken link, anchor or page fails it (CI=true: mkdocs is required)."""
-    if shutil.which("mkdocs") is None and subprocess.run(
-        [sys.executable, "-c", "import mkdocs, material"], capture_output=True
-    ).returncode:
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("mkdocs is not installed: pip install -e '.[docs]' (launch/install.sh --test does)")
         pytest.skip("mkdocs not installed (pip install -e '.[docs]')")
@@ -218,3 +216,43 @@ def test_the_getting_started_script_runs_under_torchrun(tmp_path):
     assert "distmon: serving metrics at http://127.0.0.1:" in run.stderr
     norm = re.search(r"step 30: global gradient norm (\S+)", run.stdout)
     assert norm and 0 < float(norm[1]) < float("inf"), run.stdout
+
+
+README = os.path.join(ROOT, "README.md")
+
+
+def _readme() -> str:
+    with open(README, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_readme_is_a_five_minute_read_that_links_every_page():
+    """At most ~150 lines; the two set-up commands as CI runs them; a link to every docs page."""
+    text = _readme()
+    assert len(text.splitlines()) <= 150
+    for command in ("bash launch/demo.sh      # installs", "bash tests/run.sh        # installs test deps"):
+        assert f"\n{command}" in text, command  # tests/fresh_install.sh runs the first; .ci/run the second
+    pages = sorted(f for f in os.listdir(DOCS) if f.endswith(".md") and f != "index.md")
+    assert [p for p in pages if f"(docs/{p})" not in text] == []
+    for link in re.findall(r"\]\((?!https?:)([^)#]+)", text):
+        assert os.path.exists(os.path.join(ROOT, link)), link
+
+
+def test_the_readme_s_script_is_the_one_ci_runs():
+    """The README's DDP script is docs/getting-started.md's, which the torchrun test runs."""
+    assert _script(_readme()) == _script(_page("getting-started.md"))
+    assert "torchrun --nproc-per-node 8 train_ddp.py" in _readme()
+
+
+def test_the_readme_s_metrics_sample_names_served_metrics_and_their_labels():
+    """Every series in the README's /metrics sample is a declared metric with its declared labels."""
+    sample = _readme().split("## What `/metrics` serves", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    series = re.findall(r"^(distmon_\w+)\{([^}]*)\}", sample, re.M)
+    assert len(series) >= 10
+    for name, labels in series:
+        base = re.sub(r"_(bucket|sum|count)$", "", name) if name not in METRICS else name
+        assert base in METRICS, name
+        allowed = {"run_id", *METRICS[base].labels} | ({"le"} if name.endswith("_bucket") else set())
+        assert set(re.findall(r"(\w+)=", labels)) <= allowed, name
+    for help_line in re.findall(r"^# HELP (\w+) (.*)$", sample, re.M):
+        assert METRICS[help_line[0]].help == help_line[1]
