@@ -1,15 +1,19 @@
 """What a monitor is made of, built in order: on every rank before the ranks agree, and after.
 
-:func:`build_rank` builds everything that can fail on one rank, nothing installed, from the
-options ``GradMonitor`` validated once (``config.py``): the layer groups, the sums the source
-hands over (``backward.py``), the source (``sources/``), the row plan (``rows.py``), the opt-in
-features, the detector and the noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
+:func:`read_rank` reads what can fail on one rank alone, from the options ``GradMonitor``
+validated once (``config.py``): the optimizers and the model's reading of the layout
+(``sources.read_layout``). The job then reads
+its layout as a whole (``census.py``). :func:`build_rank` builds everything else that can fail,
+nothing installed: the layer groups, the sums the source hands over (``backward.py``), the
+source (``sources/``), the row plan (``rows.py``), the opt-in features, the detector and the
+noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
 :func:`build_exports` builds the exporters and the export thread that feeds them.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 from ._version import __version__
 from .backward import BackwardSums
+from .census import JobReading, Parts, digest
 from .config import MonitorConfig, features
 from .decode import RowDecoder
 from .detectors import DetectorConfig, DetectorDecoder, DeviceDetector
@@ -26,8 +31,8 @@ from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
 from .hostinfo import RankInfo, restart_count
-from .layout import Coordinates, coordinates
-from .lifecycle import Prepared, served_ranks, stage_layers
+from .layout import Coordinates, coordinates, declared_group, part_position
+from .lifecycle import Prepared, served_ranks
 from .loss_scale import LossScale
 from .noise_scale import NoiseScale
 from .prometheus_exporter import GradCollector, MetricsAggregate
@@ -35,11 +40,28 @@ from .ring import ExportBatch
 from .rows import RowPlan
 from .sinks import NonfiniteNotice, Sink, SinkWorker
 from .snapshot import Snapshot
-from .sources import PipelineSource, first_device, pipeline_stage, source_for, trained_module
+from .sources import (
+    PipelineSource,
+    Reading,
+    first_device,
+    pipeline_stage,
+    read_layout,
+    source_for,
+    trained_module,
+)
 from .tracker import StepTracker
 from .verify import DirectNorm, LayoutCheck
 
-__all__ = ["Built", "Hooks", "build_rank", "build_exports", "as_tuple", "unwrap_optimizer"]
+__all__ = [
+    "Built",
+    "Planned",
+    "Hooks",
+    "read_rank",
+    "build_rank",
+    "build_exports",
+    "as_tuple",
+    "unwrap_optimizer",
+]
 
 ExportQueue = queue.Queue[ExportBatch | None]
 
@@ -104,27 +126,24 @@ class Built(NamedTuple):
     direct: DirectNorm  # the job's global norm from placements alone (checks; clipping an invalid step)
 
 
-def pipeline_layers(
-    model: torch.nn.Module,
-    cfg: MonitorConfig | None,
-    failure: Exception | None,
-    *,
-    me: RankInfo,
-    group: dist.ProcessGroup | None,
-) -> tuple[str, ...] | None:
-    """A pipeline stage's job: every stage's layers, agreed by all ranks (None for other models).
+class Planned(NamedTuple):
+    """What one rank reads of itself before the job's layout is read: what can fail on one rank
+    alone (options, optimizers, the model's reading of the layout), nothing built."""
 
-    Each stage holds its own layers; the rows hold every stage's, in pipeline order. Called on
-    every rank before anything else is built, with the validated options (or why they failed:
-    ``cfg`` None); a failure on any rank raises alike on every one.
-    """
+    cfg: MonitorConfig
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    model: object  # what is measured: a PipelineStage, a DDP or FSDP2 model, a module
+    stage: object | None  # the pipeline stage, if the model is one
+    module: torch.nn.Module  # the module the optimizer steps
+    reading: Reading  # how the model reads the layout (sources.read_layout)
+    parts: Parts  # what this rank tells the job at start-up (census.read_job)
+
+
+def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> Planned:
+    """The optimizers and the model's reading of the layout on this rank, with its validated options
+    ``cfg`` (raises what is wrong, naming the option)."""
     stage = pipeline_stage(model)
-    if stage is None:
-        return None
-    names = None
-    try:
-        if cfg is None:
-            raise failure  # type: ignore[misc]  # set whenever cfg is not
+    if stage is not None:
         if cfg.activations:
             raise ValueError(
                 "distmon: activations= is not supported with pipeline stages yet (each stage watches "
@@ -137,29 +156,75 @@ def pipeline_layers(
                 "supported yet (distmon measures one stage per rank); use one stage per rank "
                 "(ScheduleGPipe, Schedule1F1B)"
             )
-        names = build_grouping(trained_module(model), cfg.groups, max_layers=1 << 30).layers
-    except Exception as e:
-        failure = e
-    return stage_layers(me, stage=stage.stage_index, layers=names, failure=failure, group=group)
+    optimizers = _optimizers(optimizer)
+    module = trained_module(model)
+    local = build_grouping(module, cfg.groups, max_layers=1 << 30)  # the job's cap applies to the union
+    meta = [name for name, p in zip(local.param_names, local.params) if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"distmon: parameters {meta[:3]} are on the meta device (no values yet): build GradMonitor "
+            "after the model's weights are materialized and initialized (to_empty(), init_weights())"
+        )
+    reading = read_layout(
+        model,
+        grouping=local,
+        replicated_over=cfg.replicated_over,
+        distinct_over=cfg.distinct_over,
+        stage=stage,
+        job=cfg.job_group,
+    )
+    unstaged = None
+    if stage is None and "torch.distributed.pipelining.stage" in sys.modules:
+        unstaged = (
+            f"distmon: this rank's {type(module).__name__} holds parameters that other ranks do not (a "
+            "pipeline stage), and torch.distributed.pipelining is in use, but no PipelineStage holds "
+            "the module passed: the schedule divides its gradients (scale_grads) where distmon could "
+            "not follow. Pass the PipelineStage, or build GradMonitor after it (distmon finds the "
+            "stage that holds the module passed, plain, DDP- or FSDP2-wrapped)"
+        )
+    parts = Parts(
+        names=local.param_names,
+        tensors=[getattr(p, "_local_tensor", p) for p in local.params],
+        positions=[part_position(p) for p in local.params],
+        layer_of=[local.layers[i] for i in local.param_layer],
+        layers=local.layers,
+        counted=reading.counted,
+        why=reading.why,
+        declared=reading.declared,
+        undeclared=reading.undeclared,
+        plain=reading.plain,
+        unstaged=unstaged,
+        stage=stage.stage_index if stage is not None else None,
+        distinct=_distinct_groups(local.param_names, cfg.distinct_over),
+    )
+    return Planned(
+        cfg=cfg, optimizers=optimizers, model=model, stage=stage, module=module, reading=reading, parts=parts
+    )
+
+
+def _distinct_groups(names: Sequence[str], distinct_over: dict | None) -> tuple[int, ...]:
+    """Per parameter, a digest of the ranks of the group it is declared ``distinct_over`` (0: none)."""
+    if not distinct_over:
+        return ()
+    digests = {id(g): digest(tuple(dist.get_process_group_ranks(g))) for g in distinct_over.values()}
+    matched = (declared_group(name, distinct_over) for name in names)
+    return tuple(digests[id(m[1])] if m is not None else 0 for m in matched)
 
 
 def build_rank(
-    model: torch.nn.Module,
-    optimizer: object,
-    cfg: MonitorConfig,
+    planned: Planned,
+    job: JobReading,
     *,
     errors: ErrorCounter,
     exports: ExportQueue,
-    layers: tuple[str, ...] | None = None,
 ) -> Built:
-    """The source and the step tracker of one rank, from its validated options ``cfg`` (raises what
-    is wrong, naming the option).
-
-    The tracker hands its exports to ``exports``; the export thread that reads it is built later.
-    ``layers``: the job's layers, when this rank's module holds some of them (a pipeline stage).
+    """The source and the step tracker of one rank, on the layout the job confirmed (raises what is
+    wrong, naming the option). The tracker hands its exports to ``exports``; the export thread
+    that reads it is built later.
     """
-    optimizers = _optimizers(optimizer)
-    module = trained_module(model)
+    cfg, optimizers, module, stage = planned.cfg, planned.optimizers, planned.module, planned.stage
+    # a pipeline stage, or any job whose ranks hold different layers: the rows hold every part's
+    layers = job.layers if stage is not None or job.parts > 1 else None
     grouping = build_grouping(module, cfg.groups, cfg.max_layers, layers=layers)
     n_layers, device = len(grouping.layers), first_device(module)
     loss_scale = LossScale(cfg.scaler, cfg.loss_scale, device, optimizers)
@@ -169,15 +234,15 @@ def build_rank(
     sums = BackwardSums(
         n_layers=n_layers, device=device, loss_scale=loss_scale, errors=errors, fixed_order=fixed
     )
-    stage = pipeline_stage(model)
     source = source_for(
-        model,
+        planned.model,
         receiver=sums,
         grouping=grouping,
         comm_hook=cfg.comm_hook,
         comm_state=cfg.comm_state,
-        replicated_over=cfg.replicated_over,
         stage=stage,
+        reading=planned.reading,
+        counted=job.counted,
     )
     if stage is not None:  # the schedule scales the stage's gradients: followed
         source = PipelineSource(source, stage, sums)
@@ -197,9 +262,10 @@ def build_rank(
         update_ratio=extra.ratio is not None,
     )
     det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
+    named = list(zip(grouping.param_names, grouping.params))
     direct = DirectNorm(
-        list(zip(grouping.param_names, grouping.params)),
-        declared=cfg.replicated_over or {},
+        named,
+        declared=[*(cfg.replicated_over or ()), *(cfg.distinct_over or ())],
         stage_group=stage.group if stage is not None else None,
     )
     tracker = StepTracker(
@@ -218,12 +284,12 @@ def build_rank(
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
-        check=LayoutCheck(direct, source.counted) if source.counted is not None else None,
+        check=LayoutCheck(named, source.counted, source.group) if source.counted is not None else None,
     )
     agreed = cfg.agreed(grouping.layers, watched)
     coords = coordinates(
         grouping.params,
-        stage=stage.stage_index if stage is not None else None,
+        stage=stage.stage_index if stage is not None else job.part if job.parts > 1 else None,
         dp_rank=source.dp_rank,
         meshes=source.meshes,
     )

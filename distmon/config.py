@@ -88,6 +88,8 @@ class MonitorConfig:
     comm_hook: CommHook | None = _DEFAULT["comm_hook"]
     comm_state: object = _DEFAULT["comm_state"]
     replicated_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["replicated_over"]
+    distinct_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["distinct_over"]
+    job_group: dist.ProcessGroup | None = _DEFAULT["job_group"]
     export_every: int = _DEFAULT["export_every"]
     export_interval_s: float = _DEFAULT["export_interval_s"]
     groups: GroupSpec = _DEFAULT["groups"]
@@ -168,8 +170,10 @@ class MonitorConfig:
                 value = "a GradScaler" if value is not None else None
             elif name == "activation_every":
                 value = value or self.export_every
-            elif name == "replicated_over":
+            elif name in ("replicated_over", "distinct_over"):
                 value = sorted(value) if value else None  # the patterns: each rank's groups differ
+            elif name == "job_group":
+                value = "given" if value is not None else None  # each job's group differs
             shown[name] = repr(value) if not isinstance(value, str) else value
         return shown
 
@@ -195,13 +199,19 @@ class MonitorConfig:
             f"comm_hook must be a DDP comm hook function (state, bucket) -> Future, got {self.comm_hook!r}",
             TypeError,
         )
+        for name in ("replicated_over", "distinct_over"):
+            declared = getattr(self, name)
+            need(
+                declared is None
+                or isinstance(declared, dict)
+                and all(isinstance(k, str) and _is_regex(k) for k in declared)
+                and all(isinstance(g, dist.ProcessGroup) for g in declared.values()),
+                f"{name} must be a dict of name regex -> torch.distributed ProcessGroup, got {declared!r}",
+                TypeError,
+            )
         need(
-            self.replicated_over is None
-            or isinstance(self.replicated_over, dict)
-            and all(isinstance(k, str) and _is_regex(k) for k in self.replicated_over)
-            and all(isinstance(g, dist.ProcessGroup) for g in self.replicated_over.values()),
-            f"replicated_over must be a dict of name regex -> torch.distributed ProcessGroup, "
-            f"got {self.replicated_over!r}",
+            self.job_group is None or isinstance(self.job_group, dist.ProcessGroup),
+            f"job_group must be a torch.distributed ProcessGroup, got {self.job_group!r}",
             TypeError,
         )
         need(

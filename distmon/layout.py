@@ -6,9 +6,11 @@ rank's part of a parameter's reduced gradient is a *replica* along the mesh dime
 the parameter is replicated (``Replicate`` placements, DDP's group, HSDP's replicate dimension,
 a group the user declares with ``replicated_over=``) and a distinct *shard* along the others
 (``Shard`` placements: FSDP's shard dimension, tensor parallelism, experts; pipeline stages hold
-disjoint parameters). So a part counts on exactly one replica: the one at coordinate 0 of every
-dimension it is replicated over. Each rank adds up the sums of squares of its counted parts, and
-one SUM all-reduce over the job gives the exact figures (:mod:`distmon.exchange`).
+disjoint parameters; a group declared with ``distinct_over=``). So a part counts on exactly one
+replica: the one at coordinate 0 of every dimension it is replicated over. Each rank adds up the
+sums of squares of its counted parts, and one SUM all-reduce over the job gives the exact figures
+(:mod:`distmon.exchange`). This is the reading of the object passed; the job confirms it at
+start-up against the values the ranks hold (:mod:`distmon.census`).
 
 Coordinates name a rank's place for people (per-rank series labels, the rank a NaN began on) and
 for the rank-outlier detector, which compares only ranks that hold the same shards: the same
@@ -18,13 +20,23 @@ tensor-parallel, pipeline and expert coordinates, a different data-parallel one.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Coordinates", "counts", "coordinates", "spec_of", "declared_group", "COORD_LABELS"]
+__all__ = [
+    "Coordinates",
+    "counts",
+    "copy_reason",
+    "copy_dimension",
+    "part_position",
+    "coordinates",
+    "spec_of",
+    "declared_group",
+    "COORD_LABELS",
+]
 
 COORD_LABELS = ("dp_rank", "tp_rank", "pp_stage", "ep_rank")
 
@@ -67,17 +79,21 @@ def spec_of(param: torch.Tensor) -> object | None:
 PP_DIMS = ("pp",)  # mesh dimensions whose slices hold different parameters (pipeline stages)
 
 
-def first_copy(meshes: Sequence[object]) -> bool:
-    """Whether this rank is at coordinate 0 of every dimension of the root mesh that ``meshes`` (a
-    parameter's own and its wrapper's) do not span: its slices there hold copies (a module left
-    out of tensor parallelism repeats over that dimension, say), pipeline dimensions apart (stages
-    hold different parameters). A dimension is spanned when a rank along it from this one is in
-    one of ``meshes``.
+def copy_dimension(meshes: Sequence[object], distinct: Collection[int] = ()) -> str | None:
+    """The dimension of the root mesh along which this rank's part is inferred to be a copy, or None.
+
+    The part is taken to be a copy along a dimension of the root mesh that ``meshes`` (a
+    parameter's own and its wrapper's) do not span, where this rank is not at coordinate 0 (a
+    module left out of tensor parallelism repeats over that dimension, say), pipeline dimensions
+    apart (stages hold different parameters). A dimension is spanned when a rank along it from
+    this one is in one of ``meshes``, or in ``distinct`` (a ``distinct_over=`` group: its ranks
+    hold different parts). The job's reading at start-up (:mod:`distmon.census`) checks the
+    inference against the values the ranks hold.
     """
     root = meshes[0]._get_root_mesh()
     if any(m is root for m in meshes):
-        return True
-    members = {r for m in meshes for r in m.mesh.flatten().tolist()}
+        return None
+    members = {r for m in meshes for r in m.mesh.flatten().tolist()} | set(distinct)
     coord = root.get_coordinate()
     me = dist.get_rank()
     names = root.mesh_dim_names or ()
@@ -87,40 +103,91 @@ def first_copy(meshes: Sequence[object]) -> bool:
         line = root.mesh[tuple(slice(None) if i == dim else c for i, c in enumerate(coord))].tolist()
         spanned = any(r in members for r in line if r != me)
         if not spanned and coord[dim] != 0:
-            return False
-    return True
+            return names[dim] if dim < len(names) else f"#{dim}"
+    return None
 
 
-def counts(param: torch.Tensor, *, replicated_rank: int | None = None, mesh: object | None = None) -> bool:
-    """Whether this rank's part of ``param``'s reduced gradient counts in the job's figures.
+def copy_reason(
+    param: torch.Tensor,
+    *,
+    replicated: tuple[int, str] | None = None,
+    mesh: object | None = None,
+    distinct: Collection[int] = (),
+) -> str:
+    """Why this rank's part of ``param``'s reduced gradient is a copy counted on another rank, or ""
+    where it counts in the job's figures.
 
     It counts at coordinate 0 of every mesh dimension where the parameter is replicated: its own
     ``Replicate`` placements, the dimensions of the root mesh its mesh (or ``mesh``, the device
-    mesh of the wrapper that holds it) does not span (:func:`first_copy`), and at rank 0 of the
-    group over which something else replicates it (``replicated_rank``: DDP's group, a declared
-    group). ``Partial`` placements are refused: a partial sum's local sum of squares says nothing
-    about the whole.
+    mesh of the wrapper that holds it) does not span (:func:`copy_dimension`; ``distinct``: ranks
+    declared to hold different parts), and at rank 0 of the group over which something else
+    replicates it (``replicated``: this rank's rank there and the group's description: DDP's
+    group, a declared one). ``Partial`` placements are refused: a partial sum's local sum of
+    squares says nothing about the whole.
+
+    Example:
+        >>> copy_reason(torch.ones(2), replicated=(1, "DDP's process group"))
+        "rank 1 of DDP's process group (its rank 0 counts it)"
+    """
+    spec = spec_of(param)
+    if spec is not None and any(placement.is_partial() for placement in spec.placements):
+        raise ValueError(
+            "distmon: a parameter placed as Partial has no local part whose sum of squares is "
+            "its own; distmon measures Shard and Replicate placements"
+        )
+    if replicated is not None and replicated[0] != 0:
+        return f"rank {replicated[0]} of {replicated[1]} (its rank 0 counts it)"
+    meshes = [m for m in (spec.mesh if spec is not None else None, mesh) if m is not None]
+    along = copy_dimension(meshes, distinct) if meshes else None
+    if along is not None:
+        return f"it repeats along mesh dimension {along!r}, which its device mesh does not span"
+    if spec is not None:
+        names = spec.mesh.mesh_dim_names or ()
+        for dim, placement in enumerate(spec.placements):
+            if placement.is_replicate() and spec.mesh.get_local_rank(dim) != 0:
+                where = names[dim] if dim < len(names) else f"#{dim}"
+                return f"its placement is Replicate over mesh dimension {where!r}"
+    return ""
+
+
+def counts(
+    param: torch.Tensor,
+    *,
+    replicated_rank: int | None = None,
+    mesh: object | None = None,
+    distinct: Collection[int] = (),
+) -> bool:
+    """Whether this rank's part of ``param``'s reduced gradient counts in the job's figures:
+    :func:`copy_reason` finds no reason it is a copy (``replicated_rank``: this rank's rank in a
+    group over which something else replicates it).
 
     Example:
         >>> counts(torch.nn.Parameter(torch.ones(2))), counts(torch.ones(2), replicated_rank=1)
         (True, False)
     """
-    ok = replicated_rank in (None, 0)
+    replicated = (replicated_rank, "a group") if replicated_rank is not None else None
+    return not copy_reason(param, replicated=replicated, mesh=mesh, distinct=distinct)
+
+
+def part_position(param: torch.Tensor) -> tuple:
+    """Where this rank's part of ``param`` sits in the whole: its global shape and, per mesh
+    dimension of its placements, the shard it holds (-1 where it is replicated). Ranks that hold
+    one position of a parameter hold copies, or different values, of one part; different
+    positions are different parts whatever their values.
+
+    Example:
+        >>> part_position(torch.ones(2, 3))
+        ((2, 3),)
+    """
     spec = spec_of(param)
-    meshes = [m for m in (spec.mesh if spec is not None else None, mesh) if m is not None]
-    if meshes and not first_copy(meshes):
-        ok = False
     if spec is None:
-        return ok
-    for dim, placement in enumerate(spec.placements):
-        if placement.is_partial():
-            raise ValueError(
-                "distmon: a parameter placed as Partial has no local part whose sum of squares is "
-                "its own; distmon measures Shard and Replicate placements"
-            )
-        if placement.is_replicate() and spec.mesh.get_local_rank(dim) != 0:
-            ok = False
-    return ok
+        return (tuple(param.shape),)
+    # a strided shard (FSDP2 over tensor parallelism) is a shard that is_shard() does not name
+    shards = tuple(
+        -1 if placement.is_replicate() else spec.mesh.get_local_rank(dim)
+        for dim, placement in enumerate(spec.placements)
+    )
+    return (tuple(spec.shape), tuple(type(p).__name__ for p in spec.placements), shards)
 
 
 def declared_group(

@@ -41,7 +41,6 @@ __all__ = [
     "prepare",
     "agree",
     "differences",
-    "stage_layers",
     "serves",
     "served_ranks",
     "announce",
@@ -59,7 +58,6 @@ class Peer:
     endpoint: str | None  # "host:port" it serves metrics on, if it serves
     failure: tuple[str, int, str] | None = None  # (exception type, errno, message) if it cannot start
     agreed: Mapping[str, str] | None = None  # the options every rank must set alike (config.AGREED)
-    layers: tuple[int, tuple[str, ...] | None] | None = None  # a pipeline stage: (stage, its layers)
 
 
 def serves(serve: str, rank: int, local_rank: int) -> bool:
@@ -247,38 +245,6 @@ def _where(peers: Sequence[Peer]) -> str:
     return f"rank {ranks[0]} ({shown})" if len(ranks) == 1 else f"ranks {_ranks(ranks)} ({shown})"
 
 
-def stage_layers(
-    me: RankInfo,
-    *,
-    stage: int,
-    layers: tuple[str, ...] | None,
-    failure: BaseException | None,
-    group: dist.ProcessGroup | None,
-) -> tuple[str, ...]:
-    """The job's layers in pipeline order: every stage's, first stage first (one collective).
-
-    Each rank tells its stage and that stage's layers (the model's qualified names); call on
-    every rank whatever happened locally: a failure anywhere raises the same error everywhere.
-
-    Example:
-        >>> stage_layers(RankInfo(0, 0, "h", ""), stage=0, layers=("emb", "b0"), failure=None, group=None)
-        ('emb', 'b0')
-    """
-    told = (stage, layers)
-    everyone: list[Peer] = hostinfo.exchange(
-        Peer(me, None, None, failure=failure and _describe(failure), layers=told), group
-    )
-    _raise_failures(everyone, failure)
-    by_stage: dict[int, tuple[str, ...]] = {}
-    for p in everyone:
-        s, names = p.layers or (0, ())
-        by_stage.setdefault(s, names or ())
-    union: dict[str, None] = {}
-    for s in sorted(by_stage):
-        union.update(dict.fromkeys(by_stage[s]))
-    return tuple(union)
-
-
 # Prometheus needs a moment to notice a withdrawn file_sd target; closing at once would show it
 # as down (up == 0) in between
 WITHDRAW_GRACE_S = 5.0
@@ -398,4 +364,3 @@ class ExitGuard:
             else "process group already destroyed: this rank's own figures of the last steps only",
         )
         self._close(not died, not died and group, EXIT_GATHER_S)
-

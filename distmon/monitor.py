@@ -17,7 +17,8 @@ from torch.distributed import ProcessGroup
 
 from . import hostinfo, options
 from .activations import ActivationSpec
-from .build import Built, Hooks, build_exports, build_rank, pipeline_layers
+from .build import Hooks, build_exports, build_rank, read_rank
+from .census import alone, read_job
 from .clip import Clipper
 from .config import GuardMode, MonitorConfig, Scheduler, ServeMode
 from .detectors import DetectorConfig
@@ -32,7 +33,7 @@ from .resume import load_monitor_state, monitor_state
 from .ring import ExportBatch
 from .sinks import AnomalyCallbacks
 from .snapshot import AnomalyEvent, Snapshot
-from .sources import CommHook, first_device, process_group, trained_module
+from .sources import CommHook, enclosing, first_device, process_group, trained_module
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
@@ -57,8 +58,11 @@ class GradMonitor:
 
     Args:
         model: the ``DistributedDataParallel`` model (it may have a comm hook already: pass
-            that as ``comm_hook``, DDP accepts one), an FSDP2 model, or in a single process the
-            plain module.
+            that as ``comm_hook``, DDP accepts one), an FSDP2 model, a pipeline stage (its
+            ``PipelineStage``, or the stage's module: distmon finds the stage that holds it), a
+            tensor-parallel module, or in a single process the plain module. Whatever it is, the
+            job is the default process group (``job_group`` says otherwise), and its layout is
+            read from every rank at construction (docs/layouts.md).
         optimizer: the optimizer that steps the model, or a list of them: a training step is
             one backward and one ``step()`` of each.
         {options}
@@ -85,6 +89,8 @@ class GradMonitor:
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         replicated_over: dict[str, ProcessGroup] | None = None,
+        distinct_over: dict[str, ProcessGroup] | None = None,
+        job_group: ProcessGroup | None = None,
         export_every: int | None = None,
         export_interval_s: float | None = None,
         groups: GroupSpec = None,
@@ -124,6 +130,8 @@ class GradMonitor:
                 comm_hook=comm_hook,
                 comm_state=comm_state,
                 replicated_over=replicated_over,
+                distinct_over=distinct_over,
+                job_group=job_group,
                 export_every=export_every,
                 export_interval_s=export_interval_s,
                 groups=groups,
@@ -155,26 +163,37 @@ class GradMonitor:
             )
         except Exception as e:
             failure = e
-        # where the ranks agree: the model's type and whether a layout is declared, alike on every
-        # rank (a rank whose options failed goes by whether replicated_over was given, as the others)
-        declared = bool(cfg.replicated_over) if cfg is not None else bool(replicated_over)
-        group = process_group(model, declared=declared)
+        # the object that holds what was passed (a stage's module: its PipelineStage), measured as if passed
+        model = enclosing(model)
+        # the job: where its ranks read the layout and agree (a rank whose options failed meets the
+        # others over the group it was given)
+        group = process_group(cfg.job_group if cfg is not None else job_group)
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
-        layers = pipeline_layers(model, cfg, failure, me=me, group=group)  # a pipeline stage's job
-        # Everything that can fail, on this rank: built, bound, hooked where it can be undone.
-        built: Built | None
-        hooks: Hooks | None
-        built, hooks, proposal, prepared = None, None, None, Prepared()  # rank 0's run id wins
+        # Everything that can fail, on this rank: read, then (once the job read its layout) built,
+        # bound, hooked where it can be undone.
+        planned, built, hooks, proposal, prepared = None, None, None, None, Prepared()
         try:
-            if cfg is None:
-                raise failure  # type: ignore[misc]  # set whenever cfg is not
-            built = build_rank(model, optimizer, cfg, errors=self._errors, exports=exports, layers=layers)
-            proposal = hostinfo.resolve_run_id(built.cfg.run_id)
-            prepared = prepare(built.cfg, me, proposal)
-            hooks = Hooks(built)
-            hooks.install()  # all or nothing
+            if cfg is not None:
+                planned = read_rank(model, optimizer, cfg)
+        except Exception as e:
+            failure = e
+        # every rank, whatever happened to it: the layout read from the whole job (collectives)
+        parts, job = (planned.parts if planned is not None else None), None
+        try:
+            job = read_job(parts, group) if group is not None else parts and alone(parts)
+        except Exception as e:
+            failure = e
+        try:
+            if failure is None and job is not None:  # None: another rank failed (agree() raises its error)
+                if job.refusal is not None:
+                    raise job.refusal
+                built = build_rank(planned, job, errors=self._errors, exports=exports)
+                proposal = hostinfo.resolve_run_id(built.cfg.run_id)  # rank 0's run id wins
+                prepared = prepare(built.cfg, me, proposal)
+                hooks = Hooks(built)
+                hooks.install()  # all or nothing
         except Exception as e:
             failure = e
             hooks = None

@@ -3,7 +3,7 @@
 Everything else follows from :data:`OPTIONS`: :class:`distmon.config.MonitorConfig`'s fields and
 defaults, the ``DISTMON_*`` variables it reads, the ``Args:`` of ``GradMonitor``'s docstring
 (:func:`options_args`, so ``help(GradMonitor)`` documents every option) and the option table of
-``docs/options.md`` (:func:`options_table`; ``python -m distmon.docs --write`` renders it, a test
+``docs/options.md`` (:func:`options_table`; ``python -m distmon.doc_tables --write`` renders it, a test
 compares). ``agreed`` marks the options every rank must set alike (compared at start-up).
 """
 
@@ -79,10 +79,30 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "replicated_over",
         None,
-        "`{regex: process_group}`: parameters (qualified names matching) that no DDP/FSDP wrapper "
-        "reduces, whose gradient the model's own code makes identical over that group (experts "
-        "reduced over their expert-data-parallel group, say): each distinct copy counts once "
-        "([Parallel layouts](layouts.md)); such a parameter undeclared is refused",
+        "`{regex: process_group}`: parameters (qualified names matching) whose gradient the "
+        "model's own code makes identical over that group, where no DDP/FSDP wrapper reduces them "
+        "(experts reduced over their expert-data-parallel group, tensor parallelism's replicated "
+        "modules): one copy counts; the copies must be identical at construction "
+        "([Parallel layouts](layouts.md))",
+        agreed=True,
+    ),
+    Option(
+        "distinct_over",
+        None,
+        "`{regex: process_group}`: parameters (qualified names matching) of which each rank of that "
+        "group holds a different part under the same name (plain per-rank experts over their "
+        "expert-parallel group, inside FSDP2 or outside every wrapper): each rank's part counts "
+        "([Parallel layouts](layouts.md)). Undeclared, distmon refuses to guess",
+        agreed=True,
+    ),
+    Option(
+        "job_group",
+        None,
+        "the process group that is the monitored job. Leave it out: a job is its default group "
+        "(one log writer, `world_size` the job's), whatever part of it the model passed holds. "
+        "Only for independent jobs that share one default group (a sweep trained side by side), "
+        "each a DDP model over exactly its group",
+        shown="the default group",
         agreed=True,
     ),
     Option(

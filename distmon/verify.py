@@ -1,34 +1,36 @@
-"""The first-step check of a layout: distmon's reading of it against a direct, placement-aware norm.
+"""The first-step check of a layout: distmon's reading of it against the job's norm counted by value.
 
-distmon adds up, over the job, the parts of the reduced gradient each rank counts (``layout.py``).
-Once, on the first step whose figures are finite and measured on every rank, when the optimizer
-step begins, that sum is taken again from the gradients as they are then (each rank's counted
-parts, one all-reduce) and computed another way, as torchtitan's ``clip_grad_norm_`` computes
-it. Both read the same gradients: a loop that clipped them after distmon measured them in
-backward (Lightning's ``gradient_clip_val``, ``torch.nn.utils.clip_grad_norm_``) changes both
-alike, not the verdict. The other way: the norm of every DTensor
-gradient of this rank's model part from DTensor's own placement rules (``full_tensor()``, one
-mesh at a time), plus the plain gradients every rank of the part holds alike, summed over the
-pipeline stages; parameters declared ``replicated_over`` a group, whose placement is the very
-thing to check, are gathered from every rank as (name, sum of squares, sum) and counted once per
-distinct value: copies of one gradient are bitwise equal, distinct gradients are not. A layout
-distmon misread (a declaration that does not hold, a wrapper it does not know) shows as a
-difference: the figures are then refused (invalid, the error counted and logged), never served.
-It costs one host sync and a few collectives, once, on every rank at the same point.
+distmon adds up, over the job, the parts of the reduced gradient each rank counts (``layout.py``,
+confirmed at start-up by :mod:`distmon.census`). Once, on the first step whose figures are finite
+and measured on every rank, when the optimizer step begins, that sum is taken again from the
+gradients as they are then (each rank's counted parts, one all-reduce over the job) and computed
+another way that shares none of the reading's assumptions (:class:`JobNorm`): every rank's
+gradient parts, whatever it counts, each distinct (parameter, position, value) once over the
+whole job (:func:`distmon.census.distinct_sq`): copies of one gradient are bitwise equal,
+distinct parts are not. A group, a stage or a copy distmon misread (a declaration that does not
+hold, a wrapper it does not know) shows as a difference: the figures are then refused (invalid,
+the error counted and logged), never served. Both read the same gradients: a loop that clipped
+them after distmon measured them in backward (Lightning's ``gradient_clip_val``,
+``torch.nn.utils.clip_grad_norm_``) changes both alike, not the verdict. Every rank computes the
+same two numbers (all-reduced) and so the same verdict. It costs one host sync and a few
+collectives, once, on every rank at the same point.
+
+:class:`DirectNorm` is the norm as torchtitan's ``clip_grad_norm_`` computes it, placement-aware:
+what ``clip_grad_norm_`` checks its figure against, and clips a step distmon could not measure by.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import hostinfo
-from .layout import declared_group, spec_of
+from .census import digest, distinct_sq
+from .layout import declared_group, part_position, spec_of
 
-__all__ = ["DirectNorm", "LayoutCheck", "agrees", "refusal"]
+__all__ = ["DirectNorm", "JobNorm", "LayoutCheck", "agrees", "refusal"]
 
 TOLERANCE = 1e-3  # fp32 sums in different orders agree far closer; a misread layout far less
 
@@ -46,34 +48,36 @@ def agrees(measured_sq: float, direct_sq: float) -> bool:
 class DirectNorm:
     """The job's squared global gradient norm, computed from placements alone (collectives; once).
 
-    ``named``: this rank's tracked parameters and their names; ``declared``: ``replicated_over``;
-    ``stage_group``: the pipeline group (one rank of every stage), None without stages.
+    ``named``: this rank's tracked parameters and their names; ``declared``: the patterns of
+    ``replicated_over=`` and ``distinct_over=`` (their placement is the very thing to check: those
+    gradients are counted by value, :func:`distmon.census.distinct_sq`); ``stage_group``: the
+    pipeline group (one rank of every stage), None without stages.
     """
 
     def __init__(
         self,
         named: Sequence[tuple[str, torch.nn.Parameter]],
         *,
-        declared: dict[str, dist.ProcessGroup],
+        declared: Collection[str],
         stage_group: dist.ProcessGroup | None,
     ) -> None:
-        self.named, self.declared, self.stage_group = list(named), declared, stage_group
+        self.named, self.declared, self.stage_group = list(named), dict.fromkeys(declared), stage_group
+        self._slots = [digest(name, part_position(p)) for name, p in self.named]
 
     def __call__(self) -> float:
         from torch.distributed.tensor import DTensor
 
         by_mesh: dict[int, list[torch.Tensor]] = {}
         part = torch.zeros((), dtype=torch.float64, device=_device(self.named))
-        names: list[str] = []
-        stats: list[torch.Tensor] = []  # per declared gradient (sum of squares, sum): copies are equal
-        for name, p in self.named:
+        slots: list[int] = []
+        parts: list[torch.Tensor] = []  # the declared gradients, this rank's parts: counted by value
+        for (name, p), slot in zip(self.named, self._slots):
             g = p.grad
             if g is None:
                 continue
             if declared_group(name, self.declared) is not None:
-                local = (g.to_local() if isinstance(g, DTensor) else g).double()
-                names.append(name)
-                stats.append(torch.stack([local.pow(2).sum(), local.sum()]))
+                slots.append(slot)
+                parts.append(g.to_local() if isinstance(g, DTensor) else g)
                 continue
             spec = spec_of(p)
             if not isinstance(g, DTensor) and spec is not None:  # a parameter DDP localized
@@ -90,31 +94,47 @@ class DirectNorm:
             part += full.to(part) ** 2
         if self.stage_group is not None:
             dist.all_reduce(part, group=self.stage_group)
-        shared = 0.0
-        if self.declared:  # every rank's declared gradients, each distinct one counted once
-            declared = list(zip(names, map(tuple, torch.stack(stats).tolist()))) if stats else []
-            everyone: list[list[tuple[str, tuple[float, float]]]] = hostinfo.exchange(declared, dist.group.WORLD)
-            shared = sum(sq for _, (sq, _) in {entry for told in everyone for entry in told})
-        return float(part) + shared  # the one host sync (and the declared ones' copy above)
+        shared = distinct_sq(slots, parts, dist.group.WORLD) if self.declared else 0.0
+        return float(part) + shared  # the one host sync (and the declared ones' above)
+
+
+class JobNorm:
+    """The job's squared global norm counted by value: every rank's tracked gradients, whatever it
+    counts, each distinct (parameter, position, value) once over ``group`` (collectives; once)."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup) -> None:
+        self.params = [p for _, p in named]
+        self.group = group
+        self._slots = [digest(name, part_position(p)) for name, p in named]
+
+    def __call__(self) -> float:
+        grads = [None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad) for p in self.params]
+        return distinct_sq(self._slots, grads, self.group)
 
 
 class LayoutCheck:
     """The job's squared global norm twice, from the gradients as they are now: as distmon's reading
-    of the layout adds it up (each rank's ``counted`` parts, one SUM all-reduce over the job) and
-    placement-aware (``direct``). Collectives on every rank, once.
+    of the layout adds it up (each rank's ``counted`` parts, one SUM all-reduce over ``group``, the
+    job) and counted by value (:class:`JobNorm`). Collectives on every rank, once.
     """
 
-    def __init__(self, direct: DirectNorm, counted: Sequence[bool]) -> None:
-        self.direct, self.counted = direct, list(counted)
+    def __init__(
+        self,
+        named: Sequence[tuple[str, torch.nn.Parameter]],
+        counted: Sequence[bool],
+        group: dist.ProcessGroup,
+    ) -> None:
+        self.params, self.counted, self.group = [p for _, p in named], list(counted), group
+        self.reference = JobNorm(named, group)
 
     def __call__(self) -> tuple[float, float]:
-        """(distmon's reading, the placement-aware norm), squared."""
-        read = torch.zeros((), dtype=torch.float64, device=_device(self.direct.named))
-        for (_, p), counts in zip(self.direct.named, self.counted):
+        """(distmon's reading, the job's norm counted by value), squared."""
+        read = torch.zeros((), dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
+        for p, counts in zip(self.params, self.counted):
             if counts and p.grad is not None:
                 read += _sq(getattr(p.grad, "_local_tensor", p.grad))  # this rank's part
-        dist.all_reduce(read)
-        return float(read), self.direct()
+        dist.all_reduce(read, group=self.group)
+        return float(read), self.reference()
 
 
 def _sq(grad: torch.Tensor) -> torch.Tensor:
@@ -133,7 +153,9 @@ def refusal(read_sq: float, direct_sq: float) -> str:
     ours, direct = math.sqrt(max(read_sq, 0.0)), math.sqrt(max(direct_sq, 0.0))
     return (
         f"distmon: the first-step check of the parallel layout failed: the global norm as distmon "
-        f"reads the layout is {ours:.6g}, the placement-aware one {direct:.6g}. "
-        "distmon misread where this model's gradients live (a replicated_over= declaration that does "
-        "not hold, or a wrapper it does not know): every figure is now reported invalid, none served"
+        f"reads the layout is {ours:.6g}, the job's counted by value (every rank's gradients, each "
+        f"distinct part once) {direct:.6g}. distmon misread where this model's gradients live: a "
+        "replicated_over= or distinct_over= declaration that does not hold (copies declared distinct "
+        "count twice, distinct parts declared copies once), or a wrapper it does not know: every "
+        "figure is now reported invalid, none served"
     )

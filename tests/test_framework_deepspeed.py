@@ -221,6 +221,7 @@ def test_deepspeed_s_own_overflow_skip_is_recorded_like_the_grad_scaler_s(grid, 
         ("offload", "ZeRO-Offload"),
         ("another optimizer", "takes the optimizer deepspeed.initialize returned"),
         ("comm_hook", "a DeepSpeed engine reduces its gradients itself"),
+        ("distinct_over", "a DeepSpeed engine says its layout itself"),
         ("a second monitor", "already measured by an open GradMonitor"),
     ],
 )
@@ -228,6 +229,11 @@ def test_what_cannot_be_measured_exactly_is_refused_at_construction_on_every_ran
     for rank in grid["ranks"]:
         said = rank["refusals"][case]
         assert says in said and "did not start on any rank" in said, said
+
+
+def test_the_engine_s_module_passed_is_measured_as_the_engine(grid):
+    """``GradMonitor(engine.module, optimizer)``: the engine that holds it is found and measured (#27)."""
+    assert all(rank["refusals"]["the engine's module"] == "built" for rank in grid["ranks"])
 
 
 def test_closing_table_per_stage(grid):

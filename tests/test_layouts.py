@@ -176,3 +176,32 @@ def test_several_stages_per_rank_are_refused_at_construction_naming_the_way_out(
     errors = run_ranks(_interleaved_job, 2, timeout=120)
     assert errors[0] == errors[1] and "interleaved schedules" in errors[0], errors
     assert "one stage per rank" in errors[0]
+
+
+def _reindexed_stages_job(rank: int, world: int, passed: str) -> str:
+    """Stages cut as re-indexed slices (``nn.Sequential(*layers[a:b])`` numbers each from 0): both
+    stages hold '0.weight', different parameters under one name."""
+    from torch.distributed.pipelining import PipelineStage
+
+    import distmon
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    part = torch.nn.Sequential(*layers[2 * rank : 2 * rank + 2])
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+    try:
+        distmon.GradMonitor(
+            stage if passed == "stage" else part, torch.optim.SGD(part.parameters(), lr=0.1), serve="none"
+        )
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("passed", ["stage", "module"])
+def test_stages_whose_parameters_share_names_are_refused_naming_the_cut(passed):
+    """Not an options difference nor a missing declaration (#27): the refusal says how to cut stages."""
+    errors = run_ranks(_reindexed_stages_job, 2, passed, timeout=120)
+    assert errors[0] == errors[1], errors
+    assert "pipeline stages 0 and 1" in errors[0] and "'0.weight'" in errors[0], errors[0]
+    assert "names kept" in errors[0] and "options differ" not in errors[0], errors[0]

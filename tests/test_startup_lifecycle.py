@@ -194,7 +194,8 @@ DIFFER_SAYS = {
     "export_every": "export_every (DISTMON_EXPORT_EVERY) is 3 on ranks 0, 5 on ranks 1",
     "export_interval_s": "export_interval_s (DISTMON_EXPORT_INTERVAL_S) is 0.0 on ranks 0, 0.001 on ranks 1",
     "rank_layers": "rank_layers is True on ranks 0, False on ranks 1",
-    "groups": "groups is layer groups 2 [",
+    # the job's reading of its layout (census.py) finds it first: the same parameter, another layer
+    "groups": "options differ between ranks: groups puts parameter '0.weight'",
     "max_layers": "max_layers is 128 on ranks 0, 1 on ranks 1",
     "batch_size": "batch_size is None on ranks 0, given on ranks 1",
     "activations": "activations is None on ranks 0, watched modules 3 [",

@@ -6,8 +6,9 @@ Each scenario trains the same seeded model twice on every rank, in one process: 
 ``comm_hook``). Every step's reduced gradients must be bit-identical (``torch.equal``), and
 distmon's reported global norm must equal the float64 norm of the reduced ``p.grad``.
 
-* subgroup DDP: each DDP replica on its own process group (``new_group``), no hook passed:
-  distmon's default reduction must stay on DDP's group (it once reduced over WORLD);
+* subgroup DDP: each DDP replica on its own process group (``new_group``), a job of its own
+  (``job_group=``), no hook passed: distmon's default reduction must stay on DDP's group (it once
+  reduced over WORLD);
 * PowerSGD with its state on DDP's own group, and a hook that issues a collective from its
   future callback (on gloo's thread): distmon's collective must never be issued while such
   a collective may still start (it once did, from the comm hook: the ranks matched the two
@@ -100,6 +101,8 @@ def _train(rank, scenario, group, monitored, steps, seed, log_path=None, gathers
             serve="none",
             comm_hook=hook,
             comm_state=state,
+            # each DDP replica on its own group is a job of its own, which needs saying
+            job_group=group,
             log_path=log_path if rank == 0 else None,
             # profiled: every step exports, so every step's collective is the all-gather
             export_every=1 if gathers is not None else None,

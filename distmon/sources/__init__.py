@@ -14,15 +14,17 @@ is imported only for a model of its kind, which means the job imported that libr
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..grouping import Grouping
-from ..layout import counts, declared_group, spec_of
+from ..layout import copy_reason, declared_group, spec_of
 from .base import COMPILED_AUTOGRAD, Receiver, Source, compiled_autograd_on, first_device, uncompiled
 from .ddp import CommHook, DDPSource, ddp_parameters
 from .local import LocalSource
@@ -32,7 +34,10 @@ __all__ = [
     "Receiver",
     "CommHook",
     "source_for",
+    "read_layout",
+    "Reading",
     "process_group",
+    "enclosing",
     "trained_module",
     "is_fsdp",
     "is_deepspeed",
@@ -117,32 +122,96 @@ def trained_module(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _ddp_is_the_job(ddp: DistributedDataParallel, *, declared: bool) -> bool:
-    """Whether DDP is the whole job, every rank holding the whole reduced gradient; not when it is
-    one dimension of a larger one: tensor-parallel parameters it localized, parameters it leaves
-    to the model's own code (experts), parameters the user ``declared`` replicated over a group."""
+def _ddp_is_the_job(ddp: DistributedDataParallel, *, declared: bool, job_size: int) -> bool:
+    """Whether DDP is the whole job, every rank holding the whole reduced gradient: its group has
+    every rank of the job; not when it is one dimension of a larger one: a pipeline stage's
+    data-parallel ranks, tensor-parallel parameters it localized, parameters it leaves to the
+    model's own code (experts), parameters the user ``declared`` (replicated or distinct) over a
+    group."""
     ignored = bool(getattr(ddp, "parameters_to_ignore", None))
-    return not (declared or ignored or any(map(spec_of, ddp.module.parameters())))
+    return ddp.process_group.size() == job_size and not (
+        declared or ignored or any(map(spec_of, ddp.module.parameters()))
+    )
 
 
-def process_group(model: torch.nn.Module, *, declared: bool = False) -> dist.ProcessGroup | None:
-    """The group the ranks of ``model``'s job agree over: DDP's own when DDP is the whole job, else
-    the job's (None in one process); ``declared``: ``replicated_over=`` was given.
+def process_group(job: object = None) -> dist.ProcessGroup | None:
+    """The group of the job the monitor measures, where its ranks agree: ``job`` (the ``job_group=``
+    option, given as a process group), else the default group (None in one process).
 
-    Known from the model's type alone, before any option is read, so that a rank whose options
-    fail still meets the others there.
+    Whatever the model, the job is the default group: a DDP or FSDP model on some of its ranks is
+    one part of it (a pipeline stage, a data-parallel slice). Known before any option is
+    validated, so that a rank whose options fail still meets the others there.
 
     Example:
-        >>> process_group(torch.nn.Linear(2, 2)) is None   # no torch.distributed here
+        >>> process_group() is None   # no torch.distributed here
         True
     """
-    if pipeline_stage(model) is None:
-        model = unwrapped(model)
-        if isinstance(model, DistributedDataParallel) and _ddp_is_the_job(model, declared=declared):
-            return model.process_group
+    if isinstance(job, dist.ProcessGroup):
+        return job if job.size() > 1 else None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def enclosing(model: object) -> object:
+    """The ``PipelineStage``, DDP model or DeepSpeed engine that holds ``model``, when ``model`` is
+    what such a wrapper holds (a stage's module, plain, DDP- or FSDP2-wrapped; DDP's or the
+    engine's ``.module``); else ``model``.
+
+    Users hand over what they have next to the optimizer (torchtitan's ``model_parts``, the
+    unwrapped model a Hugging Face callback gets): distmon measures it as if the wrapper had been
+    passed, found among the live objects (one pass over them, at construction: only while
+    ``torch.distributed.pipelining`` is in use, or for a module that is no DDP or FSDP2 model or
+    DeepSpeed engine on several ranks).
+
+    Example:
+        >>> net = torch.nn.Linear(2, 2); enclosing(net) is net   # nothing holds it
+        True
+    """
+    if pipeline_stage(model) is not None or not isinstance(model, torch.nn.Module):
+        return model
+    inner = unwrapped(model)
+    stages = getattr(sys.modules.get("torch.distributed.pipelining.stage"), "_PipelineStageBase", None)
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    wrapped = isinstance(inner, DistributedDataParallel) or is_fsdp(inner) or is_deepspeed(inner)
+    plain = several and not wrapped
+    if stages is None and not plain:
+        return model
+    # DDP, DeepSpeed engines and PipelineStage objects are tracked by the collector: one pass over
+    # every tracked object, comparing types only (a set lookup: ~0.1 s per million objects)
+    engine = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+    holders = [DistributedDataParallel] + ([engine] if engine is not None else [])
+    kinds = _subclasses(stages) if stages is not None else set()
+    for cls in holders if plain else ():
+        kinds |= _subclasses(cls)
+    found: list[object] = []
+    for obj in [obj for obj in gc.get_objects() if type(obj) in kinds]:
+        if pipeline_stage(obj) is not None:
+            held = uncompiled(obj.submod)
+            if held is inner or (
+                isinstance(held, DistributedDataParallel) and uncompiled(held.module) is inner
+            ):
+                found.append(obj)
+        elif uncompiled(obj.module) is inner:
+            found.append(obj)
+    staged = [obj for obj in found if pipeline_stage(obj) is not None]
+    if len(staged) > 1 or (not staged and len(found) > 1):
+        raise ValueError(
+            f"distmon: {len(staged) or len(found)} {'PipelineStages' if staged else 'wrappers'} hold "
+            "the module passed to GradMonitor: pass the one that trains it"
+        )
+    return (staged or found or [model])[0]
+
+
+def _subclasses(cls: type) -> set[type]:
+    """``cls`` and every class derived from it, as defined now."""
+    out, todo = {cls}, [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
 
 
 def pipeline_stage(model: object) -> object | None:
@@ -177,7 +246,8 @@ class _Wrapping:
 
 
 class CompositeSource(_Wrapping):
-    """A data-parallel source and a reader of the parameters it does not reduce (``alongside``)."""
+    """A data-parallel source (DDP, FSDP2) and a reader of the parameters it does not reduce
+    (``alongside``: parameters the model's own code reduces after backward)."""
 
     def __init__(self, primary: Source, extra: Source) -> None:
         super().__init__(primary)
@@ -235,43 +305,173 @@ class PipelineSource(_Wrapping):
         super().remove()
 
 
-def _undeclared(name: str, world: int) -> ValueError:
-    return ValueError(
-        f"distmon: parameter {name!r} is reduced by no DDP or FSDP wrapper and is no DTensor, on a "
-        f"{world}-rank job: distmon cannot tell which ranks hold copies of its gradient. Declare the "
-        f"group over which the model's own code makes it identical: GradMonitor(..., "
-        f"replicated_over={{r'<name pattern>': process_group}}) (a group of one rank: its gradient "
-        f"is this rank's own)"
+@dataclass(frozen=True)
+class Reading:
+    """How the object passed reads the layout: per tracked parameter (the grouping's order), whether
+    this rank's part of its reduced gradient counts in the job's figures, before the job confirms
+    it (:mod:`distmon.census`).
+
+    ``why``: "" where it counts, else why it is taken for a copy counted on another rank;
+    ``declared``: matched by ``replicated_over=`` or ``distinct_over=``; ``undeclared``: reduced by no
+    wrapper, no DTensor, not declared (counted here: this rank's own, unless other ranks hold it
+    too); ``whole``: DDP over the whole job, on whose every rank the reduced gradient is whole;
+    ``plain``: the refusal of a plain module on several ranks, should other ranks hold its
+    parameters.
+    """
+
+    counted: tuple[bool, ...]
+    why: tuple[str, ...]
+    declared: tuple[bool, ...]
+    undeclared: tuple[bool, ...]
+    whole: bool = False
+    plain: str | None = None
+
+
+def _plain_module(model: torch.nn.Module, world: int) -> str:
+    return (
+        f"distmon: GradMonitor on {world} ranks got a plain {type(model).__name__}: nothing reduces "
+        "its gradients over the ranks, so each rank would train, and be measured, alone. Wrap the "
+        "model first (DistributedDataParallel(model), or fully_shard(model)) and build GradMonitor "
+        "after wrapping, with the wrapped model. If a framework wraps it for you, it was not told to "
+        "train distributed: on a machine without a GPU the Hugging Face Trainer and accelerate need "
+        "--use_cpu (TrainingArguments(use_cpu=True)), Lightning strategy='ddp'. Tensor-parallel "
+        "DTensor parameters and pipeline stages are measured as they are (docs/layouts.md)"
     )
 
 
-def _counted(
+def _parts(
     grouping: Grouping,
     *,
-    declared: dict[str, dist.ProcessGroup],
-    covered: set[int] | None,
-    replicated_rank: int | None,
-    alone: bool,
-    mesh: object | None = None,
-) -> list[bool]:
-    """Per tracked parameter: whether this rank's part of its reduced gradient counts in the job's.
+    replicated_over: dict[str, dist.ProcessGroup],
+    distinct_over: dict[str, dist.ProcessGroup],
+    ddp: DistributedDataParallel | None,
+    covered: set[int],
+) -> list[tuple[bool, str, bool, bool]]:
+    """Per tracked parameter: (counted, why it is a copy, declared, undeclared).
 
-    ``covered``: ids of the parameters a DDP wrapper replicates over its group (``replicated_rank``
-    is this rank's rank there); a parameter outside it must be a DTensor or declared, unless
-    this rank is ``alone`` with its parameters (a pipeline stage of one rank).
+    ``covered``: ids of the parameters ``ddp`` replicates over its group; a parameter outside it
+    that is no DTensor and not declared is ``undeclared``.
     """
     out = []
     for name, p in zip(grouping.param_names, grouping.params):
-        match = declared_group(name, declared)
+        match = declared_group(name, replicated_over)
+        apart = declared_group(name, distinct_over)
+        distinct = dist.get_process_group_ranks(apart[1]) if apart is not None else ()
+        # a part counts on the first of its copies by every account: its placements, its
+        # wrapper's group (DDP's), the group declared over which the model's code copies it
+        reasons = []
         if match is not None:
-            out.append(counts(p, replicated_rank=match[1].rank()))
-        elif covered is not None and id(p) in covered:
-            out.append(counts(p, replicated_rank=replicated_rank, mesh=mesh))
-        elif spec_of(p) is not None or alone:
-            out.append(counts(p))
-        else:
-            raise _undeclared(name, dist.get_world_size())
+            group = (match[1].rank(), f"the replicated_over group of {match[0]!r}")
+            reasons.append(copy_reason(p, replicated=group, distinct=distinct))
+        if ddp is not None and id(p) in covered:
+            mesh = getattr(ddp, "device_mesh", None)
+            group = (ddp.process_group.rank(), "DDP's process group")
+            reasons.append(copy_reason(p, replicated=group, mesh=mesh, distinct=distinct))
+        elif match is None and (spec_of(p) is not None or apart is not None):
+            reasons.append(copy_reason(p, distinct=distinct))
+        if not reasons:
+            out.append((True, "", False, True))
+            continue
+        why = next((r for r in reasons if r), "")
+        out.append((not why, why, match is not None or apart is not None, False))
     return out
+
+
+def _engine_reading(
+    engine: object, grouping: Grouping, *, fabric: bool, declared: bool, job: dist.ProcessGroup | None
+) -> Reading:
+    """A DeepSpeed engine's reading: its data-parallel group is the job (DeepSpeed's tensor and
+    pipeline parallelism are refused), so every rank holds each dense parameter, counted on rank
+    0, and DeepSpeed MoE declares its experts distinct over their expert-parallel group itself."""
+    if fabric:
+        raise ValueError(f"distmon: {LIGHTNING_DEEPSPEED}")
+    if declared or (job is not None and job is not dist.group.WORLD):
+        raise TypeError(
+            "distmon: replicated_over=, distinct_over= and job_group= are layout options; a DeepSpeed "
+            "engine says its layout itself (its data-parallel group is the job, its MoE experts carry "
+            "their expert-parallel group): leave them out"
+        )
+    from .deepspeed import engine_counts
+
+    counted, why, experts = (tuple(c) for c in zip(*engine_counts(engine, grouping.params)))
+    return Reading(counted, why, experts, (False,) * len(counted))
+
+
+def read_layout(
+    model: torch.nn.Module,
+    *,
+    grouping: Grouping,
+    replicated_over: dict[str, dist.ProcessGroup] | None = None,
+    distinct_over: dict[str, dist.ProcessGroup] | None = None,
+    stage: object | None = None,
+    job: dist.ProcessGroup | None = None,
+) -> Reading:
+    """What ``model`` (or the pipeline ``stage``'s module) says about where each of its gradients
+    lives, or an error saying what cannot be measured and the way out (``job``: the job's group,
+    ``job_group=``; None: the default group).
+
+    Example:
+        >>> from distmon.grouping import build_grouping
+        >>> net = torch.nn.Linear(2, 2)
+        >>> read_layout(net, grouping=build_grouping(net, None, 8)).counted
+        (True, True)
+    """
+    fabric = type(model).__name__ == "_FabricModule"
+    model = unwrapped(stage.submod if stage is not None else model)
+    if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
+        raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
+    replicated_over, distinct_over = dict(replicated_over or {}), dict(distinct_over or {})
+    declared = bool(replicated_over or distinct_over)
+    if is_deepspeed(model):
+        return _engine_reading(model, grouping, fabric=fabric, declared=declared, job=job)
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    job_size = job.size() if job is not None else world
+    n = len(grouping.params)
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    if job is not None and job is not dist.group.WORLD and job_size < world:
+        if ddp is None or stage is not None or not _ddp_is_the_job(ddp, declared=declared, job_size=job_size):
+            raise ValueError(
+                "distmon: job_group= makes a group of some ranks a job of its own (several independent "
+                "jobs sharing one default process group); distmon measures such a job when it is one "
+                "DistributedDataParallel model over exactly that group: pass that DDP model, or leave "
+                "job_group out to measure the whole job"
+            )
+    if ddp is not None:
+        covered = {id(p) for p in ddp_parameters(ddp)}
+        if not covered <= {id(p) for p in grouping.params}:
+            raise ValueError(
+                "distmon: some parameters DDP reduces are not the model's parameters any more: "
+                "DDP(device_mesh=...) with tensor parallelism turns them into plain DTensor "
+                "attributes on the first forward (torch's TP support in DDP). Build GradMonitor "
+                "before the first forward"
+            )
+        inside = all(id(p) in covered for p in grouping.params)
+        if stage is None and inside and _ddp_is_the_job(ddp, declared=declared, job_size=job_size):
+            rank = ddp.process_group.rank()
+            why = f"rank {rank} of DDP's process group (its rank 0 counts it)" if rank else ""
+            return Reading((not why,) * n, (why,) * n, (False,) * n, (False,) * n, whole=True)
+        parts = _parts(
+            grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=ddp, covered=covered
+        )
+    else:
+        trained_module(model)  # a TypeError for what is no module
+        if world == 1 and not is_fsdp(model):
+            return Reading((True,) * n, ("",) * n, (False,) * n, (False,) * n)
+        parts = _parts(
+            grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=None, covered=set()
+        )
+    plain = None
+    if (
+        ddp is None
+        and stage is None
+        and not declared
+        and not is_fsdp(model)
+        and not any(map(spec_of, grouping.params))
+    ):
+        plain = _plain_module(model, world)
+    counted, why, decl, undeclared = (tuple(column) for column in zip(*parts)) if parts else ((),) * 4
+    return Reading(counted, why, decl, undeclared, plain=plain)
 
 
 def source_for(
@@ -282,16 +482,21 @@ def source_for(
     comm_hook: CommHook | None = None,
     comm_state: object = None,
     replicated_over: dict[str, dist.ProcessGroup] | None = None,
+    distinct_over: dict[str, dist.ProcessGroup] | None = None,
     stage: object | None = None,
+    reading: Reading | None = None,
+    counted: tuple[bool, ...] | None = None,
 ) -> Source:
     """The source that measures ``model``, or an error saying what is supported and the way out.
 
     A DDP model is measured in its comm hook, an FSDP2 model (``fully_shard``) around its
     reduce-scatters and in its sharded gradients, anything else when each backward ends: a
     single process's module; on several ranks, tensor-parallel DTensors, a pipeline ``stage``'s
-    module, parameters declared ``replicated_over`` a group. Where a rank holds a part of the
-    reduced gradient (shards, a stage, a copy counted elsewhere) the source is *partial*. A
-    pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by the caller.
+    module, parameters declared ``replicated_over`` or ``distinct_over`` a group. Which parts
+    count are the model's ``reading`` (:func:`read_layout`), or ``counted``, the job's
+    (:mod:`distmon.census`). Where a rank holds a part of the reduced gradient (shards, a stage,
+    a copy counted elsewhere) the source is *partial*. A pipeline ``stage``'s source is wrapped
+    in :class:`PipelineSource` by the caller.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -299,37 +504,29 @@ def source_for(
         >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
         'LocalSource'
     """
-    fabric = type(model).__name__ == "_FabricModule"
+    if reading is None:
+        reading = read_layout(
+            model,
+            grouping=grouping,
+            replicated_over=replicated_over,
+            distinct_over=distinct_over,
+            stage=stage,
+        )
+    counted = reading.counted if counted is None else counted
     model, compiled = _peeled(model)  # torch.compile(model), Fabric: the module they wrap is measured
     if stage is not None:
         model = uncompiled(stage.submod)
-    if compiled_autograd_on() or getattr(model, "_use_python_reducer", False):
-        raise ValueError(f"distmon: {COMPILED_AUTOGRAD}")
     if is_deepspeed(model):
-        if fabric:
-            raise ValueError(f"distmon: {LIGHTNING_DEEPSPEED}")
-        if comm_hook is not None or replicated_over:
+        if comm_hook is not None:
             raise TypeError(
-                "distmon: comm_hook= and replicated_over= are DDP and layout options; a DeepSpeed "
-                "engine reduces its gradients itself (distmon reads DeepSpeed's own partitions)"
+                "distmon: comm_hook= is a DDP option; a DeepSpeed engine reduces its gradients itself "
+                "(distmon reads DeepSpeed's own partitions)"
             )
         from .deepspeed import DeepSpeedSource
 
         return DeepSpeedSource(model, receiver=receiver, grouping=grouping)
-    declared = dict(replicated_over or {})
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if isinstance(model, DistributedDataParallel):
-        reduced_by_ddp = {id(p) for p in ddp_parameters(model)}
-        tracked = {id(p) for p in grouping.params}
-        if not reduced_by_ddp <= tracked:
-            raise ValueError(
-                "distmon: some parameters DDP reduces are not the model's parameters any more: "
-                "DDP(device_mesh=...) with tensor parallelism turns them into plain DTensor "
-                "attributes on the first forward (torch's TP support in DDP). Build GradMonitor "
-                "before the first forward"
-            )
-        outside = [p for p in grouping.params if id(p) not in reduced_by_ddp]
-        if stage is None and not outside and _ddp_is_the_job(model, declared=bool(declared)):
+        if reading.whole and counted == reading.counted:
             return DDPSource(
                 model,
                 receiver=receiver,
@@ -338,14 +535,6 @@ def source_for(
                 comm_state=comm_state,
                 compiled=compiled,
             )
-        counted = _counted(
-            grouping,
-            declared=declared,
-            covered=reduced_by_ddp,
-            replicated_rank=model.process_group.rank(),
-            alone=False,
-            mesh=getattr(model, "device_mesh", None),
-        )
         ddp = DDPSource(
             model,
             receiver=receiver,
@@ -354,6 +543,8 @@ def source_for(
             comm_state=comm_state,
             counted=counted,
         )
+        reduced = {id(p) for p in ddp_parameters(model)}
+        outside = [p for p in grouping.params if id(p) not in reduced]
         if not outside:
             return ddp
         extra = LocalSource(
@@ -365,26 +556,19 @@ def source_for(
             alongside=True,
         )
         return CompositeSource(ddp, extra)
-    trained_module(model)  # a TypeError for what is no module
     if comm_hook is not None:
         raise TypeError("distmon: comm_hook is a DDP option; only a DDP model has a DDP comm hook")
     if is_fsdp(model):
         from .fsdp import FSDPSource
 
-        counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=False)
-        return FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)
-    if world == 1:
-        return LocalSource(model, receiver=receiver, grouping=grouping)
-    alone = stage is not None and getattr(stage, "group_size", 0) == world  # one rank per stage
-    if stage is None and not declared and not any(map(spec_of, grouping.params)):
-        raise TypeError(
-            f"distmon: GradMonitor on {world} ranks got a plain {type(model).__name__}: nothing reduces "
-            "its gradients over the ranks, so each rank would train, and be measured, alone. Wrap the "
-            "model first (DistributedDataParallel(model), or fully_shard(model)) and build GradMonitor "
-            "after wrapping, with the wrapped model. If a framework wraps it for you, it was not told to "
-            "train distributed: on a machine without a GPU the Hugging Face Trainer and accelerate need "
-            "--use_cpu (TrainingArguments(use_cpu=True)), Lightning strategy='ddp'. Tensor-parallel "
-            "DTensor parameters and pipeline stages are measured as they are (docs/layouts.md)"
+        fsdp = FSDPSource(model, receiver=receiver, grouping=grouping, counted=counted)
+        if not fsdp.outside:
+            return fsdp
+        # parameters FSDP2 was told to ignore: the model's own code reduces them after backward
+        extra = LocalSource(
+            model, receiver=receiver, grouping=grouping, counted=counted, params=fsdp.outside, alongside=True
         )
-    counted = _counted(grouping, declared=declared, covered=None, replicated_rank=None, alone=alone)
+        return CompositeSource(fsdp, extra)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return LocalSource(model, receiver=receiver, grouping=grouping)
     return LocalSource(model, receiver=receiver, grouping=grouping, counted=counted)

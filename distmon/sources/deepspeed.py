@@ -61,7 +61,7 @@ from ..sums import Runs, sq_sums
 from .base import OrderLearner, Receiver, first_device
 from .local import GradSums
 
-__all__ = ["DeepSpeedSource", "EngineStep"]
+__all__ = ["DeepSpeedSource", "EngineStep", "engine_counts"]
 
 _MISSING = object()
 
@@ -268,6 +268,30 @@ class EngineStep(torch.optim.Optimizer):
         self.step_was_skipped = not self.engine.was_step_applied()
 
 
+def _refuse(engine: DeepSpeedEngine) -> None:
+    """Raises why distmon cannot measure this engine exactly, if it cannot."""
+    why = _refusal(engine)
+    if why is not None:
+        raise ValueError(f"distmon: this DeepSpeed engine cannot be measured exactly: {why}")
+
+
+def engine_counts(
+    engine: DeepSpeedEngine, params: Sequence[torch.nn.Parameter]
+) -> list[tuple[bool, str, bool]]:
+    """What the job's start-up reading is told of an engine's parameters (``census.py``): per
+    parameter, whether this rank counts it, why not (a copy counted on another rank), and whether it
+    is an expert (distinct over its expert-parallel group, as DeepSpeed MoE declares it). At ZeRO-3
+    every rank's module holds empty placeholders alike. Raises for an engine that cannot be measured.
+    """
+    _refuse(engine)
+    out = []
+    for p in params:
+        first = DeepSpeedSource._first_holder(p)
+        group = "its expert-data-parallel group" if _is_expert(p) else "DeepSpeed's data-parallel group"
+        out.append((first, "" if first else f"a copy over {group} (its rank 0 counts it)", _is_expert(p)))
+    return out
+
+
 class DeepSpeedSource:
     """Measurements of a model trained by a DeepSpeed engine (ZeRO stages 0-3, fp32 or bf16).
 
@@ -285,9 +309,7 @@ class DeepSpeedSource:
     counted = None  # DeepSpeed's own partitions: nothing of distmon's placement rules to check
 
     def __init__(self, engine: DeepSpeedEngine, *, receiver: Receiver, grouping: Grouping) -> None:
-        why = _refusal(engine)
-        if why is not None:
-            raise ValueError(f"distmon: this DeepSpeed engine cannot be measured exactly: {why}")
+        _refuse(engine)
         if "_take_model_step" in vars(engine):
             raise RuntimeError(
                 "distmon: this DeepSpeed engine is already measured by an open GradMonitor (or its "

@@ -196,9 +196,13 @@ class FSDPSource:
         self._slot_of = {id(p): i for i, p in enumerate(grouping.params)}
         self._param_layer = grouping.param_layer
         self._layouts = [self._layout(i) for i in range(len(self.units))]
+        # parameters no unit manages (fully_shard(..., ignored_params=...): experts the model's own
+        # code reduces after backward) are read by another source, alongside (sources/__init__.py)
+        managed = {id(fp.sharded_param) for _, g in self.units for fp in g.fsdp_params}
+        self.outside = [p for p in grouping.params if id(p) not in managed]
         # the reduced read: the shards this rank counts (HSDP's other replicas and TP's replicated
         # parameters off coordinate 0 hold copies counted elsewhere)
-        kept = [i for i, c in enumerate(counted) if c]
+        kept = [i for i, c in enumerate(counted) if c and id(grouping.params[i]) in managed]
         self._grads = GradSums(
             [grouping.params[i] for i in kept],
             [grouping.param_layer[i] for i in kept],

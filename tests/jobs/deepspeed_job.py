@@ -249,6 +249,11 @@ def refusals() -> dict[str, str]:
         "offload": lambda: distmon.GradMonitor(*offload(), serve="none"),
         "another optimizer": lambda: distmon.GradMonitor(engine, other, serve="none"),
         "comm_hook": lambda: distmon.GradMonitor(engine, optimizer, serve="none", comm_hook=print),
+        "distinct_over": lambda: distmon.GradMonitor(
+            engine, optimizer, serve="none", distinct_over={"fc": dist.group.WORLD}
+        ),
+        # what a user has in hand next to the optimizer: measured as the engine that holds it
+        "the engine's module": lambda: distmon.GradMonitor(engine.module, optimizer, serve="none"),
     }
     said = {}
     for case, build in cases.items():
