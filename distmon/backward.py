@@ -13,12 +13,31 @@ object the sources call.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .compat import foreach_mul_
 from .errors import ErrorCounter
 from .loss_scale import LossScale
 from .sums import LayerFold, Runs
+
+__all__ = ["BackwardSums", "StepPhase"]
+
+
+class StepPhase(enum.Enum):
+    """Where this rank's training step stands, as the sources see it (cf. FSDP2's ``TrainingState``).
+
+    ``IDLE`` -> ``BACKWARD`` (a backward hands over its sums) -> ``IDLE`` (more backwards may come:
+    gradient accumulation) ... -> ``STEP`` (the optimizer step began: the step's figures are taken,
+    backwards until it ends are not measured) -> ``IDLE`` (the next step); ``CLOSED`` for good once
+    the monitor closed.
+    """
+
+    IDLE = "idle"
+    BACKWARD = "backward"
+    STEP = "optimizer step"
+    CLOSED = "closed"
 
 __all__ = ["BackwardSums", "LayerOrder", "Pending"]
 
@@ -76,12 +95,11 @@ class BackwardSums:
         self.errors = errors
         self.loss_scale = loss_scale
         self.fold = LayerFold(n_layers, device)
-        self.enabled = True  # False once the monitor closed
+        self.phase = StepPhase.IDLE
         self.order = LayerOrder(n_layers, device)
         self._fixed = fixed_order is not None  # the sources' backward orders are not the job's
         if fixed_order is not None:
             self.order.set(fixed_order)
-        self._collecting = False  # between a backward's first set of runs and its last
         self._local: Pending = []
         self._reduced: Pending = []
         self.new_step()
@@ -90,15 +108,26 @@ class BackwardSums:
     def active(self) -> bool:
         """Whether the sources measure now: not once the monitor closed, nor between the step's
         start and its end (a closure's later calls, LBFGS's line search, are no new step)."""
-        return self.enabled and not self._frozen
+        return self.phase in (StepPhase.IDLE, StepPhase.BACKWARD)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the monitor closed: nothing is measured any more."""
+        return self.phase is StepPhase.CLOSED
+
+    def close(self) -> None:
+        """The monitor closed: nothing is measured from now on."""
+        self.phase = StepPhase.CLOSED
 
     def freeze(self) -> None:
         """The step began: its figures are taken; backwards until it ends are not measured."""
-        self._frozen = True
+        if self.phase is not StepPhase.CLOSED:
+            self.phase = StepPhase.STEP
 
     def new_step(self) -> None:
         """Forget the finished step's flags (its sums were folded or dropped)."""
-        self._frozen = False
+        if self.phase is StepPhase.STEP:
+            self.phase = StepPhase.IDLE
         self.measured = False  # a backward handed this step its sums
         self.local_ok = True  # no failure where the local figures are measured
         self.local_exact = True  # one reduction input held the step's whole local gradient
@@ -114,8 +143,9 @@ class BackwardSums:
         Per backward, not per step: a second backward before the step replaces the first one's
         figures, as DDP's buckets do.
         """
-        if not self._collecting:
-            self._collecting = True
+        if self.phase is not StepPhase.BACKWARD:
+            if self.phase is StepPhase.IDLE:
+                self.phase = StepPhase.BACKWARD
             self._local.clear()
             self._reduced.clear()
 
@@ -131,7 +161,8 @@ class BackwardSums:
         ``scaled``: they were read before the loss scale was divided out (``reduced_scaled``: the
         same for the reduced ones, when they were read at another time).
         """
-        self._collecting = False
+        if self.phase is StepPhase.BACKWARD:
+            self.phase = StepPhase.IDLE
         self.measured = True
         self._scaled = scaled
         self._reduced_scaled = scaled if reduced_scaled is None else reduced_scaled
@@ -166,10 +197,6 @@ class BackwardSums:
         """Each layer's position in backward order, as the source learned it (rare: new layouts)."""
         if not self._fixed:
             self.order.set(positions)
-
-    def grads_unscaled(self) -> bool | None:
-        """Whether a ``GradScaler`` has already unscaled this step's gradients (None: no scaler)."""
-        return self.loss_scale.scaler_unscaled()
 
     # -- step side --------------------------------------------------------------------------
     def fold_local(self, out: torch.Tensor) -> None:

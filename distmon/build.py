@@ -1,7 +1,8 @@
 """What a monitor is made of, built in order: on every rank before the ranks agree, and after.
 
-:func:`read_rank` reads what can fail on one rank alone: the options (``config.py``), the
-optimizers and the model's reading of the layout (``sources.read_layout``). The job then reads
+:func:`read_rank` reads what can fail on one rank alone, from the options ``GradMonitor``
+validated once (``config.py``): the optimizers and the model's reading of the layout
+(``sources.read_layout``). The job then reads
 its layout as a whole (``census.py``). :func:`build_rank` builds everything else that can fail,
 nothing installed: the layer groups, the sums the source hands over (``backward.py``), the
 source (``sources/``), the row plan (``rows.py``), the opt-in features, the detector and the
@@ -139,10 +140,9 @@ class Planned(NamedTuple):
     parts: Parts  # what this rank tells the job at start-up (census.read_job)
 
 
-def read_rank(model: torch.nn.Module, optimizer: object, options: dict[str, object]) -> Planned:
-    """The options, the optimizers and the model's reading of the layout on this rank (raises what
-    is wrong, naming the option)."""
-    cfg = MonitorConfig.from_options(**options)
+def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> Planned:
+    """The optimizers and the model's reading of the layout on this rank, with its validated options
+    ``cfg`` (raises what is wrong, naming the option)."""
     stage = pipeline_stage(model)
     if stage is not None:
         if cfg.activations:

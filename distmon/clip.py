@@ -18,13 +18,9 @@ import torch
 
 from .loss_scale import LossScale
 from .tracker import StepTracker
-from .verify import DirectNorm
+from .verify import DirectNorm, agrees
 
 __all__ = ["Clipper"]
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-3 * max(abs(a), abs(b), 1e-30)
 
 
 class Clipper:
@@ -71,8 +67,8 @@ class Clipper:
                 f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_"
             )
         tracker = self.tracker
-        sq = tracker.total_sq()  # in gradient units: the loss scale divided out
-        if not tracker.row_valid():  # not measured (the same on every rank): measured directly
+        sq = tracker.finish_total_sq()  # in gradient units: the loss scale divided out
+        if not tracker.finish_row_valid():  # not measured (the same on every rank): measured directly
             device = sq.device
             total = torch.tensor(math.sqrt(self.direct()), dtype=torch.float32, device=device)
         else:
@@ -122,13 +118,13 @@ class Clipper:
         consistent = True
         fixed = self.loss_scale.fixed
         if fixed is not None and self.fixed_scale_in_grads is None:
-            if _close(direct, measured):
+            if agrees(measured, direct):
                 self.fixed_scale_in_grads = False
-            elif _close(direct, measured * fixed):
+            elif agrees(measured * fixed, direct):
                 self.fixed_scale_in_grads = True
                 measured *= fixed
                 consistent = False
-        if not _close(direct, measured):
+        if not agrees(measured, direct):
             told = (
                 f"scaler= (scale {float(self.loss_scale.scale()):g})"
                 if self.loss_scale.scaler is not None

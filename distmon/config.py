@@ -23,7 +23,7 @@ from .detectors import DetectorConfig
 from .endpoint_security import EndpointSecurity
 from .errors import ErrorCounter
 from .grouping import Grouping, GroupSpec, validate_groups
-from .options import AGREED, BY_NAME
+from .options import AGREED, BY_NAME, OPTIONS
 from .sources import Source
 from .sources.ddp import CommHook
 from .update_ratio import UpdateRatio
@@ -32,7 +32,9 @@ ServeMode = Literal["rank0", "node", "all", "none"]
 GuardMode = Literal["skip", "raise"]
 SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
 GUARD_MODES: tuple[GuardMode | None, ...] = (None, *get_args(GuardMode))
-DEFAULT_PORT = 9290
+# every default is declared once, with its option (options.py); the fields below read them
+_DEFAULT: dict[str, object] = {o.name: o.default for o in OPTIONS}
+DEFAULT_PORT: int = BY_NAME["port"].default  # type: ignore[assignment]  # an int (options.py)
 
 __all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "ServeMode", "GuardMode", "Scheduler", "Features"]
 
@@ -45,8 +47,9 @@ class Scheduler(Protocol):
 
 BatchSize = float | Callable[[], float]
 
-# Set but empty, these would turn TLS or basic auth off without a word: an error, not "unset".
-_FILE_ENV = ("DISTMON_TLS_CERT", "DISTMON_TLS_KEY", "DISTMON_TLS_CLIENT_CA", "DISTMON_BASIC_AUTH_FILE")
+# The endpoint's security files: set but empty, their variables would turn TLS or basic auth off
+# without a word: an error, not "unset".
+_FILE_ENV = frozenset(BY_NAME[f.name].env for f in fields(EndpointSecurity))
 
 
 def _env(name: str) -> str | None:
@@ -82,39 +85,39 @@ def _digest(names: tuple[str, ...]) -> str:
 class MonitorConfig:
     """Validated options of :class:`distmon.GradMonitor` (see its docstring for each one)."""
 
-    comm_hook: CommHook | None = None
-    comm_state: object = None
-    replicated_over: dict[str, dist.ProcessGroup] | None = None
-    distinct_over: dict[str, dist.ProcessGroup] | None = None
-    job_group: dist.ProcessGroup | None = None
-    export_every: int = 10
-    export_interval_s: float = 5.0
-    groups: GroupSpec = None
-    max_layers: int = 128
-    rank_layers: bool = True
-    serve: ServeMode = "rank0"
-    port: int = DEFAULT_PORT
-    addr: str = "127.0.0.1"
-    port_fallback: bool = True
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    basic_auth_file: str | None = None
-    run_id: str | None = None
-    log_path: str | None = None
-    file_sd_dir: str | None = None
-    linger_s: float = 30.0
-    window_s: float = 60.0
-    detect: bool | DetectorConfig = True
-    guard: GuardMode | None = None
-    lr_scheduler: Scheduler | Sequence[Scheduler] | None = None
-    scaler: torch.amp.GradScaler | None = None
-    loss_scale: float | None = None
-    batch_size: BatchSize | None = None  # per rank per step, in the noise scale's unit
-    gns_alpha: float = 0.05
-    activations: ActivationSpec = None
-    activation_every: int | None = None  # default: export_every
-    update_ratio: bool = False
+    comm_hook: CommHook | None = _DEFAULT["comm_hook"]
+    comm_state: object = _DEFAULT["comm_state"]
+    replicated_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["replicated_over"]
+    distinct_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["distinct_over"]
+    job_group: dist.ProcessGroup | None = _DEFAULT["job_group"]
+    export_every: int = _DEFAULT["export_every"]
+    export_interval_s: float = _DEFAULT["export_interval_s"]
+    groups: GroupSpec = _DEFAULT["groups"]
+    max_layers: int = _DEFAULT["max_layers"]
+    rank_layers: bool = _DEFAULT["rank_layers"]
+    serve: ServeMode = _DEFAULT["serve"]
+    port: int = _DEFAULT["port"]
+    addr: str = _DEFAULT["addr"]
+    port_fallback: bool = _DEFAULT["port_fallback"]
+    tls_cert: str | None = _DEFAULT["tls_cert"]
+    tls_key: str | None = _DEFAULT["tls_key"]
+    tls_client_ca: str | None = _DEFAULT["tls_client_ca"]
+    basic_auth_file: str | None = _DEFAULT["basic_auth_file"]
+    run_id: str | None = _DEFAULT["run_id"]
+    log_path: str | None = _DEFAULT["log_path"]
+    file_sd_dir: str | None = _DEFAULT["file_sd_dir"]
+    linger_s: float = _DEFAULT["linger_s"]
+    window_s: float = _DEFAULT["window_s"]
+    detect: bool | DetectorConfig = _DEFAULT["detect"]
+    guard: GuardMode | None = _DEFAULT["guard"]
+    lr_scheduler: Scheduler | Sequence[Scheduler] | None = _DEFAULT["lr_scheduler"]
+    scaler: torch.amp.GradScaler | None = _DEFAULT["scaler"]
+    loss_scale: float | None = _DEFAULT["loss_scale"]
+    batch_size: BatchSize | None = _DEFAULT["batch_size"]  # per rank per step, in the noise scale's unit
+    gns_alpha: float = _DEFAULT["gns_alpha"]
+    activations: ActivationSpec = _DEFAULT["activations"]
+    activation_every: int | None = _DEFAULT["activation_every"]  # default: export_every
+    update_ratio: bool = _DEFAULT["update_ratio"]
 
     @classmethod
     def from_options(cls, **options: object) -> MonitorConfig:

@@ -140,7 +140,7 @@ class RowDecoder:
             snap = self._activations(info.step, row[step.act], ranks, snap)
         if step.upd.stop > step.upd.start:
             ratios = row[step.upd]
-            if not all(math.isnan(v) for v in ratios):  # an export step
+            if not all(math.isnan(v) for v in ratios):  # a count step (Exchange.counted)
                 snap = replace(snap, layer_update_ratio=dict(zip(self.layers, ratios)))
         return snap
 

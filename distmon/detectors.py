@@ -7,7 +7,7 @@ columns and advances the running state; the host decodes the columns into
 it at export time over the steps since the last export (or on every step, before
 ``optimizer.step()``, when a guard needs the verdict).
 
-The rules and their defaults are stated once, in the README's detection table (a test keeps
+The rules and their defaults are stated once, in the detection table of docs/detection.md (a test keeps
 it in step with :class:`DetectorConfig`). Why each is built the way it is:
 
 - all on log-norms: gradient norms span decades, and ratios are what matter;
@@ -46,7 +46,7 @@ __all__ = ["DetectorConfig", "DeviceDetector", "DetectorDecoder"]
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """Thresholds of the device detectors (defaults measured on the demo model; see README).
+    """Thresholds of the device detectors (defaults measured on the demo model; see docs/detection.md).
 
     Example:
         >>> DetectorConfig(spike_zscore=8.0).spike_ratio

@@ -266,7 +266,7 @@ class Exchange:
         if not self.collective:
             return
         voted = self.votes is not None and self.votes.read(step)  # the same on every rank
-        if step % self.export_every == 0 or voted:
+        if self.counted(step) or voted:
             first = self.gathered_through + 1
             self.gathered_through = self._export_at = step
             out = self.buffers.gather(self.ring.slot(first), self.ring.slot(step))
@@ -288,7 +288,7 @@ class Exchange:
         if not self._voter:
             return
         due = time.monotonic() - self.last_export >= self.export_interval_s
-        vote = 1.0 if due and step > self._quiet_until and step % self.export_every else 0.0
+        vote = 1.0 if due and step > self._quiet_until and not self.counted(step) else 0.0
         if vote:
             assert self.votes is not None
             self._quiet_until = step + self.votes.lag  # the step whose export this asks for
@@ -313,11 +313,11 @@ class Exchange:
             buf.wait(timeout_s)
             vote = None
             if flight.out is None:  # the all-reduce
-                if self.partial:
-                    at = f.reduced_ok - f.reduced.start
-                    self._land_partial(flight.last, buf.summed[at + 1 :], buf.summed[at])
+                if self.partial:  # the regions by name: rows.py may order them as it likes
+                    ok = f.summed("reduced_ok").start
+                    self._land_partial(flight.last, buf.summed[f.summed("partial")], buf.summed[ok])
                 if f.vote is not None:
-                    vote = buf.summed[:1]
+                    vote = buf.summed[f.summed("vote")]
             else:
                 self._store(flight.first, flight.last, flight.out)
                 last = flight.out[:, -1]
@@ -341,11 +341,23 @@ class Exchange:
         self.plan.step.rank_rows(self.ring.span(first, last))[:, ranks].copy_(out.transpose(0, 1))
 
     # -- exports ----------------------------------------------------------------------------
+    def counted(self, step: int) -> bool:
+        """Whether ``step`` is a *count step*, a multiple of ``export_every``: it exports, and every
+        rank knows so before it begins (what the update ratio needs). An *export step* is a count
+        step or one that rank 0's ``export_interval_s`` vote chose, known only once the vote landed.
+
+        Example:
+            >>> ex = Exchange.__new__(Exchange); ex.export_every = 10
+            >>> ex.counted(20), ex.counted(25)
+            (True, False)
+        """
+        return step % self.export_every == 0
+
     def exports(self, step: int) -> bool:
         """Whether the finished ``step`` is an export step (the same answer on every rank)."""
         if self.collective:
             return self._export_at == step
-        return step % self.export_every == 0 or bool(
+        return self.counted(step) or bool(
             self.export_interval_s and time.monotonic() - self.last_export >= self.export_interval_s
         )
 

@@ -46,7 +46,7 @@ class Judge:
         >>> from distmon.rows import RowPlan
         >>> plan = RowPlan.build(n_layers=2, world=1)
         >>> rows = torch.tensor([[1.0, 0.0, 1.0, 4.0]])
-        >>> Judge(plan.step, detector=None, noise=None, errors=ErrorCounter()).reduced(rows, [True])
+        >>> Judge(plan.step, detector=None, noise=None, errors=ErrorCounter()).judge_reduced(rows, [True])
         >>> rows[0, Head.TOTAL_SQ].item()
         5.0
     """
@@ -61,8 +61,9 @@ class Judge:
     ) -> None:
         self.step_row, self.detector, self.noise, self.errors = step_row, detector, noise, errors
 
-    def reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
-        """Totals and reduced-figure verdicts of consecutive ``rows`` (``valid``: which were measured)."""
+    def judge_reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
+        """Write the totals of consecutive ``rows`` into them and update the reduced-figure detectors
+        (``valid``: which rows were measured)."""
         try:
             rows[:, Head.TOTAL_SQ] = rows[:, self.step_row.layers].sum(1)
             if self.detector is not None:
@@ -71,8 +72,8 @@ class Judge:
         except Exception:
             self.errors.record("detectors")
 
-    def ranks(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
-        """The verdicts that need every rank's rows (rank outliers, noise scale), once they are in."""
+    def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
+        """Update the verdicts that need every rank's rows (rank outliers, noise scale), once they are in."""
         if self.detector is not None:
             try:
                 for start, stop in valid_runs(valid):

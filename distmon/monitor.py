@@ -15,12 +15,12 @@ from dataclasses import replace
 import torch
 from torch.distributed import ProcessGroup
 
-from . import hostinfo
+from . import hostinfo, options
 from .activations import ActivationSpec
 from .build import Hooks, build_exports, build_rank, read_rank
 from .census import alone, read_job
 from .clip import Clipper
-from .config import GuardMode, Scheduler, ServeMode
+from .config import GuardMode, MonitorConfig, Scheduler, ServeMode
 from .detectors import DetectorConfig
 from .errors import ErrorCounter
 from .export_thread import SINK_WAIT_S
@@ -41,15 +41,20 @@ __all__ = ["GradMonitor", "GradientAnomalyError"]
 class GradMonitor:
     """Always-on gradient monitor for a DDP model (or a single process's module), served to Prometheus.
 
-    Wraps DDP's communication hook (around ``comm_hook``, default DDP's own reduction) to
-    measure every bucket's local and reduced gradients on the device (a plain module in a
-    single process: its gradients, once per step, when the optimizer steps), hooks the
-    optimizers' ``step`` to begin and end each training step, and exports host snapshots
-    every ``export_every`` steps from a background thread. Build it on every rank, after
-    ``DDP(...)`` and the optimizers, and close it on every rank (or use it as a context
-    manager). Construction is all or nothing on every rank: if anything fails on any rank
-    (an option, a port, the log file, the file_sd directory), every rank releases what it
-    prepared and raises the same error, naming the rank, the option and the path.
+    Measures every step's local and reduced gradients on the device, where the job keeps them
+    (DDP: two fused reads where the backward ends, inside a comm hook wrapping ``comm_hook``
+    where one is needed; FSDP2: around its reduce-scatter; a plain module in a single process:
+    its gradients when the backward ends), hooks the optimizers' ``step`` to begin and end
+    each training step, and exports host snapshots every ``export_every`` steps from a
+    background thread. Build it on every rank, after ``DDP(...)`` and the optimizers, and close
+    it on every rank (or use it as a context manager). Construction is all or nothing on every
+    rank: if anything fails on any rank (an option, a port, the log file, the file_sd
+    directory), every rank releases what it prepared and raises the same error, naming the
+    rank, the option and the path.
+
+    Every option after ``optimizer`` is keyword-only and declared once, in ``distmon/options.py``
+    (these entries are rendered from it): one not given is read from its ``DISTMON_*`` variable if
+    it has one, else takes its default; all are validated here, before anything is installed.
 
     Args:
         model: the ``DistributedDataParallel`` model (it may have a comm hook already: pass
@@ -57,11 +62,10 @@ class GradMonitor:
             ``PipelineStage``, or the stage's module: distmon finds the stage that holds it), a
             tensor-parallel module, or in a single process the plain module. Whatever it is, the
             job is the default process group (``job_group`` says otherwise), and its layout is
-            read from every rank at construction (README: Parallel layouts).
+            read from every rank at construction (docs/layouts.md).
         optimizer: the optimizer that steps the model, or a list of them: a training step is
             one backward and one ``step()`` of each.
-        options: keyword-only, validated here; each is declared, with its ``DISTMON_*``
-            variable, default and meaning, in ``distmon/options.py`` (the README's table).
+        {options}
 
     Example:
         A single process trains a plain module (on DDP: ``GradMonitor(DDP(net), opt)``,
@@ -116,20 +120,63 @@ class GradMonitor:
         activation_every: int | None = None,
         update_ratio: bool | None = None,
     ) -> None:
-        # every keyword option, as given (None: not given); read before any other local exists
-        options = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
         self._closed = True  # until every rank has started
+        # The options, validated once (an environment variable may fail on one rank only: the
+        # error is raised on every rank once they meet, below).
+        cfg: MonitorConfig | None = None
+        failure: Exception | None = None
+        try:
+            cfg = MonitorConfig.from_options(
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                replicated_over=replicated_over,
+                distinct_over=distinct_over,
+                job_group=job_group,
+                export_every=export_every,
+                export_interval_s=export_interval_s,
+                groups=groups,
+                max_layers=max_layers,
+                rank_layers=rank_layers,
+                serve=serve,
+                port=port,
+                addr=addr,
+                port_fallback=port_fallback,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                tls_client_ca=tls_client_ca,
+                basic_auth_file=basic_auth_file,
+                run_id=run_id,
+                log_path=log_path,
+                file_sd_dir=file_sd_dir,
+                linger_s=linger_s,
+                window_s=window_s,
+                detect=detect,
+                guard=guard,
+                lr_scheduler=lr_scheduler,
+                scaler=scaler,
+                loss_scale=loss_scale,
+                batch_size=batch_size,
+                gns_alpha=gns_alpha,
+                activations=activations,
+                activation_every=activation_every,
+                update_ratio=update_ratio,
+            )
+        except Exception as e:
+            failure = e
         # the object that holds what was passed (a stage's module: its PipelineStage), measured as if passed
         model = enclosing(model)
-        group = process_group(job_group)  # the job: where its ranks read the layout and agree
+        # the job: where its ranks read the layout and agree (a rank whose options failed meets the
+        # others over the group it was given)
+        group = process_group(cfg.job_group if cfg is not None else job_group)
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
         # Everything that can fail, on this rank: read, then (once the job read its layout) built,
         # bound, hooked where it can be undone.
-        planned, built, hooks, proposal, prepared, failure = None, None, None, None, Prepared(), None
+        planned, built, hooks, proposal, prepared = None, None, None, None, Prepared()
         try:
-            planned = read_rank(model, optimizer, options)
+            if cfg is not None:
+                planned = read_rank(model, optimizer, cfg)
         except Exception as e:
             failure = e
         # every rank, whatever happened to it: the layout read from the whole job (collectives)
@@ -278,13 +325,20 @@ class GradMonitor:
 
         Example:
             >>> torch.save({"model": model.state_dict(), "distmon": mon.state_dict()}, path)  # doctest: +SKIP
-            >>> mon = GradMonitor(model, opt); mon.load_state_dict(torch.load(path)["distmon"])  # doctest: +SKIP
+            >>> mon = GradMonitor(model, opt)                                  # doctest: +SKIP
+            >>> mon.load_state_dict(torch.load(path)["distmon"])               # doctest: +SKIP
         """
         if self._tracker.measured_steps:  # not for steps that measured nothing (dcp.load's lr-0 step)
             self.flush()
         judge, decoder = self._tracker.judge, self._export.decoder.detector
-        return monitor_state(step=self.step, layers=self.layers, world=self.world_size, detector=judge.detector,
-                             noise=judge.noise, scaler_run=decoder.scaler_run if decoder else 0)
+        return monitor_state(
+            step=self.step,
+            layers=self.layers,
+            world=self.world_size,
+            detector=judge.detector,
+            noise=judge.noise,
+            scaler_run=decoder.scaler_run if decoder else 0,
+        )
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Resume from :meth:`state_dict`'s ``state``: the next step is its step + 1, judged against what
@@ -292,8 +346,14 @@ class GradMonitor:
         Another model or ``groups=`` is refused (``ValueError``); another world size keeps all but the
         rank-outlier scales."""
         judge, decoder = self._tracker.judge, self._export.decoder
-        step, scaler_run = load_monitor_state(state, counted=self._tracker.measured_steps, layers=self.layers,
-                                              world=self.world_size, detector=judge.detector, noise=judge.noise)
+        step, scaler_run = load_monitor_state(
+            state,
+            counted=self._tracker.measured_steps,
+            layers=self.layers,
+            world=self.world_size,
+            detector=judge.detector,
+            noise=judge.noise,
+        )
         self._tracker.resume_at(step)
         decoder.resumed_from = step
         if decoder.detector is not None:
@@ -336,11 +396,23 @@ class GradMonitor:
             self._closed = True
             self._tracker.close()
             self._hooks.remove()
-            shut_down(self._prepared, export=self._export, aggregate=self._aggregate, cfg=self.config,
-                      finished=finished, errors=self._errors)
+            shut_down(
+                self._prepared,
+                export=self._export,
+                aggregate=self._aggregate,
+                cfg=self.config,
+                finished=finished,
+                errors=self._errors,
+            )
 
     def __enter__(self) -> GradMonitor:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self.close(finished=exc_type is None)
+
+
+# help(GradMonitor) documents every option: its Args entries are rendered from their declarations
+GradMonitor.__doc__ = (GradMonitor.__doc__ or "").replace(
+    "        {options}\n", options.options_args() + "\n"
+)

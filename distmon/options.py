@@ -1,17 +1,20 @@
 """Every option of :class:`distmon.GradMonitor`, declared once: its variable, its default, its meaning.
 
-The README's option table is rendered from :data:`OPTIONS` (``python -m distmon.options``
-prints it; a test compares it with the README), the ``DISTMON_*`` variables are read through
-it, and :class:`distmon.config.MonitorConfig` and ``GradMonitor``'s signature are tested
-against it. ``agreed`` marks the options every rank must set alike (compared at start-up).
+Everything else follows from :data:`OPTIONS`: :class:`distmon.config.MonitorConfig`'s fields and
+defaults, the ``DISTMON_*`` variables it reads, the ``Args:`` of ``GradMonitor``'s docstring
+(:func:`options_args`, so ``help(GradMonitor)`` documents every option) and the option table of
+``docs/options.md`` (:func:`options_table`; ``python -m distmon.doc_tables --write`` renders it, a test
+compares). ``agreed`` marks the options every rank must set alike (compared at start-up).
 """
 
 from __future__ import annotations
 
+import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 
-__all__ = ["Option", "OPTIONS", "BY_NAME", "AGREED", "option_label", "options_table"]
+__all__ = ["Option", "OPTIONS", "BY_NAME", "AGREED", "option_label", "options_table", "options_args"]
 
 
 def _bool(name: str, text: str) -> bool:
@@ -33,60 +36,78 @@ _PARSE: dict[type, Callable[[str, str], object]] = {
 
 @dataclass(frozen=True)
 class Option:
-    """One option: its name, its ``DISTMON_*`` variable (and the type it is read as), its documentation."""
+    """One option: its name, its default, its documentation, its ``DISTMON_*`` variable (and the type
+    it is read as); ``shown``: the default in words, where the value (None) stands for something."""
 
     name: str
-    default: str  # as the README states it
+    default: object  # MonitorConfig's field default (None where something else decides: see shown)
     meaning: str
     _: KW_ONLY
     env: str | None = None
     env_type: type = str
     agreed: bool = False  # every rank must set it alike: it shapes the rows or the guard's verdict
+    shown: str | None = None
 
     def parse(self, text: str) -> object:
         """The variable's text as the option's value (``ValueError`` if it is not one)."""
         assert self.env is not None
         return _PARSE[self.env_type](self.env, text)
 
+    @property
+    def default_text(self) -> str:
+        """The default as the docs state it.
+
+        Example:
+            >>> BY_NAME["serve"].default_text, BY_NAME["export_interval_s"].default_text
+            ('`rank0`', '5')
+        """
+        if self.shown is not None:
+            return self.shown
+        if isinstance(self.default, str):
+            return f"`{self.default}`"
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
+
 
 OPTIONS: tuple[Option, ...] = (
     Option(
         "comm_hook",
-        "DDP's own reduction",
+        None,
         "the DDP comm hook distmon wraps, called exactly as given (DDP accepts one hook: pass yours here)",
+        shown="DDP's own reduction",
     ),
-    Option("comm_state", "DDP's process group", "the state `comm_hook` is called with"),
+    Option("comm_state", None, "the state `comm_hook` is called with", shown="DDP's process group"),
     Option(
         "replicated_over",
-        "None",
+        None,
         "`{regex: process_group}`: parameters (qualified names matching) whose gradient the "
         "model's own code makes identical over that group, where no DDP/FSDP wrapper reduces them "
         "(experts reduced over their expert-data-parallel group, tensor parallelism's replicated "
         "modules): one copy counts; the copies must be identical at construction "
-        "([Parallel layouts](#parallel-layouts))",
+        "([Parallel layouts](layouts.md))",
         agreed=True,
     ),
     Option(
         "distinct_over",
-        "None",
+        None,
         "`{regex: process_group}`: parameters (qualified names matching) of which each rank of that "
         "group holds a different part under the same name (plain per-rank experts over their "
         "expert-parallel group, inside FSDP2 or outside every wrapper): each rank's part counts "
-        "([Parallel layouts](#parallel-layouts)). Undeclared, distmon refuses to guess",
+        "([Parallel layouts](layouts.md)). Undeclared, distmon refuses to guess",
         agreed=True,
     ),
     Option(
         "job_group",
-        "the default group",
+        None,
         "the process group that is the monitored job. Leave it out: a job is its default group "
         "(one log writer, `world_size` the job's), whatever part of it the model passed holds. "
         "Only for independent jobs that share one default group (a sweep trained side by side), "
         "each a DDP model over exactly its group",
+        shown="the default group",
         agreed=True,
     ),
     Option(
         "export_every",
-        "10",
+        10,
         "steps between host copies of the device ring (snapshots of every step arrive in batches)",
         env="DISTMON_EXPORT_EVERY",
         env_type=int,
@@ -94,7 +115,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "export_interval_s",
-        "5",
+        5.0,
         "also export once this many seconds passed since the last export, so slow steps reach "
         "Prometheus within one scrape interval plus this plus a step (two on a GPU): rank 0 reads "
         "its clock when a step begins and its vote rides that step's all-reduce (one float), so "
@@ -106,27 +127,28 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "groups",
-        "owning module",
+        None,
         "how parameters fold into layers: None (module qualified name, e.g. `blocks.3.mlp.fc1`), a "
         "callable `(name, param) -> group`, or `[(regex, group), ...]` rules (first match wins, "
         "`\\1` allowed)",
         agreed=True,
+        shown="owning module",
     ),
     Option(
         "max_layers",
-        "128",
+        128,
         "cap on layer groups (Prometheus cardinality); later groups fold into `other`",
         agreed=True,
     ),
     Option(
         "rank_layers",
-        "True",
+        True,
         "also gather the rank x layer matrix at exports (else per-rank totals only)",
         agreed=True,
     ),
     Option(
         "serve",
-        "`rank0`",
+        "rank0",
         "`rank0`: global rank 0 serves everything; `node`: local rank 0 of each node serves its "
         "node's per-rank series, global rank 0 alone the cluster-wide ones; `all`: every rank "
         "serves its own; `none`",
@@ -135,20 +157,20 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "port",
-        "9290",
+        9290,
         'HTTP port; 0 = ephemeral; with `serve="all"` local rank i uses port + i; bound port in `mon.port`',
         env="DISTMON_PORT",
         env_type=int,
     ),
     Option(
         "addr",
-        "`127.0.0.1`",
+        "127.0.0.1",
         "bind address; `0.0.0.0` to be scraped from other hosts (the Slurm/Kubernetes launchers set it)",
         env="DISTMON_ADDR",
     ),
     Option(
         "port_fallback",
-        "True",
+        True,
         "a taken port (two jobs on one node) does not stop the job: the next free port (else an "
         "ephemeral one) is taken, named in a warning, in `mon.port` and in the file_sd target; "
         "False: raise `OSError` (`errno.EADDRINUSE`) at construction instead",
@@ -157,53 +179,54 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "tls_cert",
-        "None",
+        None,
         "PEM certificate (chain): the endpoint speaks HTTPS only (TLS 1.2+); needs `tls_key` "
-        "([Securing the endpoint](#securing-the-endpoint))",
+        "([Securing the endpoint](deployment.md#securing-the-endpoint))",
         env="DISTMON_TLS_CERT",
     ),
     Option(
         "tls_key",
-        "None",
+        None,
         "the certificate's unencrypted PEM private key; needs `tls_cert`",
         env="DISTMON_TLS_KEY",
     ),
     Option(
         "tls_client_ca",
-        "None",
+        None,
         "PEM CA certificate(s): clients must present a certificate signed by one of them (mutual "
         "TLS); needs `tls_cert`",
         env="DISTMON_TLS_CLIENT_CA",
     ),
     Option(
         "basic_auth_file",
-        "None",
+        None,
         "htpasswd file of `user:bcrypt-hash` lines (`htpasswd -nbB user password`): requests need "
         "HTTP basic auth as one of those users (needs `pip install bcrypt`); use with TLS",
         env="DISTMON_BASIC_AUTH_FILE",
     ),
     Option(
         "run_id",
-        "torchrun's `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else generated",
+        None,
         "the `run_id` label; rank 0's value wins",
         env="DISTMON_RUN_ID",
+        shown="torchrun's `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else generated",
     ),
     Option(
         "log_path",
-        "None",
+        None,
         'JSONL file of every step\'s snapshot, written by rank 0 (non-finite floats as `"nan"`/`"inf"`)',
         env="DISTMON_LOG_PATH",
     ),
     Option(
         "file_sd_dir",
-        "None",
+        None,
         "Prometheus `file_sd` directory: rank 0 writes `{run_id}.json` listing every serving "
         "endpoint, removes it after a clean finish",
         env="DISTMON_FILE_SD_DIR",
     ),
     Option(
         "linger_s",
-        "30",
+        30.0,
         "after a clean `close()`, keep serving until Prometheus scraped the final state "
         "(`distmon_run_finished=1`) twice, at most this many seconds; no wait when `/metrics` was "
         "never scraped during the run; with `file_sd_dir`, every endpoint serves the whole time (rank "
@@ -211,66 +234,69 @@ OPTIONS: tuple[Option, ...] = (
         env="DISTMON_LINGER_S",
         env_type=float,
     ),
-    Option("window_s", "60", "window of `distmon_grad_norm_window_max`, seconds"),
+    Option("window_s", 60.0, "window of `distmon_grad_norm_window_max`, seconds"),
     Option(
         "detect",
-        "True",
+        True,
         "detectors on (True), off (False), or a `distmon.DetectorConfig` with thresholds",
         agreed=True,
     ),
     Option(
         "guard",
-        "None",
+        None,
         '`"skip"`: do not take an optimizer step whose reduced gradient is non-finite or spiked '
         '(parameters, optimizer state and `lr_scheduler` untouched on every rank); `"raise"`: '
         "raise `distmon.GradientAnomalyError` from `optimizer.step()` on every rank. Costs one small "
         "host sync per step",
         agreed=True,
     ),
-    Option("lr_scheduler", "None", "the scheduler (or list of schedulers) to hold back on skipped steps"),
+    Option("lr_scheduler", None, "the scheduler (or list of schedulers) to hold back on skipped steps"),
     Option(
         "scaler",
-        "None",
+        None,
         "the `torch.amp.GradScaler` the loss goes through: figures are divided by its scale, its "
-        "skipped steps recorded ([Mixed precision](#usage))",
+        "skipped steps recorded ([Mixed precision](getting-started.md#mixed-precision))",
         agreed=True,
     ),
     Option(
         "loss_scale",
-        "None",
+        None,
         "a fixed factor your loss is multiplied by before `backward()` (not with `scaler`); figures "
         "are divided by it",
         agreed=True,
     ),
     Option(
         "batch_size",
-        "None",
+        None,
         "this rank's batch per optimizer step, in your units (sequences or tokens, accumulation "
         "included), or a callable returning it: turns on the gradient noise scale "
-        "([below](#gradient-noise-scale)); needs 2+ ranks",
+        "([Gradient noise scale](metrics.md#gradient-noise-scale)); needs 2+ ranks",
         agreed=True,
     ),
     Option(
         "gns_alpha",
-        "0.05",
+        0.05,
         "EMA weight of the noise scale's two terms; figures are NaN until `1/gns_alpha` steps went in",
         agreed=True,
     ),
     Option(
         "activations",
-        "None",
+        None,
         "watch forward outputs: `True` (each block of the model's first `ModuleList`, else each "
         "top-level child), or a list of module types and/or name regexes; per module output RMS and "
-        "max-abs, and the first module whose output went non-finite ([below](#forward-activations))",
+        "max-abs, and the first module whose output went non-finite "
+        "([Forward activations](metrics.md#forward-activations))",
         agreed=True,
     ),
-    Option("activation_every", "`export_every`", "steps between watched forwards", agreed=True),
+    Option(
+        "activation_every", None, "steps between watched forwards", agreed=True, shown="`export_every`"
+    ),
     Option(
         "update_ratio",
-        "False",
-        "per-layer update-to-weight ratio `\\|Δθ\\|/\\|θ\\|` on export steps (one copy of the "
-        "parameters is kept for it; not when ranks hold parts of the model: FSDP, tensor or "
-        "pipeline parallelism)",
+        False,
+        "per-layer update-to-weight ratio `\\|Δθ\\|/\\|θ\\|` on every `export_every`-th step (one "
+        "copy of the parameters is kept for it; not when ranks hold parts of the model: FSDP, tensor "
+        "or pipeline parallelism)",
         agreed=True,
     ),
 )
@@ -291,7 +317,7 @@ def option_label(name: str) -> str:
 
 
 def options_table() -> str:
-    """The README's option table (Markdown), from :data:`OPTIONS`.
+    """The option table of ``docs/options.md`` (Markdown), from :data:`OPTIONS`.
 
     Example:
         >>> options_table().splitlines()[2].startswith("| `comm_hook` |")
@@ -300,24 +326,30 @@ def options_table() -> str:
     rows = ["| option | env | default | meaning |", "|---|---|---|---|"]
     for o in OPTIONS:
         env = f"`{o.env}`" if o.env else ""
-        rows.append(f"| `{o.name}` | {env} | {o.default} | {o.meaning} |")
+        rows.append(f"| `{o.name}` | {env} | {o.default_text} | {o.meaning} |")
     return "\n".join(rows) + "\n"
 
 
-def write_readme(path: str) -> None:
-    """Replace the option table in the README at ``path`` (the table after its marker line)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    start = text.index("| option | env | default | meaning |")
-    stop = text.index("\n\n", start) + 1
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text[:start] + options_table() + text[stop:])
+_LINK = re.compile(r"\[([^]]+)\]\(([\w-]+\.md)(#[\w-]+)?\)")
 
 
-if __name__ == "__main__":  # python -m distmon.options [--write README.md]
-    import sys
+def _plain(markdown: str) -> str:
+    """A meaning as plain text: a link to a docs page as its text and the page's path."""
+    text = _LINK.sub(lambda m: f"{m[1]}: docs/{m[2]}", markdown)
+    return text.replace("\\|", "|")  # a pipe escaped for the Markdown table
 
-    if sys.argv[1:2] == ["--write"]:
-        write_readme(sys.argv[2])
-    else:
-        print(options_table(), end="")
+
+def options_args(indent: str = "        ") -> str:
+    """The keyword options as docstring ``Args:`` entries, from :data:`OPTIONS` (``GradMonitor.__doc__``).
+
+    Example:
+        >>> print(options_args("").splitlines()[0])
+        comm_hook: the DDP comm hook distmon wraps, called exactly as given (DDP accepts one hook: pass
+    """
+    entries = []
+    for o in OPTIONS:
+        env = f"``{o.env}``; " if o.env else ""
+        first = f"{o.name}: {_plain(o.meaning)} ({env}default: {o.default_text})."
+        lines = textwrap.wrap(first, width=96, subsequent_indent="    ", break_on_hyphens=False)
+        entries.append("\n".join(indent + line for line in lines))
+    return "\n".join(entries)

@@ -41,7 +41,7 @@ class MetricSpec(NamedTuple):
 
 
 # The one description of every metric: the collector builds its families from it, and the
-# README's metric table and the deploy tests read it.
+# docs/metrics.md's table (distmon/doc_tables.py) and the deploy tests read it.
 METRICS: dict[str, MetricSpec] = {
     "distmon_grad_norm": MetricSpec(
         "gauge", (), "L2 norm of the reduced gradient at the latest measured step."
@@ -112,7 +112,7 @@ METRICS: dict[str, MetricSpec] = {
     "distmon_layer_update_ratio": MetricSpec(
         "gauge",
         ("layer", "depth"),
-        "A layer's ||update|| / ||weights|| at the latest export step (update_ratio=True).",
+        "A layer's ||update|| / ||weights|| at the latest export_every-th step (update_ratio=True).",
     ),
 
     "distmon_rank_nonfinite_steps_total": MetricSpec(

@@ -104,6 +104,30 @@ class Schema:
         region = self._slices[name]
         return region.start if region.stop > region.start else None
 
+    def span(self, names: Sequence[str]) -> slice:
+        """The columns of consecutive regions ``names`` together (ValueError if they are not consecutive).
+
+        Example:
+            >>> Schema([("a", 2), ("b", 0), ("c", 1)]).span(("b", "c"))
+            slice(2, 3, None)
+        """
+        regions = [self._slices[n] for n in names]
+        if any(a.stop != b.start for a, b in zip(regions, regions[1:])):
+            raise ValueError(f"regions {list(names)} are not consecutive")
+        return slice(regions[0].start, regions[-1].stop)
+
+    def within(self, outer: slice, name: str) -> slice:
+        """Region ``name``'s columns counted from ``outer``'s start (a buffer holding ``outer`` alone).
+
+        Example:
+            >>> s = Schema([("a", 2), ("b", 0), ("c", 1)])
+            >>> s.within(s.span(("b", "c")), "c")
+            slice(0, 1, None)
+        """
+        region = self._slices[name]
+        assert outer.start <= region.start and region.stop <= outer.stop, (name, outer)
+        return slice(region.start - outer.start, region.stop - outer.start)
+
 
 def earliest_nonfinite(values: Sequence[float], order: Sequence[float]) -> int:
     """Host side: index of the non-finite value earliest in backward ``order``, or -1.
@@ -138,6 +162,9 @@ class RankRow:
         (6, 4, slice(5, 6, None), [9.0])
     """
 
+    # the regions an ordinary step's all-reduce adds up (consecutive: one slice of the send row)
+    REDUCED = ("vote", "reduced_ok", "partial")
+
     def __init__(
         self,
         *,
@@ -170,7 +197,17 @@ class RankRow:
         self.errors, self.valid = s["errors"].start, s["valid"].start
         self.reduced_ok, self.batch = s.index("reduced_ok"), s.index("batch")
         self.act_first, self.vote = s.index("act_first"), s.index("vote")
-        self.reduced = slice(s["vote"].start, s.width)
+        self.reduced = s.span(self.REDUCED)
+
+    def summed(self, name: str) -> slice:
+        """Where region ``name`` (one of :attr:`REDUCED`) sits in the all-reduce's buffer, by name.
+
+        Example:
+            >>> r = RankRow(n_layers=2, rank_layers=True, partial=True, vote=True)
+            >>> r.summed("vote"), r.summed("reduced_ok"), r.summed("partial")
+            (slice(0, 1, None), slice(1, 2, None), slice(2, 4, None))
+        """
+        return self.schema.within(self.reduced, name)
 
     def totals(self, ranks: Sequence[Sequence[float]]) -> list[float]:
         """Host side: each rank's local sum of squares from its floats."""
@@ -244,7 +281,7 @@ class StepRow:
             row[self.detector.start + Verdict.SPIKE_LAYER] = -1.0
         row[self.noise] = math.nan  # no noise-scale figure until a row is judged
         row[self.act] = math.nan  # a step whose forwards were not watched
-        row[self.upd] = math.nan  # not an export step
+        row[self.upd] = math.nan  # not a count step (Exchange.counted)
         return row
 
 

@@ -30,19 +30,20 @@ hop   function                                                                  
 3     ``BackwardSums.add_local``; after DDP's finalize: ``.add_reduced``            final callbacks
 4     ``StepHooks._pre_hook`` -> ``StepTracker.before_step`` -> ``_pack``            training (pre-hook)
 5     ``Exchange.start``: this rank's row kept; an export step's all-gather          training
-6     ``StepHooks._post_hook`` -> ``StepTracker.after_step`` -> ``row``              training (post-hook)
+6     ``StepHooks._post_hook`` -> ``StepTracker.after_step`` -> ``finish_row``       training (post-hook)
 7     ``StepTracker.export`` -> ``Exchange.complete`` (every rank's rows in)         training (export step)
-8     ``Judge.reduced`` / ``.ranks`` -> ``DeviceRing.copy_to_host`` -> the queue      training (export step)
+8     ``Judge.judge_reduced`` / ``.judge_ranks`` -> ``DeviceRing.copy_to_host``     training (export step)
 9     ``ExportThread._export`` -> ``RowDecoder.decode`` -> ``MetricsAggregate.add``  distmon-export
 10    a scrape: ``MetricServer`` -> ``GradCollector.collect``                        distmon-http-worker
 ====  ============================================================================  =====================
 
 With a guard (or ``clip_grad_norm_``) hops 4 and 6 happen at once, before the optimizer step
-(``judge_now``, ``total_sq``); ``flush()`` and ``close()`` run hops 7-8 on the caller's thread.
+(``judge_now``, ``finish_total_sq``); ``flush()`` and ``close()`` run hops 7-8 on the caller's thread.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Callable
@@ -64,7 +65,17 @@ from .sources.base import Source
 from .update_ratio import UpdateRatio
 from .verify import agrees, refusal
 
-__all__ = ["StepTracker"]
+__all__ = ["StepTracker", "StepDone"]
+
+
+class StepDone(enum.Flag):
+    """What of the step in progress's once-per-step work is done (the sources' side is
+    :class:`~distmon.backward.StepPhase`). Not in a fixed order: a guard or ``clip_grad_norm_``
+    may finish the row before the step begins."""
+
+    READ = enum.auto()  # a source that reads the gradients at the step has read them
+    BEGUN = enum.auto()  # before_step: local sums packed, the step's collective started
+    ROW = enum.auto()  # finish_row: the reduced sums folded into the step's row
 
 
 class StepTracker:
@@ -89,7 +100,7 @@ class StepTracker:
         >>> source = LocalSource(net, receiver=sums, grouping=build_grouping(net, None, 8))
         >>> tracker = StepTracker(plan, sums=sums, source=source, group=None, export_every=10,
         ...                       errors=errors, export=print)
-        >>> tracker.before_step(); tracker.row_valid()   # an optimizer step with no backward before it
+        >>> tracker.before_step(); tracker.finish_row_valid()   # an optimizer step with no backward before it
         False
         >>> tracker.after_step(); tracker.step
         1
@@ -170,21 +181,19 @@ class StepTracker:
     @property
     def active(self) -> bool:
         """False once the monitor closed: nothing more is measured."""
-        return self.sums.enabled
+        return not self.sums.closed
 
     def close(self) -> None:
-        self.sums.enabled = False
+        self.sums.close()
 
     def _new_step(self) -> None:
-        self._begun = False
-        self._row_done = False
-        self._read = False
+        self._done = StepDone(0)
         self.sums.new_step()
 
     def _read_gradients(self) -> None:
         """A source that reads the gradients when the step's figures are first needed reads them now."""
-        if not self._read:
-            self._read = True
+        if StepDone.READ not in self._done:
+            self._done |= StepDone.READ
             self.source.read_at_step()
 
     def fail(self, site: str, local: bool = True, reduced: bool = True) -> None:
@@ -199,16 +208,16 @@ class StepTracker:
         reduction has completed by then, so the collective cannot interleave with its
         collectives.
         """
-        if not self.active or self._begun:
+        if not self.active or StepDone.BEGUN in self._done:
             return
-        self._begun = True
+        self._done |= StepDone.BEGUN
         self._read_gradients()
         self.sums.freeze()
         step = self.step + 1
         ratio = self.update_ratio
-        if ratio is not None and step % self.export_every == 0:
+        if ratio is not None and self.exchange.counted(step):
             try:
-                ratio.begin()  # the parameters before this (export) step's update
+                ratio.begin()  # the parameters before this count step's update (known in advance)
             except Exception:
                 self.errors.record("update ratio")
         ex, sums = self.exchange, self.sums
@@ -232,7 +241,7 @@ class StepTracker:
         are now (a host sync and collectives, at the same point on every rank: the decision rests
         on all-reduced figures, the same everywhere)."""
         try:
-            measured_sq = float(self.total_sq())
+            measured_sq = float(self.finish_total_sq())
             if self.ring.row(self.step + 1)[Head.VALID].item() != 1.0 or not math.isfinite(measured_sq):
                 return  # not this step: the next one
             check, self._check = self._check, None
@@ -272,17 +281,18 @@ class StepTracker:
             self._act_sent = watch.active
 
     # -- the step's reduced figures -----------------------------------------------------------
-    def row(self) -> torch.Tensor:
-        """The row of the step in progress, its reduced sums folded in (once per step).
+    def finish_row(self) -> torch.Tensor:
+        """Fold the step in progress's reduced sums into its row and mark it measured or not (once per
+        step); returns the row.
 
         Without a backward this step (an ``optimizer.step()`` alone) the row is marked invalid:
         nothing was measured, and nothing real-looking must be reported.
         """
         step = self.step + 1
         row = self.ring.row(step)
-        if self._row_done:
+        if StepDone.ROW in self._done:
             return row
-        self._row_done = True
+        self._done |= StepDone.ROW
         self._read_gradients()
         sums = self.sums
         try:
@@ -302,10 +312,11 @@ class StepTracker:
         if self.exchange.partial:
             self.before_step()
             self.exchange.complete()  # a stream wait on NCCL; the shards' sums are needed now
-        return self.row()
+        return self.finish_row()
 
-    def total_sq(self) -> torch.Tensor:
-        """The step in progress's reduced sum of squares, as a 0-d device tensor (no collective)."""
+    def finish_total_sq(self) -> torch.Tensor:
+        """Finish the step in progress's row (:meth:`finish_row`) and write its total into it: the
+        reduced sum of squares, as a 0-d device tensor (no collective)."""
         row = self._reduced_now()
         torch.sum(row[self.plan.step.layers], 0, keepdim=True, out=row[Head.TOTAL_SQ : Head.TOTAL_SQ + 1])
         return row[Head.TOTAL_SQ]
@@ -317,9 +328,10 @@ class StepTracker:
         self._judge(self.step + 1)
         return row
 
-    def row_valid(self) -> bool:
-        """Whether the step in progress was measured (host state: no sync)."""
-        self.row()
+    def finish_row_valid(self) -> bool:
+        """Finish the step in progress's row (:meth:`finish_row`); whether it was measured (host state:
+        no sync)."""
+        self.finish_row()
         return self._valid[self.ring.slot(self.step + 1)]
 
     # -- the optimizer step ends --------------------------------------------------------------
@@ -331,7 +343,7 @@ class StepTracker:
         if not self.active:
             return
         self.before_step()  # a step whose start was not seen still sends its (invalid) row
-        row = self.row()
+        row = self.finish_row()
         watch = self.activations
         if watch is not None and watch.active:  # after its row took the first bad module
             try:
@@ -369,7 +381,7 @@ class StepTracker:
         """
         if not self.active:
             return
-        self._begun = True
+        self._done |= StepDone.BEGUN
         try:
             self._read_gradients()  # and the source's own start of a step (FSDP: the units seen)
         except Exception:
@@ -396,7 +408,7 @@ class StepTracker:
         try:
             if self.step < step:
                 self.begin_anyway()
-                self._row_done = True
+                self._done |= StepDone.ROW
                 self.ring.row(step)[Head.VALID].fill_(0.0)
                 self._valid[self.ring.slot(step)] = False
                 if self.activations is not None:
@@ -418,7 +430,7 @@ class StepTracker:
         self._judged_through = through
         a = self.ring.slot(first)
         rows = self.ring.span(first, through)
-        self.judge.reduced(rows, self._valid[a : a + len(rows)])
+        self.judge.judge_reduced(rows, self._valid[a : a + len(rows)])
 
     def export(self, gather: bool = True, timeout_s: float | None = None) -> None:
         """Judge the finished rows not yet exported, copy them to the host (non-blocking), hand them over.
@@ -438,7 +450,7 @@ class StepTracker:
         self._judge(last)
         a = self.ring.slot(first)
         rows = self.ring.span(first, last)
-        self.judge.ranks(rows, self._valid[a : a + len(rows)])
+        self.judge.judge_ranks(rows, self._valid[a : a + len(rows)])
         self._exported_through = last
         self.exchange.last_export = time.monotonic()
         try:

@@ -1,6 +1,8 @@
-"""Per-layer update-to-weight ratio ||delta theta|| / ||theta||, on export steps only.
+"""Per-layer update-to-weight ratio ||delta theta|| / ||theta||, on count steps only.
 
-Updates that grow relative to the weights precede loss spikes. On an export step the
+Updates that grow relative to the weights precede loss spikes. On a count step (every
+``export_every``-th step, :meth:`distmon.exchange.Exchange.counted`: known before it begins,
+unlike an export that ``export_interval_s`` adds, which therefore reports NaN ratios) the
 parameters are copied (one fused copy into a buffer kept for the purpose) when the optimizer
 step begins, and when it ends the copy becomes ``before - after`` in place: one fused pass
 gives each layer's ``||delta||^2`` and, taken before the subtraction, ``||theta||^2``. Device

@@ -37,7 +37,7 @@ TOLERANCE = 1e-3  # fp32 sums in different orders agree far closer; a misread la
 
 
 def agrees(measured_sq: float, direct_sq: float) -> bool:
-    """Whether two sums of squares of the same gradient agree to float32 rounding.
+    """Whether two sums of squares (or two norms) of the same gradient agree to float32 rounding.
 
     Example:
         >>> agrees(4.0, 4.000001), agrees(4.0, 8.0)

@@ -2,8 +2,8 @@
 # Install distmon and what it needs, on a fresh machine. Idempotent.
 #   bash launch/install.sh          # torch (pinned), prometheus-client, distmon (editable)
 #   bash launch/install.sh --test   # + pytest, pyyaml, bcrypt, the frameworks (Lightning, transformers,
-#                                   #   accelerate, DeepSpeed) and the Prometheus/Alertmanager and
-#                                   #   openssl binaries
+#                                   #   accelerate, DeepSpeed), mkdocs (the docs site) and the
+#                                   #   Prometheus/Alertmanager and openssl binaries
 # torch is installed FIRST, pinned: an unpinned `torch` requirement would pull several GB of
 # CUDA wheels on a CPU machine. A torch already installed in distmon's range (pyproject.toml's
 # floor and up) is kept; DISTMON_TORCH_SPEC installs the build it names in any case.
@@ -30,7 +30,7 @@ else
 fi
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--test" ] && extras="[test,docs]"  # docs: the suite builds the docs site (mkdocs --strict)
 # DeepSpeed (a test extra) builds no CUDA or C++ ops at install: it runs on its CPU accelerator
 # here and compiles what it needs when first used; nothing CUDA is pulled in
 export DS_BUILD_OPS=${DS_BUILD_OPS:-0}

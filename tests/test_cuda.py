@@ -68,7 +68,7 @@ def test_single_gpu_figures_with_a_grad_scaler_and_no_host_sync():
             torch.cuda.set_sync_debug_mode("error")
             try:
                 tracker.before_step()
-                tracker.row()
+                tracker.finish_row()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             finish(opt, scaler)

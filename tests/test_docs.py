@@ -1,21 +1,38 @@
-"""The README documents every option and every metric the code has (no silent drift)."""
+"""The docs document every option and every metric the code has (no silent drift).
+
+The tables of ``docs/`` (options, metrics, the bucket-to-gauge hops) and ``GradMonitor``'s
+``Args:`` are rendered from the code (``distmon/doc_tables.py``, ``distmon/options.py``); these
+tests fail when what is rendered differs from what the code renders now, when a default is
+declared twice, and when the site does not build strictly.
+"""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import importlib.util
 import inspect
 import os
+import re
+import subprocess
+import sys
+
+import pytest
 
 import distmon
 from distmon.prometheus_exporter import METRICS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+DOCS = os.path.join(ROOT, "docs")
 
 
-def test_every_option_is_declared_once_and_the_readme_table_is_rendered_from_it():
-    """GradMonitor's signature, MonitorConfig's fields and the README table all follow distmon.options."""
-    import dataclasses
+def _page(name: str) -> str:
+    with open(os.path.join(DOCS, name), encoding="utf-8") as f:
+        return f.read()
 
+
+def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
+    """GradMonitor's signature, MonitorConfig's fields and the docs' table all follow distmon.options."""
     from distmon.config import MonitorConfig
     from distmon.options import OPTIONS, options_table
 
@@ -23,8 +40,8 @@ def test_every_option_is_declared_once_and_the_readme_table_is_rendered_from_it(
     params = [n for n in inspect.signature(distmon.GradMonitor).parameters if n not in ("model", "optimizer")]
     assert params == declared
     assert [f.name for f in dataclasses.fields(MonitorConfig)] == declared
-    stale = "README's option table is stale: python -m distmon.options --write README.md"
-    assert options_table() in README, stale
+    stale = "docs/options.md's option table is stale: python -m distmon.doc_tables --write"
+    assert options_table() in _page("options.md"), stale
 
 
 def test_every_environment_variable_is_read_through_the_declaration(monkeypatch):
@@ -42,19 +59,16 @@ def test_every_environment_variable_is_read_through_the_declaration(monkeypatch)
 
 def test_every_metric_is_documented_with_its_type():
     for name, (kind, _labels, _help) in METRICS.items():
-        rows = [line for line in README.splitlines() if line.startswith(f"| `{name}")]
+        rows = [line for line in _page("metrics.md").splitlines() if line.startswith(f"| `{name}")]
         assert rows, name
         assert f"| {kind} |" in rows[0], name
 
 
-def test_detector_defaults_stated_in_the_readme_are_the_code_s():
-    """Every DetectorConfig threshold appears in the README's rule table as ``name=default``."""
-    import dataclasses
-    import re
-
-    stated = dict(re.findall(r"`(\w+)=([0-9.e+-]+)`", README))
+def test_detector_defaults_stated_in_the_docs_are_the_code_s():
+    """Every DetectorConfig threshold appears in the docs' rule table as ``name=default``."""
+    stated = dict(re.findall(r"`(\w+)=([0-9.e+-]+)`", _page("detection.md")))
     for f in dataclasses.fields(distmon.DetectorConfig):
-        assert f.name in stated, f"README does not state {f.name}'s default"
+        assert f.name in stated, f"docs/detection.md does not state {f.name}'s default"
         assert float(stated[f.name]) == float(f.default), (f.name, stated[f.name], f.default)
 
 
@@ -69,3 +83,176 @@ def test_public_api_is_small_and_documented():
     }
     for name in distmon.__all__[:-1]:
         assert getattr(distmon, name).__doc__, name
+
+
+def test_every_generated_table_of_the_docs_is_what_the_code_renders_now():
+    """The options, metrics and hop tables of docs/ are the code's (METRICS, OPTIONS, tracker.py)."""
+    from distmon.doc_tables import stale_tables
+
+    assert stale_tables(DOCS) == [], "stale: run python -m distmon.doc_tables --write"
+
+
+def test_the_metrics_table_renders_every_declaration():
+    """Each METRICS entry is one row of docs/metrics.md: its name, type, labels and help, in order."""
+    table = _page("metrics.md").split("<!-- end: metrics -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `distmon_")]
+    assert len(rows) == len(METRICS)
+    for row, (name, spec) in zip(rows, METRICS.items()):
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+        assert cells[0].strip("`").split("_bucket")[0] == name
+        assert cells[1:3] == [spec.kind, ", ".join(("run_id", *spec.labels))]
+        assert cells[3].replace("\\|", "|") == spec.help
+
+
+def test_the_hop_table_has_one_copy_and_names_code_that_exists():
+    """tracker.py's docstring holds the one hand-written bucket-to-gauge table: no other file copies it
+    (docs/how-it-works.md renders it), and every ``Class.method`` it names exists."""
+    import importlib
+    import pkgutil
+
+    from distmon.doc_tables import hop_table
+
+    copies = []
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("site", "__pycache__")]
+        for f in files:
+            if f.endswith((".md", ".py")) and f != "tracker.py":
+                path = os.path.join(top, f)
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+                text = re.sub(r"<!-- generated: hops.*?<!-- end: hops -->", "", text, flags=re.S)
+                markdown = f.endswith(".md") and "| hop | function | thread |" in text
+                if markdown or re.search(r"^\s*hop +function +thread", text, re.M):
+                    copies.append(os.path.relpath(path, ROOT))
+    assert copies == [], "the hop table is rendered from distmon/tracker.py, not copied"
+    classes = {}
+    for mod in pkgutil.walk_packages(distmon.__path__, "distmon."):
+        if mod.name.startswith("distmon.integrations") or mod.name.endswith("__main__"):
+            continue
+        for name, obj in vars(importlib.import_module(mod.name)).items():
+            if inspect.isclass(obj) and obj.__module__.startswith("distmon"):
+                classes[name] = obj
+    named = re.findall(r"`([A-Z]\w+)\.(\w+)`", hop_table())
+    assert len(named) >= 10
+    missing = [f"{c}.{m}" for c, m in named if c not in classes or not hasattr(classes[c], m)]
+    assert missing == []
+
+
+def test_help_gradmonitor_documents_every_option():
+    """GradMonitor.__doc__'s Args: model, optimizer, then every option of OPTIONS in order, each with
+    its meaning, default and variable (rendered by options_args: help(GradMonitor) shows them)."""
+    from distmon.options import OPTIONS, _plain
+
+    doc = distmon.GradMonitor.__doc__
+    args = doc.split("    Args:\n", 1)[1].split("\n\n", 1)[0]
+    parts = re.split(r"^        (\w+): ", args, flags=re.M)[1:]
+    entries = {name: " ".join(text.split()) for name, text in zip(parts[::2], parts[1::2])}
+    assert list(entries) == ["model", "optimizer", *(o.name for o in OPTIONS)]
+    for o in OPTIONS:
+        entry = entries[o.name]
+        assert entry.startswith(" ".join(_plain(o.meaning).split())), o.name
+        assert f"default: {o.default_text})." in entry, o.name
+        assert o.env is None or f"``{o.env}``" in entry, o.name
+
+
+def test_every_default_is_declared_once_with_its_option():
+    """MonitorConfig's defaults are OPTIONS' (read from them: no field states a literal default)."""
+    from distmon import config
+    from distmon.config import MonitorConfig
+    from distmon.options import BY_NAME
+
+    for f in dataclasses.fields(MonitorConfig):
+        assert f.default == BY_NAME[f.name].default, f.name
+    with open(config.__file__, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MonitorConfig").body
+    literal = [
+        ast.unparse(n)
+        for n in body
+        if isinstance(n, ast.AnnAssign) and ast.unparse(n.value) != f"_DEFAULT[{n.target.id!r}]"
+    ]
+    assert literal == [], "declare the default in distmon/options.py"
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """mkdocs build --strict: a broken link, anchor or page fails it (CI=true: mkdocs is required)."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("mkdocs is not installed: pip install -e '.[docs]' (launch/install.sh --test does)")
+        pytest.skip("mkdocs not installed (pip install -e '.[docs]')")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "site" / "how-it-works" / "index.html").exists()
+
+
+def _script(text: str) -> str:
+    """The complete script of a page (the code block titled ``train_ddp.py``)."""
+    return re.search(r'```python title="train_ddp.py"\n(.*?)```', text, re.S)[1]
+
+
+@pytest.mark.slow
+def test_the_getting_started_script_runs_under_torchrun(tmp_path):
+    """docs/getting-started.md's DDP script, as written, on 2 gloo ranks: it trains, serves and reports."""
+    script = tmp_path / "train_ddp.py"
+    script.write_text(_script(_page("getting-started.md")))
+    env = dict(os.environ, STEPS="30", DISTMON_PORT="0", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "distmon: serving metrics at http://127.0.0.1:" in run.stderr
+    norm = re.search(r"step 30: global gradient norm (\S+)", run.stdout)
+    assert norm and 0 < float(norm[1]) < float("inf"), run.stdout
+
+
+README = os.path.join(ROOT, "README.md")
+
+
+def _readme() -> str:
+    with open(README, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_readme_is_a_five_minute_read_that_links_every_page():
+    """At most ~150 lines; the two set-up commands as CI runs them; a link to every docs page."""
+    text = _readme()
+    assert len(text.splitlines()) <= 150
+    for command in ("bash launch/demo.sh      # installs", "bash tests/run.sh        # installs test deps"):
+        assert f"\n{command}" in text, command  # tests/fresh_install.sh runs the first; .ci/run the second
+    pages = sorted(f for f in os.listdir(DOCS) if f.endswith(".md") and f != "index.md")
+    assert [p for p in pages if f"(docs/{p})" not in text] == []
+    for link in re.findall(r"\]\((?!https?:)([^)#]+)", text):
+        assert os.path.exists(os.path.join(ROOT, link)), link
+
+
+def test_the_readme_s_script_is_the_one_ci_runs():
+    """The README's DDP script is docs/getting-started.md's, which the torchrun test runs."""
+    assert _script(_readme()) == _script(_page("getting-started.md"))
+    assert "torchrun --nproc-per-node 8 train_ddp.py" in _readme()
+
+
+def test_the_readme_s_metrics_sample_names_served_metrics_and_their_labels():
+    """Every series in the README's /metrics sample is a declared metric with its declared labels."""
+    sample = _readme().split("## What `/metrics` serves", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    series = re.findall(r"^(distmon_\w+)\{([^}]*)\}", sample, re.M)
+    assert len(series) >= 10
+    for name, labels in series:
+        base = re.sub(r"_(bucket|sum|count)$", "", name) if name not in METRICS else name
+        assert base in METRICS, name
+        allowed = {"run_id", *METRICS[base].labels} | ({"le"} if name.endswith("_bucket") else set())
+        assert set(re.findall(r"(\w+)=", labels)) <= allowed, name
+    for help_line in re.findall(r"^# HELP (\w+) (.*)$", sample, re.M):
+        assert METRICS[help_line[0]].help == help_line[1]

@@ -1,4 +1,4 @@
-"""distmon in the frameworks people train with: a few lines each, documented in the README.
+"""distmon in the frameworks people train with: a few lines each, documented in docs/frameworks.md.
 
 - :mod:`distmon.integrations.lightning`: ``DistmonCallback(**options)``, a Lightning ``Callback``;
 - :mod:`distmon.integrations.transformers`: ``DistmonCallback(**options)``, a Hugging Face

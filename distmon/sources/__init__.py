@@ -335,7 +335,7 @@ def _plain_module(model: torch.nn.Module, world: int) -> str:
         "after wrapping, with the wrapped model. If a framework wraps it for you, it was not told to "
         "train distributed: on a machine without a GPU the Hugging Face Trainer and accelerate need "
         "--use_cpu (TrainingArguments(use_cpu=True)), Lightning strategy='ddp'. Tensor-parallel "
-        "DTensor parameters and pipeline stages are measured as they are (README: Parallel layouts)"
+        "DTensor parameters and pipeline stages are measured as they are (docs/layouts.md)"
     )
 
 

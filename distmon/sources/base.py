@@ -70,8 +70,6 @@ class Receiver(Protocol):
 
     def set_layer_order(self, positions: list[float]) -> None: ...
 
-    def grads_unscaled(self) -> bool | None: ...
-
 
 class Source(Protocol):
     """Where distmon reads each rank's local and reduced gradients (DDP, FSDP2, one process).

@@ -53,7 +53,7 @@ from .local import GradSums
 if TYPE_CHECKING:
     from ..compat import FSDPParamGroup
 
-__all__ = ["FSDPSource", "is_fsdp", "LOCAL_REFUSED"]
+__all__ = ["FSDPSource", "LOCAL_REFUSED"]
 
 # said at construction on torch 2.6-2.8 (compat.FSDP_LOCAL_FIGURES); %s: torch's version
 LOCAL_REFUSED = (
@@ -63,11 +63,6 @@ LOCAL_REFUSED = (
     "rank_layer_grad_norms, rank_valid and rank_outlier_scores are empty; no distmon_rank_grad_norm "
     "or distmon_rank_outlier_score; batch_size= is refused). The global and per-layer figures are exact"
 )
-
-
-def is_fsdp(model: torch.nn.Module) -> bool:
-    """Whether ``model`` or a submodule was passed to ``fully_shard``."""
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 @dataclass
