@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 import torch.distributed as dist
 from ddp_harness import close

@@ -91,7 +91,7 @@ def test_a_resumed_run_goes_on_as_if_it_had_never_stopped(tmp_path):
 def test_without_the_state_the_detector_starts_cold(tmp_path):
     """What the state carries matters: a monitor that did not load it judges the spike against nothing."""
     full, cold = str(tmp_path / "full.jsonl"), str(tmp_path / "cold.jsonl")
-    ckpt = _train(full, range(1, STEPS + 1), ckpt_at=CKPT_AT)
+    _train(full, range(1, STEPS + 1), ckpt_at=CKPT_AT)
     _train(cold, range(CKPT_AT + 1, STEPS + 1))  # the same batches, the monitor not resumed
     a, c = _rows(full), _rows(cold)
     assert a[SPIKE_AT]["events"] and not c[SPIKE_AT - CKPT_AT]["events"]  # steps restart at 1, unarmed
