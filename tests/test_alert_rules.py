@@ -282,6 +282,7 @@ MUTATIONS = {
 }
 
 
+@pytest.mark.slow  # ~2.5 s each (a promtool run per mutation): kept out of the fast tier's edit loop
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_broken_rule_fails_unit_tests(promtool, tmp_path, name):
     fname, old, new, count, catcher = MUTATIONS[name]
