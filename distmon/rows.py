@@ -198,6 +198,8 @@ class RankRow:
         self.reduced_ok, self.batch = s.index("reduced_ok"), s.index("batch")
         self.act_first, self.vote = s.index("act_first"), s.index("vote")
         self.reduced = s.span(self.REDUCED)
+        # fixed with the row: looked up on every all-reduce step, computed once here
+        self._summed = {name: s.within(self.reduced, name) for name in self.REDUCED}
 
     def summed(self, name: str) -> slice:
         """Where region ``name`` (one of :attr:`REDUCED`) sits in the all-reduce's buffer, by name.
@@ -207,7 +209,7 @@ class RankRow:
             >>> r.summed("vote"), r.summed("reduced_ok"), r.summed("partial")
             (slice(0, 1, None), slice(1, 2, None), slice(2, 4, None))
         """
-        return self.schema.within(self.reduced, name)
+        return self._summed[name]
 
     def totals(self, ranks: Sequence[Sequence[float]]) -> list[float]:
         """Host side: each rank's local sum of squares from its floats."""

@@ -211,8 +211,6 @@ def main(out: str) -> None:
             "max_grad_norm": MAX_GRAD_NORM,
         }
         torch.save(results, os.path.join(out, f"{framework}-rank{rank}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
     dist.barrier()
     leave(0)  # results are written: no interpreter finalization (see ddp_harness.leave)
 

@@ -285,8 +285,6 @@ def main(out: str, names: list[str]) -> None:
     if not names:
         results["refusals"] = refusals()
         torch.save(results, os.path.join(out, f"deepspeed-rank{dist.get_rank()}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
     dist.barrier()
     leave(0)  # results are written: no interpreter finalization (see ddp_harness.leave)
 

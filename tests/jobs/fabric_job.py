@@ -118,8 +118,6 @@ def main(out: str) -> None:
     for strategy in STRATEGIES:
         results = {kind: run(strategy, kind, out) for kind in ("plain", "measured", "nan")}
         torch.save(results, os.path.join(out, f"fabric-{strategy}-rank{dist.get_rank()}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
     dist.barrier()
     leave(0)  # results are written: no interpreter finalization (see ddp_harness.leave)
 
