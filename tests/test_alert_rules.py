@@ -48,6 +48,7 @@ EXPECTED_ALERTS = {
     "DistmonAnomalyDetected",
     "DistmonScalerStuck",
     "DistmonRunRestarted",
+    "DistmonRankOutlierSustained",
 }
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -278,6 +279,86 @@ MUTATIONS = {
         "max by (run_id) (distmon_grad_norm)",
         1,
         "recording.test.yml",
+    ),
+    # The cross-rank comparison (group distmon-rank-comparison) and DistmonRankOutlierSustained.
+    "rank_comparison_keeps_nonfinite_ranks": (
+        RECORDING_FILE.name,
+        "(distmon_rank_grad_norm > 0 < +Inf)",
+        "(distmon_rank_grad_norm)",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "rank_comparison_scores_groups_of_two": (
+        RECORDING_FILE.name,
+        "(distmon:rank_grad_norm:log10) >= 3",
+        "(distmon:rank_grad_norm:log10) >= 2",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "rank_comparison_across_peer_groups": (
+        RECORDING_FILE.name,
+        "(run_id, tp_rank, pp_stage, ep_rank)",
+        "(run_id)",
+        7,
+        "rank_comparison.test.yml",
+    ),
+    "rank_comparison_without_mad_floor": (
+        RECORDING_FILE.name,
+        "clamp_min(distmon:rank_grad_norm:log10_mad, 0.05)",
+        "distmon:rank_grad_norm:log10_mad",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "rank_comparison_smaller_mad_floor": (
+        RECORDING_FILE.name,
+        "clamp_min(distmon:rank_grad_norm:log10_mad, 0.05)",
+        "clamp_min(distmon:rank_grad_norm:log10_mad, 0.01)",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "rank_comparison_mad_not_scaled_to_sigma": (
+        RECORDING_FILE.name,
+        "            / 1.4826\n",
+        "            / 1\n",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "rank_comparison_top3": (
+        RECORDING_FILE.name,
+        "topk by (run_id) (5, abs(",
+        "topk by (run_id) (3, abs(",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "sustained_outlier_threshold": (
+        ALERTS_FILE.name,
+        "distmon:rank_grad_norm:robust_z > 5\n",
+        "distmon:rank_grad_norm:robust_z > 50\n",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "sustained_outlier_high_side_only": (
+        ALERTS_FILE.name,
+        "distmon:rank_grad_norm:robust_z < -5\n",
+        "distmon:rank_grad_norm:robust_z < -50\n",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    "sustained_outlier_not_sustained": (
+        ALERTS_FILE.name,
+        "\n        for: 5m\n",
+        "\n        for: 30s\n",
+        1,
+        "rank_comparison.test.yml",
+    ),
+    # Per-rank series of one run come from one target per node (serve="node"): a count per
+    # instance sees 2 ranks, never 3.
+    "rank_outlier_counts_per_target": (
+        ALERTS_FILE.name,
+        "count by (run_id) (distmon_rank_outlier_score) >= 3",
+        "count by (run_id, instance) (distmon_rank_outlier_score) >= 3",
+        1,
+        "rank_comparison.test.yml",
     ),
 }
 
