@@ -230,6 +230,8 @@ def test_dashboard_covers_the_metrics(dashboard):
         "distmon_step_grad_norm_bucket",
         "distmon_rank_grad_norm",
         "distmon_rank_outlier_score",
+        "distmon:rank_grad_norm:robust_z",
+        "distmon:rank_grad_norm:top5_abs_robust_z",
         "distmon_layer_grad_norm",
         "distmon_nonfinite_steps_total",
         "distmon_optimizer_steps_total",

@@ -18,7 +18,8 @@ step numbers map to predictable times and CPU use stays low on a 2-core machine:
 * ``e2e-stalled``: its loop hangs (``--hang-step``).  -> DistmonTrainingStalled (120 s,
   the production threshold: the job runs concurrently with the others, so its wait overlaps).
 * ``e2e-nodes``: two torchrun "nodes" (c10d rendezvous, 2 ranks each, ``serve="node"``).
-  -> one target per node, per-rank series once each, sum/max over ranks = the snapshot.
+  -> one target per node, per-rank series once each, sum/max over ranks = the snapshot, and
+  Prometheus' cross-rank comparison (median, robust z over both targets) = the snapshot's.
 * ``e2e-secure`` (started by its own test): one rank serving over mutual TLS with basic
   auth (``DISTMON_TLS_*``, ``DISTMON_BASIC_AUTH_FILE``), announced in a target file of
   its own.  -> the commented ``distmon-secure`` job of prometheus.yml, run as written,
@@ -40,6 +41,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -493,6 +495,17 @@ def test_two_nodes_serve_one_target_each_and_sums_match_the_snapshot(stack, jobs
     assert scalar(prom, f"max({sel})", at=t_query) == pytest.approx(max(norms), rel=1e-6)
     per_rank = {int(m["rank"]): v for m, v in prom.values(sel, at=t_query)}
     assert per_rank == pytest.approx(dict(enumerate(norms)), rel=1e-6)
+    # Prometheus compares the ranks across both node targets (recording rules of the group
+    # distmon-rank-comparison): the same statistics computed here from the log's norms.
+    logs = [math.log10(x) for x in norms]
+    median = statistics.median(logs)
+    mad = statistics.median(abs(x - median) for x in logs)
+    expected_z = {r: (x - median) / (1.4826 * max(mad, 0.05)) for r, x in enumerate(logs)}
+    got_median = scalar(prom, f'distmon:rank_grad_norm:log10_median{{run_id="{NODES}"}}', at=t_query)
+    assert got_median == pytest.approx(median, rel=1e-6, abs=1e-9), (got_median, median, diag())
+    z = prom.values(f'distmon:rank_grad_norm:robust_z{{run_id="{NODES}"}}', at=t_query)
+    assert {int(m["rank"]): v for m, v in z} == pytest.approx(expected_z, rel=1e-6, abs=1e-9), (z, expected_z)
+    assert {m["hostname"] for m, _ in z} and all("instance" not in m for m, _ in z), z
     assert scalar(prom, f'distmon_optimizer_steps_total{{run_id="{NODES}"}}', at=t_query) == NODES_STEPS
 
 

@@ -38,6 +38,9 @@ FIRING_ALERTS = f'ALERTS{{{RUN}, alertstate="firing"}}'
 STEP_AGE = f"time() - (distmon_last_step_timestamp_seconds{{{RUN}}} > 0)"
 STEP_RATE_1M = f"distmon:optimizer_steps:rate1m{{{RUN}}}"
 RANK_LEGEND = "rank {{rank}} ({{hostname}})"
+RANK_Z = f"distmon:rank_grad_norm:robust_z{{{RUN}}}"
+RANK_Z_TOP5 = f"distmon:rank_grad_norm:top5_abs_robust_z{{{RUN}}}"
+LARGEST_Z = "largest |robust z| in range"
 
 
 def per_layer(metric: str) -> tuple[str, str]:
@@ -225,6 +228,28 @@ def ranks() -> Row:
                     ),
                     draw="bars",
                     description="Which rank's local gradient held NaN/Inf.",
+                ),
+            ),
+            line(
+                8,
+                timeseries(
+                    "Robust z of the 5 farthest ranks (Prometheus' cross-rank comparison)",
+                    targets((f"{RANK_Z} and on (run_id, rank) {RANK_Z_TOP5}", RANK_LEGEND)),
+                    thresholds=[("red", None), ("green", -5), ("red", 5)],
+                    description="(log10 rank norm - peer-group median) / (1.4826 x max(MAD, 0.05)), "
+                    "computed by the recording rules over every node's target, per peer group "
+                    "(tp_rank, pp_stage, ep_rank) of >= 3 ranks; at each time the 5 ranks with the "
+                    "largest |z|. DistmonRankOutlierSustained fires beyond +-5 for 5 min.",
+                ),
+                table(
+                    "Rank outliers: the 5 ranks farthest from their peers",
+                    target(f"topk(5, max_over_time({RANK_Z_TOP5}[$__range]))", fmt="table", instant=True),
+                    first=("rank", "hostname", "node", "local_rank", "gpu_uuid", "Value"),
+                    hidden=("Time", "__name__", "run_id"),
+                    rename={"Value": LARGEST_Z},
+                    sort_desc=LARGEST_Z,
+                    description="Largest |robust z| each rank reached in the time range "
+                    "(distmon:rank_grad_norm:top5_abs_robust_z): the node to look at first.",
                 ),
             ),
         ],

@@ -202,31 +202,48 @@ def heatmap(
     )
 
 
-def table(title: str, tgt: dict, *, description: str = "") -> dict:
-    """A table of alert series: alertname, severity and run_id first; time and value hidden.
+ALERT_COLUMNS = ("alertname", "severity", "run_id")
+ALERT_HIDDEN = ("Time", "Value", "__name__", "job", "alertstate")
+
+
+def table(
+    title: str,
+    tgt: dict,
+    *,
+    description: str = "",
+    first: tuple[str, ...] = ALERT_COLUMNS,
+    hidden: tuple[str, ...] = ALERT_HIDDEN,
+    rename: dict[str, str] | None = None,
+    sort_desc: str | None = None,
+) -> dict:
+    """A table of series, one row each: the ``first`` columns leftmost, ``hidden`` ones left out,
+    columns renamed by ``rename``, rows sorted by column ``sort_desc`` (its shown name),
+    largest first. The defaults make a table of alert series (time and value hidden).
 
     >>> table("alerts", target("ALERTS", fmt="table", instant=True))["transformations"][0]["id"]
     'organize'
+    >>> t = table("top", target("up", fmt="table", instant=True), first=("rank",), hidden=("Time",),
+    ...           rename={"Value": "z"}, sort_desc="z")
+    >>> t["options"]["sortBy"], t["transformations"][0]["options"]["renameByName"]
+    ([{'displayName': 'z', 'desc': True}], {'Value': 'z'})
     """
+    options: dict[str, object] = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
+    if sort_desc:
+        options["sortBy"] = [{"displayName": sort_desc, "desc": True}]
     return _panel(
         "table",
         title,
         description,
         [tgt],
         fieldConfig={"defaults": {"custom": {"align": "auto"}}, "overrides": []},
-        options={"showHeader": True, "cellHeight": "sm", "footer": {"show": False}},
+        options=options,
         transformations=[
             {
                 "id": "organize",
                 "options": {
-                    "excludeByName": {
-                        "Time": True,
-                        "Value": True,
-                        "__name__": True,
-                        "job": True,
-                        "alertstate": True,
-                    },
-                    "indexByName": {"alertname": 0, "severity": 1, "run_id": 2},
+                    "excludeByName": dict.fromkeys(hidden, True),
+                    "indexByName": {name: i for i, name in enumerate(first)},
+                    "renameByName": rename or {},
                 },
             }
         ],
