@@ -104,6 +104,28 @@ def test_the_metrics_table_renders_every_declaration():
         assert cells[3].replace("\\|", "|") == spec.help
 
 
+def test_the_sizing_table_is_what_series_count_prints():
+    """docs/deployment.md's series counts are benchmarks/series_count.py's (real /metrics bodies), and
+    a node's endpoint serves each per-rank family of METRICS once per rank of the node."""
+    from distmon.prometheus_exporter import RANK_LABELS
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "series_count.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if re.match(r"\| [0-9]", line)]
+    assert [r.split(" | ")[0] for r in rows] == ["| 8", "| 1,024", "| 16,384"], out.stdout
+    page = _page("deployment.md")
+    for row in rows:
+        assert row in page, f"docs/deployment.md's sizing table is stale; python benchmarks/series_count.py:\n{row}"
+    per_rank_families = sum(spec.labels == RANK_LABELS for spec in METRICS.values())
+    assert rows[1].split(" | ")[3].startswith(f"{per_rank_families * 8} / "), rows[1]
+
+
 def test_the_hop_table_has_one_copy_and_names_code_that_exists():
     """tracker.py's docstring holds the one hand-written bucket-to-gauge table: no other file copies it
     (docs/how-it-works.md renders it), and every ``Class.method`` it names exists."""
