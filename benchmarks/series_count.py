@@ -5,11 +5,12 @@ fed one measured step of a job of ``--gpus`` GPUs, ``--gpus-per-node`` per node,
 ``--layers`` layer groups (default 128, the ``max_layers`` cap) and the other options at their
 defaults (no noise scale, activations or update ratios, unless ``--all-options``: then
 ``batch_size=``, ``update_ratio=True`` and ``activations=`` watching one module per layer
-group; the detector on, so every rank of a group of >= 3 has an outlier score). It counts the samples (one series each) and the bytes of
-each body, as served with ``serve="node"`` (every node's local rank 0 serves its ranks'
-series, global rank 0 also the job-wide ones) and with ``serve="rank0"`` (one endpoint for
-everything). Prometheus adds 5 series per target (``up``, ``scrape_duration_seconds``,
-``scrape_samples_scraped``, ``scrape_samples_post_metric_relabeling``, ``scrape_series_added``).
+group; the detector on, so every rank of a group of >= 3 has an outlier score). It counts the
+samples (one series each) and the bytes of each body, as served with ``serve="node"`` (every
+node's local rank 0 serves its ranks' series, global rank 0 also the job-wide ones) and with
+``serve="rank0"`` (one endpoint for everything). Prometheus adds 5 series per target (``up``,
+``scrape_duration_seconds``, ``scrape_samples_scraped``, ``scrape_samples_post_metric_relabeling``,
+``scrape_series_added``).
 The recording rules of ``deploy/prometheus/rules/distmon-recording.yml`` add their own series:
 those of the rank comparison are counted from the rules' shapes (per rank, per peer group,
 top k per run; DDP: one peer group).
@@ -30,6 +31,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -42,7 +44,7 @@ from distmon.prometheus_exporter import GradCollector, MetricsAggregate  # noqa:
 from distmon.snapshot import Snapshot  # noqa: E402
 
 RULES = os.path.join(ROOT, "deploy", "prometheus", "rules", "distmon-recording.yml")
-SCRAPE_SERIES = 5  # up, scrape_duration_seconds, scrape_samples_scraped, ..._post_metric_relabeling, ..._series_added
+SCRAPE_SERIES = 5  # Prometheus' own per target: up, scrape_duration_seconds, scrape_samples_* ...
 RUN_ID = "llm-pretrain-2025-06-01-a"
 
 
@@ -92,11 +94,12 @@ def _body(
     return Body(samples, len(generate_latest(reg)))
 
 
-def recorded_rank_series(world: int, groups: int = 1) -> int:
-    """Series the group distmon-rank-comparison records for one run: a rule ending in a
-    ``topk by (run_id) (k, ...)`` records k, one aggregating ``by`` the peer-group labels
-    (without ``rank``) one per group, any other one per rank."""
-    (group,) = [g for g in yaml.safe_load(open(RULES))["groups"] if g["name"] == "distmon-rank-comparison"]
+def recorded_rank_series(world: int) -> int:
+    """Series the group distmon-rank-comparison records for one DDP run (one peer group): a
+    ``topk by (run_id) (k, ...)`` rule records k, a rule aggregating ``by`` labels without
+    ``rank`` one per peer group, any other one per rank."""
+    groups = yaml.safe_load(Path(RULES).read_text())["groups"]
+    (group,) = [g for g in groups if g["name"] == "distmon-rank-comparison"]
     total = 0
     for rule in group["rules"]:
         expr = rule["expr"].strip()
@@ -104,7 +107,7 @@ def recorded_rank_series(world: int, groups: int = 1) -> int:
         if topk:
             total += min(int(topk[1]), world)
         elif re.match(r"(quantile|count|sum|max|min) by \((?![^)]*\brank\b)", expr):
-            total += groups
+            total += 1
         else:
             total += world
     return total
@@ -114,7 +117,11 @@ def row(gpus: int, per_node: int, layers: int, options: bool) -> dict[str, int]:
     ranks = [_rank(r, per_node) for r in range(gpus)]
     nodes = max(1, gpus // per_node)
     rank0 = _body(gpus, layers, True, tuple(ranks[:per_node]), "node", options)
-    other = _body(gpus, layers, False, tuple(ranks[per_node : 2 * per_node]), "node", options) if nodes > 1 else None
+    other = (
+        _body(gpus, layers, False, tuple(ranks[per_node : 2 * per_node]), "node", options)
+        if nodes > 1
+        else None
+    )
     single = _body(gpus, layers, True, tuple(ranks), "rank0", options)
     node_job = rank0.series + (nodes - 1) * (other.series if other else 0)
     return {
@@ -135,8 +142,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 1024, 16384])
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=128, help="layer groups (max_layers caps them; default 128)")
-    ap.add_argument("--all-options", action="store_true", help="batch_size=, update_ratio=True, activations= on")
+    ap.add_argument(
+        "--layers", type=int, default=128, help="layer groups (max_layers caps them; default 128)"
+    )
+    ap.add_argument(
+        "--all-options", action="store_true", help="batch_size=, update_ratio=True, activations= on"
+    )
     args = ap.parse_args()
     print(
         f"{args.gpus_per_node} GPUs per node, {args.layers} layers, "
@@ -145,7 +156,7 @@ def main() -> int:
     )
     print(
         "| GPUs | nodes = targets | rank 0's endpoint: series / bytes | any other node's endpoint: "
-        "series / bytes | whole job, serve=\"node\": series | serve=\"rank0\": one endpoint, "
+        'series / bytes | whole job, serve="node": series | serve="rank0": one endpoint, '
         "series / bytes | recorded by the rank comparison |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -154,7 +165,8 @@ def main() -> int:
         other = f"{r['node_series']:,} / {r['node_bytes']:,}" if r["node_series"] else "-"
         print(
             f"| {gpus:,} | {r['nodes']:,} | {r['rank0_series']:,} / {r['rank0_bytes']:,} | {other} | "
-            f"{r['job_series']:,} | {r['rank0_only_series']:,} / {r['rank0_only_bytes']:,} | {r['recorded']:,} |"
+            f"{r['job_series']:,} | {r['rank0_only_series']:,} / {r['rank0_only_bytes']:,} | "
+            f"{r['recorded']:,} |"
         )
     return 0
 

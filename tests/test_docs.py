@@ -121,7 +121,7 @@ def test_the_sizing_table_is_what_series_count_prints():
     assert [r.split(" | ")[0] for r in rows] == ["| 8", "| 1,024", "| 16,384"], out.stdout
     page = _page("deployment.md")
     for row in rows:
-        assert row in page, f"docs/deployment.md's sizing table is stale; python benchmarks/series_count.py:\n{row}"
+        assert row in page, f"docs/deployment.md's sizing table is stale (benchmarks/series_count.py):\n{row}"
     per_rank_families = sum(spec.labels == RANK_LABELS for spec in METRICS.values())
     assert rows[1].split(" | ")[3].startswith(f"{per_rank_families * 8} / "), rows[1]
 
