@@ -77,6 +77,7 @@ __all__ = [
     "describe_skips",
     "describe_runs",
     "describe_ranks",
+    "describe_spans",
     "NodeLog",
     "PER_RANK",
     "MAX_LAYERS",
@@ -248,7 +249,7 @@ def describe_ranks(ranks: Sequence[int], limit: int = 16) -> str:
         >>> describe_ranks(range(0, 40, 2), limit=3)
         '0, 2, 4 (17 more ranges)'
     """
-    return _describe_spans(_spans(ranks), limit)
+    return describe_spans(_spans(ranks), limit)
 
 
 def _spans(ranks: Sequence[int]) -> list[tuple[int, int]]:
@@ -262,7 +263,13 @@ def _spans(ranks: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _describe_spans(spans: Sequence[tuple[int, int]], limit: int = 16) -> str:
+def describe_spans(spans: Sequence[tuple[int, int]], limit: int = 16) -> str:
+    """(first, last) runs of ranks as text, the first ``limit`` shown.
+
+    Example:
+        >>> describe_spans([(0, 3), (9, 9)])
+        '0-3, 9'
+    """
     text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:limit])
     return text + (f" ({len(spans) - limit} more ranges)" if len(spans) > limit else "")
 
