@@ -488,7 +488,8 @@ class Run:
     @staticmethod
     def _rank_row(parts: Sequence[tuple[int, dict[str, object]]], covered: list[Sequence[int]]) -> tuple[array, int]:
         """This step's local norms of the first MAX_RANKS global ranks (NaN where no line had
-        one), and the highest rank with a norm plus one."""
+        one), and how many ranks they are of: the world size, or the highest rank with a norm
+        plus one; none when no line has a norm (no local figure can be read)."""
         row = array("d")
         top = 0
         for (_, line), ranks in zip(parts, covered):
@@ -499,6 +500,8 @@ class Run:
                         row.extend(array("d", [math.nan]) * (r + 1 - len(row)))
                     if math.isnan(row[r]):  # two lines with one rank: the lowest-ranked line's
                         row[r] = as_float(v)
+        if top:  # the ranks after the last one reported (a node log missing) are NaN too
+            top = max(top, parts[0][1].get("world_size", 0))
         row.extend(array("d", [math.nan]) * (min(top, MAX_RANKS) - len(row)))
         return row, top
 
@@ -711,15 +714,18 @@ def _steps(files: list[Iterator[_Line]]) -> Iterator[list[tuple[int, _Line]]]:
     """The lines of every file, one step at a time: (file index, line) of each file holding it,
     the one with the lowest ranks first.
 
-    Every file's lines are in its own order; of the files' next lines, the earliest (timestamp,
-    then file order) gives the segment, and of that segment's next lines the lowest step goes.
+    Every file's lines are in its own order, a segment's lines together: a segment goes on while
+    some file's next line is in it; then the earliest of the files' next lines (timestamp, then
+    file order) gives the next segment. Of the segment's next lines, the lowest step goes.
     """
     heads = [next(f, None) for f in files]
+    segment: tuple[str, int, int] | None = None
     while True:
         live = [(i, h) for i, h in enumerate(heads) if h is not None]
         if not live:
             return
-        segment = min(live, key=lambda ih: (ih[1].timestamp, ih[0]))[1].segment
+        if all(h.segment != segment for _, h in live):
+            segment = min(live, key=lambda ih: (ih[1].timestamp, ih[0]))[1].segment
         step = min(h.step for _, h in live if h.segment == segment)
         parts = [(i, h) for i, h in live if h.segment == segment and h.step == step]
         for i, _ in parts:
