@@ -153,12 +153,23 @@ _FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     "timestamp": (_is_num, "a number"),
     "rank_grad_norms": (_is_nums, "a list of numbers"),
-    "rank_valid": (lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v), "a list of true/false"),
-    "rank_monitor_errors": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of integers >= 0"),
+    "rank_valid": (
+        lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v),
+        "a list of true/false",
+    ),
+    "rank_monitor_errors": (
+        lambda v: isinstance(v, list) and all(map(_is_int, v)),
+        "a list of integers >= 0",
+    ),
     "rank_outlier_scores": (_is_nums, "a list of numbers"),
-    "nonfinite_ranks": (lambda v: isinstance(v, list) and all(_is_int(x) and x < MAX_RANK_ID for x in v), "a list of ranks"),
+    "nonfinite_ranks": (
+        lambda v: isinstance(v, list) and all(_is_int(x) and x < MAX_RANK_ID for x in v),
+        "a list of ranks",
+    ),
     "ranks": (
-        lambda v: isinstance(v, list) and all(_is_int(x) and x < MAX_RANK_ID for x in v) and len(set(v)) == len(v),
+        lambda v: (
+            isinstance(v, list) and all(_is_int(x) and x < MAX_RANK_ID for x in v) and len(set(v)) == len(v)
+        ),
         f"a list of distinct ranks (integers 0..{MAX_RANK_ID - 1})",
     ),
     "node": (_is_int, "an integer >= 0"),
@@ -462,7 +473,9 @@ class Run:
             if all(row is None for row in rows):
                 return None, []
             blank = array("d", [math.nan]) * (len(self.columns) + 1)
-            return [blank if row is None else row for row in rows], [r for r, row in enumerate(rows) if row is None]
+            return [blank if row is None else row for row in rows], [
+                r for r, row in enumerate(rows) if row is None
+            ]
 
         events = snap.get("events", [])
         self.event_counts.append(len(events))
@@ -486,7 +499,9 @@ class Run:
             self.worst_norm = _Worst(step, norm, *matrix())
 
     @staticmethod
-    def _rank_row(parts: Sequence[tuple[int, dict[str, object]]], covered: list[Sequence[int]]) -> tuple[array, int]:
+    def _rank_row(
+        parts: Sequence[tuple[int, dict[str, object]]], covered: list[Sequence[int]]
+    ) -> tuple[array, int]:
         """This step's local norms of the first MAX_RANKS global ranks (NaN where no line had
         one), and how many ranks they are of: the world size, or the highest rank with a norm
         plus one; none when no line has a norm (no local figure can be read)."""
@@ -517,7 +532,9 @@ class Run:
                 values.extend(array("q", [0]) * more)
         return True
 
-    def _per_rank(self, step: int, parts: Sequence[tuple[int, dict[str, object]]], covered: list[Sequence[int]]) -> None:
+    def _per_rank(
+        self, step: int, parts: Sequence[tuple[int, dict[str, object]]], covered: list[Sequence[int]]
+    ) -> None:
         """Each node log's lines and ranks; each rank's run-long figures; the ranks missing."""
         seen: set[int] = set()
         for (index, line), ranks in zip(parts, covered):
@@ -779,7 +796,9 @@ def read_log(
         _allow_open_files(len(paths))
     with ExitStack() as files:
         streams = [
-            _checked(files.enter_context(open(p, "rb")), log, p if len(paths) > 1 else None, max_line_bytes, skip)
+            _checked(
+                files.enter_context(open(p, "rb")), log, p if len(paths) > 1 else None, max_line_bytes, skip
+            )
             for p, log in zip(paths, logs)
         ]
         for parts in _steps(streams):
@@ -811,7 +830,8 @@ def read_log(
     runs: list[RunSpan | None] = [*head, *([None] if span.index > len(head) + len(tail) else []), *tail]
     if kept is None:
         wanted = f"no run {run_id!r}" if run_index is None else f"no run #{run_index}"
-        raise LogError(f"{wanted} in {shown}; {'it holds' if len(paths) == 1 else 'they hold'} {describe_runs(runs, span.index)}")
+        holds = "it holds" if len(paths) == 1 else "they hold"
+        raise LogError(f"{wanted} in {shown}; {holds} {describe_runs(runs, span.index)}")
     return LogRead(
         run=kept,
         runs=runs,

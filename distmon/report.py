@@ -170,10 +170,9 @@ def _ranks_section(log: LogRead) -> list[str]:
     run = log.run
     lines = [f"- world size {run.world_size}; {len(log.logs)} log{'s' if len(log.logs) > 1 else ''} read"]
     lines += ["", "| log | node | ranks | lines of this run |", "|---|---:|---|---:|"]
-    lines += [
-        f"| {_cell(node_log.path)} | {run.log_nodes.get(i, '-')} | {run.log_ranks.get(i, '-')} | {run.log_lines[i]} |"
-        for i, node_log in enumerate(log.logs[:LISTED_LOGS])
-    ]
+    for i, node_log in enumerate(log.logs[:LISTED_LOGS]):
+        node, ranks = run.log_nodes.get(i, "-"), run.log_ranks.get(i, "-")
+        lines.append(f"| {_cell(node_log.path)} | {node} | {ranks} | {run.log_lines[i]} |")
     if len(log.logs) > LISTED_LOGS:
         lines.append(f"| ({len(log.logs) - LISTED_LOGS} more) | | | |")
     lines.append("")
@@ -199,13 +198,19 @@ def _ranks_section(log: LogRead) -> list[str]:
             lines.append(f"- {what}{more}: " + ", ".join(f"rank {r} at {values[r]} steps" for r in top))
     top = _top(run.rank_errors)
     if top:
-        lines.append("- monitor errors at the end: " + ", ".join(f"rank {r}: {run.rank_errors[r]}" for r in top))
+        lines.append(
+            "- monitor errors at the end: " + ", ".join(f"rank {r}: {run.rank_errors[r]}" for r in top)
+        )
     if run.untracked_ranks:
         lines.append(f"- ranks past {len(run.rank_score):,} are not in these per-rank figures")
     scored = [r for r in range(len(run.rank_score)) if not math.isnan(run.rank_score[r])]
     if scored:
         top = sorted(scored, key=lambda r: -run.rank_score[r])[:LISTED]
-        lines += ["", f"Most outlying ranks (largest `rank_outlier_score` of the run, {len(top)} of {len(scored)}):", ""]
+        lines += [
+            "",
+            f"Most outlying ranks (largest `rank_outlier_score` of the run, {len(top)} of {len(scored)}):",
+            "",
+        ]
         lines += ["| rank | largest outlier score | at step |", "|---:|---:|---:|"]
         lines += [f"| {r} | {run.rank_score[r]:.4g} | {run.rank_score_step[r]} |" for r in top]
     return lines
@@ -281,7 +286,9 @@ def write_report(log: LogRead, out_dir: str) -> list[str]:
         im = ax.imshow(logs, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(layers)), layers, rotation=90, fontsize=7)
         absent = set(worst.missing)  # no log reported these ranks: not a non-finite gradient
-        ax.set_yticks(range(len(m)), [f"rank {r}" + (" (no log)" if r in absent else "") for r in range(len(m))])
+        ax.set_yticks(
+            range(len(m)), [f"rank {r}" + (" (no log)" if r in absent else "") for r in range(len(m))]
+        )
         bad = np.argwhere(~np.isfinite(m) & ~np.isin(np.arange(len(m)), list(absent))[:, None])
         for r, c in bad[:MARKED_CELLS]:
             label = "NaN" if math.isnan(m[r, c]) else "Inf"
@@ -343,9 +350,7 @@ def expand_logs(paths: Sequence[str]) -> list[str]:
     files: list[str] = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(
-                e.path for e in os.scandir(path) if e.name.endswith(".jsonl") and e.is_file()
-            )
+            found = sorted(e.path for e in os.scandir(path) if e.name.endswith(".jsonl") and e.is_file())
             if not found:
                 raise LogError(f"no *.jsonl file in the directory {path}")
             files += found
@@ -412,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"distmon report: {describe_skips(log.skipped, log.first_skipped)}")
     idle = [node_log.path for i, node_log in enumerate(log.logs) if not run.log_lines[i]]
     if idle:
-        print(f"distmon report: no line of run #{run.span.index} in {', '.join(idle[:8])}{' ...' if len(idle) > 8 else ''}")
+        more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
+        print(f"distmon report: no line of run #{run.span.index} in {', '.join(idle[:8])}{more}")
     for said in missing_ranks(run):
         print(f"distmon report: missing from the logs: {said}")
     if run.disagreements:
