@@ -8,6 +8,7 @@ the median peak resident memory (``ru_maxrss`` of the child).
 
     python benchmarks/report_scale.py                          # 3,000 layers x 8 ranks x 200 steps
     python benchmarks/report_scale.py --steps 20 --huge-layers 4000000
+    python benchmarks/report_scale.py --nodes 4       # the same job as 4 node logs (run.node<n>.jsonl)
     python benchmarks/report_scale.py --root /tmp/old   # another checkout's distmon, e.g.
         # git archive 9667105 | tar -x -C /tmp/old   (the report before the bounded reader)
 """
@@ -60,13 +61,38 @@ def huge_line(step: int, layers: int, run_id: str = "scale") -> bytes:
     return (head + ", ".join(body) + "}}\n").encode()
 
 
-def write_log(path: str, layers: int, ranks: int, steps: int, huge_layers: int) -> None:
+def node_lines(line: str, nodes: int) -> list[str]:
+    """``line`` (of the whole job) as each of ``nodes`` nodes' logs hold it: the job-wide fields
+    and its ranks' entries of the per-rank lists, with ``"ranks"`` and ``"node"``."""
+    snap = json.loads(line)
+    world = len(snap["rank_grad_norms"])
+    parts = []
+    for n in range(nodes):
+        ranks = list(range(n * world // nodes, (n + 1) * world // nodes))
+        part = dict(snap, ranks=ranks, node=n)
+        for name in ("rank_grad_norms", "rank_layer_grad_norms"):
+            part[name] = [snap[name][r] for r in ranks]
+        parts.append(json.dumps(part) + "\n")
+    return parts
+
+
+def write_log(path: str, layers: int, ranks: int, steps: int, huge_layers: int, nodes: int = 1) -> list[str]:
+    """Write the log (``nodes`` > 1: one per node, ``<stem>.node<n>.jsonl``); returns the files."""
     rng = random.Random(0)
-    with open(path, "wb") as f:
+    stem = path[: -len(".jsonl")]
+    paths = [path] + [f"{stem}.node{n}.jsonl" for n in range(1, nodes)]
+    files = [open(p, "wb") for p in paths]
+    try:
         for step in range(1, steps + 1):
-            f.write(snapshot_line(step, layers, ranks, rng).encode())
+            line = snapshot_line(step, layers, ranks, rng)
+            for f, part in zip(files, node_lines(line, nodes) if nodes > 1 else [line]):
+                f.write(part.encode())
         if huge_layers:
-            f.write(huge_line(steps + 1, huge_layers))
+            files[0].write(huge_line(steps + 1, huge_layers))
+    finally:
+        for f in files:
+            f.close()
+    return paths
 
 
 # Runs in a fresh process: its only child is the report, so RUSAGE_CHILDREN is that run's peak.
@@ -85,9 +111,9 @@ print(json.dumps({"wall": wall, "rss": rss, "rc": rc, "tail": text.strip().split
 """
 
 
-def run_report(log: str, out: str, timeout: float, root: str = ROOT) -> dict[str, Any]:
+def run_report(log: str | list[str], out: str, timeout: float, root: str = ROOT) -> dict[str, Any]:
     """Wall seconds, peak RSS (MiB), exit code and last output line of one report run."""
-    cmd = [sys.executable, "-m", "distmon", "report", log, "-o", out]
+    cmd = [sys.executable, "-m", "distmon", "report", *([log] if isinstance(log, str) else log), "-o", out]
     proc = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(timeout), *cmd],
         cwd=root,
@@ -104,20 +130,22 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--huge-layers", type=int, default=0, help="a last line with this many layers")
+    parser.add_argument("--nodes", type=int, default=1, help="write the job as this many node logs")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--root", default=ROOT, help="the checkout whose distmon runs (default: this one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "run.jsonl")
-        write_log(log, args.layers, args.ranks, args.steps, args.huge_layers)
-        size = os.path.getsize(log) / 2**20
+        logs = write_log(log, args.layers, args.ranks, args.steps, args.huge_layers, args.nodes)
+        size = sum(map(os.path.getsize, logs)) / 2**20
         outs = [os.path.join(tmp, f"r{i}") for i in range(args.repeat)]
-        runs = [run_report(log, out, args.timeout, args.root) for out in outs]
+        runs = [run_report(logs, out, args.timeout, args.root) for out in outs]
     walls = [r["wall"] for r in runs]
     rss = [r["rss"] for r in runs]
     print(
         f"log: {args.steps} steps x {args.layers} layers x {args.ranks} ranks"
+        + (f" in {args.nodes} node logs" if args.nodes > 1 else "")
         + (f" + a last line of {args.huge_layers:,} layers" if args.huge_layers else "")
         + f", {size:.1f} MiB"
     )

@@ -1,4 +1,4 @@
-"""``python -m distmon report RUN.jsonl -o DIR`` (see :mod:`distmon.report`)."""
+"""``python -m distmon report LOG... -o DIR`` (see :mod:`distmon.report`)."""
 
 import sys
 

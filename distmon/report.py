@@ -1,8 +1,11 @@
-"""``python -m distmon report RUN.jsonl -o DIR``: pictures and a summary of one run of a JSONL log.
+"""``python -m distmon report LOG... -o DIR``: pictures and a summary of one run of a JSONL log.
 
-Reads the log ``log_path=`` wrote (:mod:`distmon.log_reader`: one run of it, the latest unless
-``--run-id ID`` or ``--run N`` picks another; malformed lines skipped and counted by reason;
-memory bounded) and writes, with matplotlib (``pip install distmon[report]``):
+Reads the log ``log_path=`` wrote, or the node logs of one job together (several files and/or
+directories, every ``*.jsonl`` directly in a directory: ``run.jsonl`` and the ``run.node<n>.jsonl``
+each node's serving rank writes beside it), as :mod:`distmon.log_reader` reads them: one run,
+the latest unless ``--run-id ID`` or ``--run N`` picks another; each step's per-rank figures
+from every node log, placed by global rank; malformed lines skipped and counted by reason;
+memory bounded. Writes, with matplotlib (``pip install distmon[report]``):
 
 - ``global_norm.png``: the global gradient norm over steps, anomaly events marked;
 - ``layer_heatmap.png``: layer x step, log10 of each layer's norm (the first 127 layers, the
@@ -12,7 +15,10 @@ memory bounded) and writes, with matplotlib (``pip install distmon[report]``):
 - ``rank_norms.png``: the local norm of each of the first 64 ranks over steps;
 - ``noise_scale.png``: the gradient noise scale over steps (when the run had ``batch_size``);
 - ``summary.md``: steps, events (step, kind, rank, layer), the first non-finite step, skips,
-  monitor errors, the runs the log holds, the lines skipped and why.
+  monitor errors, the runs the log holds, the lines skipped and why; the ranks: world size, the
+  node logs read (node, ranks, lines), the ranks no node log reported, steps where node logs
+  disagree on job-wide figures, and per rank over the run (every rank, not only the drawn
+  ones): non-finite and unmeasured steps, monitor errors, the most outlying ranks.
 
 A log that cannot be reported (missing, empty, no valid snapshot, no such run) or an output
 directory that cannot be written is one line on stderr and exit code 2. Neither this module nor
@@ -41,6 +47,7 @@ from .log_reader import (
     as_float,
     describe_runs,
     describe_skips,
+    describe_spans,
     read_log,
 )
 
@@ -48,10 +55,12 @@ if TYPE_CHECKING:  # numpy and matplotlib are imported when a report is drawn, n
     import numpy as np
     from matplotlib.figure import Figure
 
-__all__ = ["write_report", "summary", "main"]
+__all__ = ["write_report", "summary", "expand_logs", "main"]
 
 HEATMAP_COLUMNS = 2000  # steps per heatmap row before steps are binned
 MARKED_CELLS = 200  # non-finite cells of the rank x layer picture labelled "NaN"/"Inf"
+LISTED = 10  # ranks named per per-rank list of the summary
+LISTED_LOGS = 64  # node logs in the summary's table
 
 
 def _grid(rows: Sequence[array], width: int) -> np.ndarray:
@@ -113,6 +122,7 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
         )
     if log.skipped:
         lines.append(f"- lines of the log: {describe_skips(log.skipped, log.first_skipped)}")
+    lines += ["", "## Ranks", "", *_ranks_section(log)]
     shown = f"the first {len(run.events)} of " if run.event_count > len(run.events) else ""
     lines += ["", f"## Events ({shown}{run.event_count})", ""]
     if run.events:
@@ -126,6 +136,84 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
         lines.append("none")
     lines += ["", "## Pictures", ""] + [f"![{p}]({p})" for p in pictures]
     return "\n".join(lines) + "\n"
+
+
+def _top(values: array, n: int = LISTED) -> list[int]:
+    """The ranks with the ``n`` largest positive values, largest first (lowest rank on a tie)."""
+    return [r for r in sorted(range(len(values)), key=lambda r: -values[r]) if values[r] > 0][:n]
+
+
+def missing_ranks(run: Run) -> list[str]:
+    """The ranks no node log reported, each set with its steps, as sentences.
+
+    Example:
+        >>> from distmon.log_reader import RunSpan
+        >>> run = Run(RunSpan(1, "r", 1, 9))
+        >>> run.steps.extend([1, 2]); run.missing[((2, 3),)] = 2; run.missing_first[((2, 3),)] = 1
+        >>> missing_ranks(run)
+        ['ranks 2-3 at 2 of 2 steps (from step 1)']
+    """
+    said = []
+    for gaps, steps in run.missing.most_common():
+        many = len(gaps) > 1 or gaps[0][0] != gaps[0][1]
+        said.append(
+            f"rank{'s' if many else ''} {describe_spans(gaps)} at {steps} of {len(run.steps)} steps "
+            f"(from step {run.missing_first[gaps]})"
+        )
+    if run.missing_other:
+        said.append(f"other ranks at {run.missing_other} more steps")
+    return said
+
+
+def _ranks_section(log: LogRead) -> list[str]:
+    """The summary's ranks: world size, node logs, missing ranks, disagreements, per-rank figures."""
+    run = log.run
+    lines = [f"- world size {run.world_size}; {len(log.logs)} log{'s' if len(log.logs) > 1 else ''} read"]
+    lines += ["", "| log | node | ranks | lines of this run |", "|---|---:|---|---:|"]
+    for i, node_log in enumerate(log.logs[:LISTED_LOGS]):
+        node, ranks = run.log_nodes.get(i, "-"), run.log_ranks.get(i, "-")
+        lines.append(f"| {_cell(node_log.path)} | {node} | {ranks} | {run.log_lines[i]} |")
+    if len(log.logs) > LISTED_LOGS:
+        lines.append(f"| ({len(log.logs) - LISTED_LOGS} more) | | | |")
+    lines.append("")
+    missing = missing_ranks(run)
+    if missing:
+        lines.append(
+            "- **ranks missing** (no log read reported them; their figures are NaN and not valid): "
+            + "; ".join(missing)
+        )
+    if run.disagreements:
+        fields = ", ".join(f"`{f}`" for f in run.disagree_fields)
+        lines.append(
+            f"- **node logs disagree** on job-wide fields at {run.disagreements} steps (first: step "
+            f"{run.disagree_first}; {fields}): the line with the lowest ranks (node 0's) is reported"
+        )
+    for values, what in (
+        (run.rank_nonfinite, "non-finite local gradient"),
+        (run.rank_invalid, "local figures not measured (`rank_valid` false)"),
+    ):
+        top = _top(values)
+        if top:
+            more = f" (the {len(top)} with the most)" if sum(v > 0 for v in values) > len(top) else ""
+            lines.append(f"- {what}{more}: " + ", ".join(f"rank {r} at {values[r]} steps" for r in top))
+    top = _top(run.rank_errors)
+    if top:
+        lines.append(
+            "- monitor errors at the end: " + ", ".join(f"rank {r}: {run.rank_errors[r]}" for r in top)
+        )
+    if run.untracked_ranks:
+        lines.append(f"- ranks past {len(run.rank_score):,} are not in these per-rank figures")
+    scored = [r for r in range(len(run.rank_score)) if not math.isnan(run.rank_score[r])]
+    if scored:
+        top = sorted(scored, key=lambda r: -run.rank_score[r])[:LISTED]
+        lines += [
+            "",
+            f"Most outlying ranks (largest `rank_outlier_score` of the run, {len(top)} of {len(scored)}):",
+            "",
+        ]
+        lines += ["| rank | largest outlier score | at step |", "|---:|---:|---:|"]
+        lines += [f"| {r} | {run.rank_score[r]:.4g} | {run.rank_score_step[r]} |" for r in top]
+    return lines
 
 
 def write_report(log: LogRead, out_dir: str) -> list[str]:
@@ -197,8 +285,11 @@ def write_report(log: LogRead, out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(layers) + 2), max(2.5, 0.4 * len(m) + 1.5)))
         im = ax.imshow(logs, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(layers)), layers, rotation=90, fontsize=7)
-        ax.set_yticks(range(len(m)), [f"rank {r}" for r in range(len(m))])
-        bad = np.argwhere(~np.isfinite(m))
+        absent = set(worst.missing)  # no log reported these ranks: not a non-finite gradient
+        ax.set_yticks(
+            range(len(m)), [f"rank {r}" + (" (no log)" if r in absent else "") for r in range(len(m))]
+        )
+        bad = np.argwhere(~np.isfinite(m) & ~np.isin(np.arange(len(m)), list(absent))[:, None])
         for r, c in bad[:MARKED_CELLS]:
             label = "NaN" if math.isnan(m[r, c]) else "Inf"
             ax.text(c, r, label, ha="center", va="center", color="red", fontsize=7)
@@ -243,12 +334,52 @@ def _positive(text: str) -> int:
     return value
 
 
+def expand_logs(paths: Sequence[str]) -> list[str]:
+    """The files to read: each path given, a directory standing for every ``*.jsonl`` directly
+    in it (sorted); a file given twice is read once. Raises :class:`LogError` for a directory
+    without one.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> for name in ("run.jsonl", "run.node1.jsonl", "notes.txt"):
+        ...     open(os.path.join(d, name), "w").close()
+        >>> [os.path.basename(p) for p in expand_logs([d])]
+        ['run.jsonl', 'run.node1.jsonl']
+    """
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(e.path for e in os.scandir(path) if e.name.endswith(".jsonl") and e.is_file())
+            if not found:
+                raise LogError(f"no *.jsonl file in the directory {path}")
+            files += found
+        else:
+            files.append(path)
+    seen: set[str] = set()
+    return [p for p in files if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m distmon report RUN.jsonl -o DIR [--run-id ID | --run N]``."""
+    """Command line: ``python -m distmon report LOG... -o DIR [--run-id ID | --run N]``."""
     parser = argparse.ArgumentParser(prog="python -m distmon", description="distmon tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="pictures and a summary of a run's JSONL log (log_path=)")
-    rep.add_argument("log", help="the JSONL file distmon wrote (log_path / DISTMON_LOG_PATH)")
+    rep = sub.add_parser(
+        "report",
+        help="pictures and a summary of a run's JSONL log (log_path=)",
+        description="Pictures and a summary of one run of a JSONL log (log_path=). Several files "
+        "and directories are read together as the node logs of one job (run.jsonl and the "
+        "run.node<n>.jsonl beside it): each step's per-rank figures come from every node log, "
+        "the ranks no log reported are named. Logs of several runs (a job restarted into the "
+        "same files, or unrelated logs given together) are listed and the latest run is reported.",
+    )
+    rep.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="the JSONL file distmon wrote (log_path / DISTMON_LOG_PATH), or several node logs of one "
+        "job; a directory stands for every *.jsonl directly in it (not in its subdirectories)",
+    )
     rep.add_argument("-o", "--out", default="distmon-report", help="output directory (default: %(default)s)")
     which = rep.add_mutually_exclusive_group()
     which.add_argument("--run-id", help="report the latest run with this run_id (default: the latest run)")
@@ -268,19 +399,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if importlib.util.find_spec("matplotlib") is None:  # said before a long read, imported after it
         return fail("the report needs matplotlib: pip install 'distmon[report]'")
     try:
-        log = read_log(args.log, args.run_id, args.run, max(1, int(args.max_line_mib * 2**20)))
+        paths = expand_logs(args.logs)
+        log = read_log(paths, args.run_id, args.run, max(1, int(args.max_line_mib * 2**20)))
     except LogError as e:
         return fail(str(e))
     except OSError as e:
-        return fail(f"cannot read {args.log}: {e.strerror or e}")
+        return fail(f"cannot read {e.filename or ' '.join(args.logs)}: {e.strerror or e}")
+    run = log.run
     if log.run_count > 1:
+        held = paths[0] if len(paths) == 1 else f"the {len(paths)} logs"
         print(
-            f"distmon report: {args.log} holds {log.run_count} runs: "
+            f"distmon report: {held} hold{'s' if len(paths) == 1 else ''} {log.run_count} runs: "
             f"{describe_runs(log.runs, log.run_count)}; "
-            f"reporting #{log.run.span.index} (--run-id ID or --run N picks another)"
+            f"reporting #{run.span.index} (--run-id ID or --run N picks another)"
         )
     if log.skipped:
         print(f"distmon report: {describe_skips(log.skipped, log.first_skipped)}")
+    idle = [node_log.path for i, node_log in enumerate(log.logs) if not run.log_lines[i]]
+    if idle:
+        more = f" and {len(idle) - 8} more" if len(idle) > 8 else ""
+        print(f"distmon report: no line of run #{run.span.index} in {', '.join(idle[:8])}{more}")
+    for said in missing_ranks(run):
+        print(f"distmon report: missing from the logs: {said}")
+    if run.disagreements:
+        print(
+            f"distmon report: the node logs disagree on job-wide fields at {run.disagreements} steps "
+            f"(first: step {run.disagree_first}); node 0's are reported"
+        )
     try:
         files = write_report(log, args.out)
     except OSError as e:

@@ -6,6 +6,8 @@ thousands of layers, every unusable input is one line on stderr and exit code 2,
 the report nor ``import distmon`` imports torch.
 """
 
+import contextlib
+import json
 import math
 import os
 import random
@@ -17,15 +19,17 @@ import torch
 
 import distmon
 from distmon.jsonl_log import JsonlLog
-from distmon.snapshot import Snapshot
+from distmon.snapshot import AnomalyEvent, Snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PICTURES = ("global_norm.png", "layer_heatmap.png", "rank_layer_at_worst.png", "rank_norms.png")
 
 
 def _report(log, out, *extra, timeout=120):
+    """``python -m distmon report LOG -o OUT EXTRA...``; ``log`` a path or a list of them."""
+    logs = [str(p) for p in log] if isinstance(log, (list, tuple)) else [str(log)]
     return subprocess.run(
-        [sys.executable, "-m", "distmon", "report", str(log), "-o", str(out), *extra],
+        [sys.executable, "-m", "distmon", "report", *logs, "-o", str(out), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -163,6 +167,8 @@ def test_every_unusable_input_is_one_line_on_stderr_and_exit_code_2(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "junk.jsonl").write_bytes(b"[1, 2]\n\xff\n")
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "no-logs").mkdir()
+    (tmp_path / "no-logs" / "notes.txt").write_text("")
     out = tmp_path / "out"
     cases = [
         ((tmp_path / "empty.jsonl",), f"{tmp_path / 'empty.jsonl'} is empty"),
@@ -170,7 +176,16 @@ def test_every_unusable_input_is_one_line_on_stderr_and_exit_code_2(tmp_path):
             (tmp_path / "missing.jsonl",),
             f"cannot read {tmp_path / 'missing.jsonl'}: No such file or directory",
         ),
-        ((tmp_path,), f"cannot read {tmp_path}: Is a directory"),
+        ((tmp_path / "no-logs",), f"no *.jsonl file in the directory {tmp_path / 'no-logs'}"),
+        (
+            ([good, tmp_path / "missing.jsonl"],),
+            f"cannot read {tmp_path / 'missing.jsonl'}: No such file or directory",
+        ),
+        (
+            ([tmp_path / "empty.jsonl", tmp_path / "empty.jsonl", tmp_path / "no-logs"],),
+            f"no *.jsonl file in the directory {tmp_path / 'no-logs'}",
+        ),
+        (([tmp_path / "empty.jsonl", tmp_path / "junk.jsonl"],), "no valid snapshot in "),
         (
             (tmp_path / "junk.jsonl",),
             f"no valid snapshot in {tmp_path / 'junk.jsonl'}: "
@@ -318,6 +333,10 @@ ODD_LINES = [
     b'{"step": 2, "grad_norm": "big"}',
     b'{"step": 2, "layer_grad_norms": {"a": 1}, "rank_layer_grad_norms": [[1, 2]]}',
     b'{"step": 2, "first_nonfinite": [0]}',
+    b'{"step": 2, "ranks": [0, 0]}',
+    b'{"step": 2, "ranks": [0], "rank_grad_norms": [1, 2]}',
+    b'{"step": 2, "ranks": [5], "world_size": 2}',
+    b'{"step": 2, "ranks": [1], "node": -1}',
     b'{"step": 2, "events": [1]}',
     b'{"step": 2, "events": [{"kind": "spike", "step": 2, "rank": 0, "layer": "", "value": "x",'
     b' "threshold": 1}]}',
@@ -384,3 +403,267 @@ def test_the_report_and_import_distmon_do_not_import_torch(tmp_path):
     for code, args in ((_NO_TORCH, [str(log), str(tmp_path / "r")]), (_LAZY, [])):
         proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# --- node logs (#28): one job's logs, one per node, read together as one run -----------------
+
+PER_RANK = (
+    "rank_grad_norms",
+    "rank_layer_grad_norms",
+    "rank_valid",
+    "rank_monitor_errors",
+    "rank_outlier_scores",
+)
+
+
+def _split(lines, nodes, stem, shuffle=None):
+    """Write the node logs of ``lines`` (parsed lines of one log of the whole job) as the format
+    says: node n's file (``stem.jsonl``, ``stem.node<n>.jsonl``) holds every job-wide field and its
+    ranks' entries of the per-rank lists, with ``"ranks"`` and ``"node"``; its serving rank's own
+    fields (timestamp, activations, non-finite ranks) are its own. Returns the files."""
+    paths = [f"{stem}.jsonl" if n == 0 else f"{stem}.node{n}.jsonl" for n in range(len(nodes))]
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(p, "w")) for p in paths]
+        for line in lines:
+            for n, ranks in enumerate(nodes):
+                part = dict(line, ranks=ranks, node=n, timestamp=line["timestamp"] + 0.004 * n)
+                for name in PER_RANK:
+                    if line.get(name):
+                        part[name] = [line[name][r] for r in ranks]
+                part["nonfinite_ranks"] = [r for r in line["nonfinite_ranks"] if r in ranks]
+                if n:
+                    part["activation_rms"] = part["activation_absmax"] = {}
+                files[n].write(json.dumps(part) + "\n")
+    return paths
+
+
+def _lines_of(path):
+    return [json.loads(line) for line in open(path)]
+
+
+# what the report keeps of a run, every field but those about the files read
+_RUN_FIELDS = (
+    "steps",
+    "grad_norm",
+    "noise_scale",
+    "layer_norms",
+    "rank_norms",
+    "columns",
+    "folded",
+    "capped",
+    "most_layers",
+    "world_size",
+    "most_ranks",
+    "events",
+    "event_steps",
+    "first_nonfinite",
+    "flags",
+    "event_counts",
+    "errors",
+    "errors_before",
+    "restarts",
+    "worst_nonfinite",
+    "worst_event",
+    "worst_norm",
+    "rank_score",
+    "rank_score_step",
+    "rank_nonfinite",
+    "rank_invalid",
+    "rank_errors",
+    "missing",
+    "disagreements",
+)
+
+
+def _same_run(a, b):
+    """Field by field, NaN equal to NaN (repr)."""
+    for name in _RUN_FIELDS:
+        assert repr(getattr(a, name)) == repr(getattr(b, name)), name
+
+
+def _job_snaps(rng, world, steps, run_id="job"):
+    """A job's snapshots with every per-rank field varied (written by the exporter's writer)."""
+    layers = [f"l{i}" for i in range(rng.randint(1, 5))]
+    snaps = []
+    for step in range(1, steps + 1):
+        matrix = [[rng.lognormvariate(0, 1) for _ in layers] for _ in range(world)]
+        bad = sorted(rng.sample(range(world), rng.randint(0, 2))) if rng.random() < 0.2 else []
+        for r in bad:
+            matrix[r][rng.randrange(len(layers))] = math.nan
+        events = [
+            AnomalyEvent(
+                kind="rank_outlier", step=step, rank=r, layer="", value=rng.uniform(3, 9), threshold=3.0
+            )
+            for r in rng.sample(range(world), 1)
+            if rng.random() < 0.1
+        ]
+        snaps.append(
+            Snapshot(
+                step=step,
+                timestamp=1000.0 + step,
+                grad_norm=rng.lognormvariate(0, 1),
+                layer_grad_norms={n: rng.lognormvariate(0, 1) for n in layers},
+                rank_grad_norms=[math.hypot(*row) for row in matrix],
+                rank_layer_grad_norms=matrix,
+                nonfinite=bool(bad),
+                nonfinite_ranks=bad,
+                first_nonfinite=(bad[0], layers[0]) if bad else None,
+                events=tuple(events),
+                rank_outlier_scores=[rng.uniform(0, 6) for _ in range(world)],
+                rank_valid=[rng.random() > 0.1 for _ in range(world)],
+                rank_monitor_errors=[rng.randint(0, 2) for _ in range(world)],
+                run_id=run_id,
+                world_size=world,
+            )
+        )
+    return snaps
+
+
+def test_node_logs_read_together_are_the_whole_job_s_log_over_generated_jobs(tmp_path):
+    """Generated jobs (2-12 ranks), their log split into node logs at random (ranks in any order,
+    a node of any size, the files given in any order): the merged run is the whole log's run; a
+    node left out leaves its ranks NaN and named, everything else as in the whole log."""
+    from distmon.log_reader import read_log
+
+    rng = random.Random(28)
+    for case in range(40):
+        world = rng.randint(2, 12)
+        whole = tmp_path / f"whole{case}.jsonl"
+        _write(whole, _job_snaps(rng, world, rng.randint(1, 12)))
+        ranks = list(range(world))
+        rng.shuffle(ranks)
+        cuts = sorted(rng.sample(range(1, world), rng.randint(1, world - 1)))
+        nodes = [sorted(ranks[a:b]) for a, b in zip([0, *cuts], [*cuts, world])]
+        nodes.sort()
+        if rng.random() < 0.3:
+            for node in nodes:
+                rng.shuffle(node)  # "ranks" says the order: any order places them right
+        os.mkdir(tmp_path / f"split{case}")
+        paths = _split(_lines_of(whole), nodes, str(tmp_path / f"split{case}" / "run"))
+        reference = read_log(str(whole)).run
+        given = paths[:]
+        rng.shuffle(given)
+        merged = read_log(given).run
+        _same_run(reference, merged)
+        assert not merged.missing and not merged.disagreements, case
+        assert sorted(merged.log_lines.values()) == [len(reference.steps)] * len(nodes)
+        # a node's log left out: its ranks are NaN and missing, the rest unchanged
+        gone = rng.randrange(len(nodes))
+        part = read_log([p for n, p in enumerate(paths) if n != gone]).run
+        lost = set(nodes[gone])
+        for got, ref in zip(part.rank_norms, reference.rank_norms):
+            expect = [math.nan if r in lost else v for r, v in enumerate(ref)]
+            assert repr(list(got)) == repr(expect + [math.nan] * (len(got) - len(expect))), case
+        named = [[r for a, b in gaps for r in range(a, b + 1)] for gaps in part.missing]
+        assert named == [sorted(lost)] and list(part.missing.values()) == [len(reference.steps)], case
+        assert list(part.steps) == list(reference.steps) and repr(part.grad_norm) == repr(reference.grad_norm)
+        kept = [r for r in range(world) if r not in lost]
+        assert [part.rank_invalid[r] for r in kept] == [reference.rank_invalid[r] for r in kept], case
+
+
+def test_mixed_old_and_new_lines_a_node_log_s_own_fields_and_disagreements(tmp_path):
+    """An appended log whose first run is an older distmon's (no "ranks": the whole job) and whose
+    second run has node logs; a node's own fields differ without counting; a job-wide field that
+    differs is counted and node 0's reported."""
+    from distmon.log_reader import read_log
+
+    rng = random.Random(7)
+    whole = tmp_path / "whole.jsonl"
+    _write(whole, _job_snaps(rng, 6, 10, run_id="old") + _job_snaps(rng, 6, 10, run_id="new"))
+    lines = _lines_of(whole)
+    os.mkdir(tmp_path / "logs")
+    node0, node1 = _split(lines[10:], [[0, 1, 2], [3, 4, 5]], str(tmp_path / "logs" / "run"))
+    with open(node0) as f:
+        new0 = f.read()
+    with open(node0, "w") as f:  # the older run's lines as an older distmon wrote them: no "ranks"
+        f.write("".join(json.dumps(line) + "\n" for line in lines[:10]) + new0)
+    for run_id in ("old", "new"):
+        _same_run(read_log(str(whole), run_id).run, read_log([node0, node1], run_id).run)
+    proc = _report(tmp_path / "logs", tmp_path / "r")  # a directory: both node logs
+    assert proc.returncode == 0, proc.stderr
+    assert "hold 2 runs: #1 'old' steps 1..10 (10 lines), #2 'new' steps 1..10 (10 lines)" in proc.stdout
+    assert "missing" not in proc.stdout and "disagree" not in proc.stdout, proc.stdout
+    # node 1's grad_norm differs at step 4 of the new run: counted, node 0's reported
+    rows = _lines_of(node1)
+    rows[3]["grad_norm"] = 123.0
+    with open(node1, "w") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+    run = read_log([node1, node0]).run
+    assert run.disagreements == 1 and run.disagree_first == 4 and run.disagree_fields == ["grad_norm"]
+    assert run.grad_norm[3] == read_log(str(whole)).run.grad_norm[3] != 123.0
+    proc = _report(tmp_path / "logs", tmp_path / "r")
+    assert "disagree on job-wide fields at 1 steps (first: step 4)" in proc.stdout, proc.stdout
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "**node logs disagree** on job-wide fields at 1 steps (first: step 4; `grad_norm`)" in summary
+
+
+@pytest.fixture(scope="module")
+def four_rank_log(tmp_path_factory):
+    """A real 4-rank job (launch/train.py, gloo): rank 2's gradients scaled x8 from step 20 (the
+    outlier), a NaN on rank 3 at step 50; its one log, written by rank 0, of every rank."""
+    log = tmp_path_factory.mktemp("job") / "run.jsonl"
+    run = subprocess.run(
+        [sys.executable, "launch/train.py", "--nproc", "4", "--preset", "tiny", "--steps", "60"]
+        + ["--export-every", "5", "--corrupt-rank", "2", "--corrupt-scale", "8", "--corrupt-from", "20"]
+        + ["--nan-step", "50", "--nan-rank", "3", "--log-path", str(log), "--port", "0", "--linger", "0"]
+        + ["--serve", "none"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return log
+
+
+def _without_logs_table(summary):
+    return [line for line in summary.splitlines() if ".jsonl |" not in line and " read" not in line]
+
+
+@pytest.mark.slow
+def test_a_real_job_s_node_logs_report_as_its_whole_log(four_rank_log, tmp_path):
+    """The real job's log split into two nodes' logs: the report of the node logs (given as files,
+    or as their directory) is the report of the whole log; every rank is in it."""
+    from distmon.log_reader import read_log
+
+    (tmp_path / "nodes").mkdir()
+    paths = _split(_lines_of(four_rank_log), [[0, 1], [2, 3]], str(tmp_path / "nodes" / "run"))
+    _same_run(read_log(str(four_rank_log)).run, read_log(paths).run)
+    assert _report(four_rank_log, tmp_path / "whole").returncode == 0
+    whole = (tmp_path / "whole" / "summary.md").read_text()
+    for name, logs in (("files", paths), ("dir", tmp_path / "nodes")):
+        proc = _report(logs, tmp_path / name)
+        assert proc.returncode == 0 and "missing" not in proc.stdout, proc.stderr + proc.stdout
+        summary = (tmp_path / name / "summary.md").read_text()
+        assert _without_logs_table(summary) == _without_logs_table(whole), summary
+        assert f"| {paths[1]} | 1 | 2-3 | 60 |" in summary, summary
+        for picture in PICTURES:
+            assert _not_blank(tmp_path / name / picture), picture
+    # every rank: rank 2 (scaled) the most outlying, rank 3's NaN, from node 1's log
+    assert "- world size 4; 2 logs read" in summary
+    assert "| 2 |" in summary.split("Most outlying ranks")[1].splitlines()[4], summary
+    assert "**first non-finite step 50**: rank 3" in summary and "rank 3 at " in summary
+
+
+@pytest.mark.slow
+def test_a_node_log_left_out_names_its_ranks_and_other_runs_are_listed(four_rank_log, tmp_path):
+    paths = _split(_lines_of(four_rank_log), [[0, 1], [2, 3]], str(tmp_path / "run"))
+    proc = _report(paths[0], tmp_path / "r")
+    assert proc.returncode == 0, proc.stderr
+    assert "missing from the logs: ranks 2-3 at 60 of 60 steps (from step 1)" in proc.stdout, proc.stdout
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert (
+        "- **ranks missing** (no log read reported them; their figures are NaN and not valid): ranks 2-3 at"
+        in (summary)
+    )
+    assert "first non-finite step 50**: rank 3" in summary  # job-wide: known from node 0's log too
+    # another run's log given with them: the latest run is reported, both listed, either picked
+    other = tmp_path / "other.jsonl"
+    _single_process_log(other, steps=20, nan_step=-1, run_id="later")
+    proc = _report([*paths, other], tmp_path / "r2")
+    assert proc.returncode == 0, proc.stderr
+    assert "the 3 logs hold 2 runs:" in proc.stdout and "reporting #2" in proc.stdout, proc.stdout
+    assert f"no line of run #2 in {paths[0]}, {paths[1]}" in proc.stdout, proc.stdout
+    proc = _report([*paths, other], tmp_path / "r3", "--run", "1")
+    assert proc.returncode == 0 and "missing" not in proc.stdout, proc.stdout
+    assert "world size 4" in (tmp_path / "r3" / "summary.md").read_text()
