@@ -58,7 +58,9 @@ F32, F64, I64 = 4, 8, 8  # bytes per element
 Call = tuple[str, int, int]
 
 
-def export_calls(schedule: str, world: int, per_node: int, layers: int, every: int) -> list[Call]:
+def export_calls(
+    schedule: str, world: int, per_node: int, layers: int, every: int, vote: bool = True
+) -> list[Call]:
     """The collectives of one export step (``every`` steps kept since the last export).
 
     >>> export_calls("node", 64, 8, 128, 10)
@@ -67,12 +69,18 @@ def export_calls(schedule: str, world: int, per_node: int, layers: int, every: i
     rows = every * (layers + 3) * F32
     if schedule == "gather":
         return [("all_gather", world, rows)]
-    return [("all_gather", per_node, rows), ("all_reduce", world, (7 * every + 1) * F64), ("all_reduce", world, 2 * every * I64)]
+    sums = (7 * every + vote) * F64
+    return [
+        ("all_gather", per_node, rows),
+        ("all_reduce", world, sums),
+        ("all_reduce", world, 2 * every * I64),
+    ]
 
 
-def ordinary_calls(world: int) -> list[Call]:
-    """The collective of an ordinary step (both schedules): rank 0's export vote, one float32."""
-    return [("all_reduce", world, F32)]
+def ordinary_calls(world: int, vote: bool = True) -> list[Call]:
+    """The collective of an ordinary step (both schedules): rank 0's export vote, one float32;
+    none without the vote (``export_interval_s=0`` on DDP)."""
+    return [("all_reduce", world, F32)] if vote else []
 
 
 def traffic(calls: list[Call]) -> int:
@@ -97,13 +105,23 @@ def per_step(export: float, ordinary: float, every: int) -> float:
     return (export + (every - 1) * ordinary) / every
 
 
-def mean_bytes(schedule: str, world: int, per_node: int, layers: int, every: int) -> float:
+def mean_bytes(schedule: str, world: int, per_node: int, layers: int, every: int, vote: bool = True) -> float:
     """Bytes a rank sends (= receives) per step on average under ``schedule``."""
-    export = traffic(export_calls(schedule, world, per_node, layers, every))
-    return per_step(export, traffic(ordinary_calls(world)), every)
+    export = traffic(export_calls(schedule, world, per_node, layers, every, vote))
+    return per_step(export, traffic(ordinary_calls(world, vote)), every)
 
 
-def _rank(rank: int, world: int, per_node: int, layers: int, steps: int, every: int, store: str, out: str) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    per_node: int,
+    layers: int,
+    steps: int,
+    every: int,
+    vote_on: bool,
+    store: str,
+    out: str,
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -118,21 +136,23 @@ def _rank(rank: int, world: int, per_node: int, layers: int, steps: int, every: 
     rows = torch.rand(every * (layers + 3))
     job_rows = torch.empty(world * rows.numel())
     node_rows = torch.empty(per_node * rows.numel())
-    sums = torch.zeros(7 * every + 1, dtype=torch.float64)  # zeros: a SUM of them stays finite
+    sums = torch.zeros(7 * every + vote_on, dtype=torch.float64)  # zeros: a SUM of them stays finite
     maxes = torch.zeros(2 * every, dtype=torch.int64)
     issued: dict[str, list[Call]] = {"gather": [], "node": []}  # what the export steps handed gloo
 
+    def ordinary() -> None:
+        if vote_on:
+            dist.all_reduce(vote)
+
     def gather(export: bool) -> None:
         if not export:
-            dist.all_reduce(vote)
-            return
+            return ordinary()
         all_gather(job_rows, rows, group=None, async_op=False)
         issued["gather"] = [("all_gather", world, rows.nbytes)]
 
     def node_schedule(export: bool) -> None:
         if not export:
-            dist.all_reduce(vote)
-            return
+            return ordinary()
         works = [
             all_gather(node_rows, rows, group=node, async_op=True),
             dist.all_reduce(sums, async_op=True),
@@ -170,7 +190,8 @@ def _rank(rank: int, world: int, per_node: int, layers: int, steps: int, every: 
                 f.write(f"{name} ordinary\t{statistics.median(ordinary) * 1e6:.1f}\n")
                 f.write(f"{name} export\t{statistics.median(exports) * 1e6:.1f}\n")
                 f.write(f"{name} mean\t{statistics.median(cycles) * 1e6:.1f}\n")
-                f.write(f"{name} bytes\t{per_step(traffic(issued[name]), traffic(ordinary_calls(world)), every)}\n")
+                sent = per_step(traffic(issued[name]), traffic(ordinary_calls(world, vote_on)), every)
+                f.write(f"{name} bytes\t{sent}\n")
     dist.destroy_process_group()
 
 
@@ -178,25 +199,28 @@ def _ms(us: float) -> str:
     return f"{us / 1e3:.2f}"
 
 
-def cost_model(layers: int, every: int, per_node: int, alpha_us: float, gbps: float) -> str:
+def cost_model(
+    layers: int, every: int, per_node: int, alpha_us: float, gbps: float, vote: bool = True
+) -> str:
     """The alpha-beta table of both schedules for 64 to 16,384 GPUs, as markdown."""
     beta_us = 1e6 / (gbps * 1e9)  # per byte
     lines = [
         f"alpha {alpha_us:g} us per hop (inside a node too), {gbps:g} GB/s, {layers} layers, "
-        f"export every {every} steps, {per_node} GPUs per node; bytes a GPU sends (= receives) "
-        "per step on average; ms, and % of a 1 s step\n",
-        "| GPUs | schedule | bytes per step | ordinary step | export step | mean per step | gather / node (mean) |",
+        f"export every {every} steps{'' if vote else ', no vote'}, {per_node} GPUs per node; "
+        "bytes a GPU sends (= receives) per step on average; ms, and % of a 1 s step\n",
+        "| GPUs | schedule | bytes per step | ordinary step | export step | mean per step "
+        "| gather / node (mean) |",
         "|---:|:---|---:|---:|---:|---:|---:|",
     ]
     means: dict[str, float] = {}
     for w in MODEL_GPUS:
-        ordinary = model_us(ordinary_calls(w), alpha_us, beta_us)
+        ordinary = model_us(ordinary_calls(w, vote), alpha_us, beta_us)
         for s in SCHEDULES:
-            export = model_us(export_calls(s, w, per_node, layers, every), alpha_us, beta_us)
+            export = model_us(export_calls(s, w, per_node, layers, every, vote), alpha_us, beta_us)
             means[s] = per_step(export, ordinary, every)
             ratio = f"{means['gather'] / means['node']:.1f}x" if s == "node" else ""
             lines.append(
-                f"| {w:,} | {s} | {mean_bytes(s, w, per_node, layers, every):,.0f} | {_ms(ordinary)} "
+                f"| {w:,} | {s} | {mean_bytes(s, w, per_node, layers, every, vote):,.0f} | {_ms(ordinary)} "
                 f"| {_ms(export)} | {_ms(means[s])} ({means[s] / 1e4:.3f}%) | {ratio} |"
             )
     verdict = "met" if means["node"] / 1e3 <= TARGET_MS else "NOT met"
@@ -237,11 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-per-node", type=int, default=8, help="GPUs per node in the model")
     p.add_argument("--alpha-us", type=float, default=10.0)
     p.add_argument("--gbps", type=float, default=25.0)
+    p.add_argument(
+        "--no-vote",
+        action="store_true",
+        help="no export vote (export_interval_s=0 on DDP): ordinary steps send nothing",
+    )
     args = p.parse_args(argv)
-    if args.export_every < 1 or args.layers < 1 or args.per_node < 1 or args.model_per_node < 1:
-        p.error("--export-every, --layers, --per-node and --model-per-node must be at least 1")
+    vote = not args.no_vote
+    if args.export_every < 1 or args.layers < 1 or args.per_node < 1:
+        p.error("--export-every, --layers and --per-node must be at least 1")
+    if args.model_per_node < 1 or MODEL_GPUS[0] % args.model_per_node:
+        p.error(f"--model-per-node must divide {MODEL_GPUS[0]} (the model's smallest job)")
     if args.model:
-        print(cost_model(args.layers, args.export_every, args.model_per_node, args.alpha_us, args.gbps))
+        print(cost_model(args.layers, args.export_every, args.model_per_node, args.alpha_us, args.gbps, vote))
         return 0
     if any(w < 2 or w % args.per_node for w in args.ranks):
         p.error(f"every --ranks must be at least 2 and a multiple of --per-node ({args.per_node})")
@@ -252,20 +284,29 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(tmp, "result.tsv")
             mp.start_processes(
                 _rank,
-                args=(world, args.per_node, args.layers, steps, args.export_every, os.path.join(tmp, "store"), out),
+                args=(
+                    world,
+                    args.per_node,
+                    args.layers,
+                    steps,
+                    args.export_every,
+                    vote,
+                    os.path.join(tmp, "store"),
+                    out,
+                ),
                 nprocs=world,
                 start_method="spawn",
             )
             with open(out) as f:
                 res = {k: float(v) for k, v in (line.rstrip("\n").split("\t") for line in f)}
         for s in SCHEDULES:  # what the ranks handed gloo is what the model charges
-            want = mean_bytes(s, world, args.per_node, args.layers, args.export_every)
+            want = mean_bytes(s, world, args.per_node, args.layers, args.export_every, vote)
             assert math.isclose(res[s + " bytes"], want), (s, world, res[s + " bytes"], want)
         rows.append((world, res))
     print(
         f"gloo on {os.cpu_count()} CPU cores, nodes of {args.per_node} ranks, {args.layers} layers, "
-        f"export every {args.export_every} steps, {steps} steps (slowest rank per step; us; bytes a "
-        "rank sends (= receives) per step on average)\n"
+        f"export every {args.export_every} steps{'' if vote else ', no vote'}, {steps} steps (slowest rank "
+        "per step; us; bytes a rank sends (= receives) per step on average)\n"
     )
     print(measured_table(rows))
     return 0
