@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 SCHEDULES = ("gather", "node")
 MODEL_GPUS = (64, 1024, 4096, 16384)
@@ -119,6 +120,7 @@ def _rank(
     steps: int,
     every: int,
     vote_on: bool,
+    parts: bool,
     store: str,
     out: str,
 ) -> None:
@@ -166,16 +168,37 @@ def _rank(
             ("all_reduce", world, maxes.nbytes),
         ]
 
+    def node_in_turn() -> None:
+        all_gather(node_rows, rows, group=node, async_op=False)
+        dist.all_reduce(sums)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+
     fns = {"gather": gather, "node": node_schedule}
-    times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+    # --parts: each collective alone, on export steps (what an export step's time is made of)
+    part_fns = {
+        "vote": lambda: dist.all_reduce(vote),
+        "job gather": lambda: all_gather(job_rows, rows, group=None, async_op=False),
+        "node gather": lambda: all_gather(node_rows, rows, group=node, async_op=False),
+        "sum": lambda: dist.all_reduce(sums),
+        "max": lambda: dist.all_reduce(maxes, op=dist.ReduceOp.MAX),
+        "node in turn": node_in_turn,
+        "node async": lambda: node_schedule(True),
+    }
+    times: dict[str, list[float]] = {s: [] for s in (*SCHEDULES, *(part_fns if parts else ()))}
     warm = every
     for step in range(1, steps + warm + 1):
         export = step % every == 0
-        order = SCHEDULES if (step - 1) // every % 2 == 0 else SCHEDULES[::-1]
-        for name in order:
+        cycle = (step - 1) // every
+        order = [
+            (name, partial(fns[name], export)) for name in (SCHEDULES if cycle % 2 == 0 else SCHEDULES[::-1])
+        ]
+        if parts and export:
+            names = list(part_fns)[cycle % len(part_fns) :] + list(part_fns)[: cycle % len(part_fns)]
+            order += [(name, part_fns[name]) for name in names]
+        for name, fn in order:
             dist.barrier()
             t = time.perf_counter()
-            fns[name](export)
+            fn()
             dt = torch.tensor([time.perf_counter() - t])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step > warm:
@@ -192,6 +215,8 @@ def _rank(
                 f.write(f"{name} mean\t{statistics.median(cycles) * 1e6:.1f}\n")
                 sent = per_step(traffic(issued[name]), traffic(ordinary_calls(world, vote_on)), every)
                 f.write(f"{name} bytes\t{sent}\n")
+            for name in times.keys() - set(SCHEDULES):
+                f.write(f"part {name}\t{statistics.median(times[name]) * 1e6:.1f}\n")
     dist.destroy_process_group()
 
 
@@ -248,6 +273,24 @@ def measured_table(rows: list[tuple[int, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def parts_table(rows: list[tuple[int, dict[str, float]]], layers: int, every: int, vote: bool) -> str:
+    """Each collective of an export step timed alone (median us), as markdown."""
+    row = every * (layers + 3)
+    lines = [
+        "Each collective alone on export steps (median us): the vote (all-reduce of 1 float32), "
+        f"the rows ({row} float32 per rank) all-gathered over the job and over the node, the SUM "
+        f"all-reduce of {7 * every + vote} float64 and the MAX all-reduce of {2 * every} int64 "
+        "over the job, and the node schedule's three waited in turn and started together (async)\n",
+        "| ranks | vote | rows over the job | rows over the node | SUM | MAX | node's three in turn "
+        "| node's three async |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = ("vote", "job gather", "node gather", "sum", "max", "node in turn", "node async")
+    for world, r in rows:
+        lines.append(f"| {world} | " + " | ".join(f"{r['part ' + k]:,.0f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
@@ -261,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-per-node", type=int, default=8, help="GPUs per node in the model")
     p.add_argument("--alpha-us", type=float, default=10.0)
     p.add_argument("--gbps", type=float, default=25.0)
+    p.add_argument("--parts", action="store_true", help="also time each collective of an export step alone")
     p.add_argument(
         "--no-vote",
         action="store_true",
@@ -291,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps,
                     args.export_every,
                     vote,
+                    args.parts,
                     os.path.join(tmp, "store"),
                     out,
                 ),
@@ -309,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         "per step; us; bytes a rank sends (= receives) per step on average)\n"
     )
     print(measured_table(rows))
+    if args.parts:
+        print(f"\n{parts_table(rows, args.layers, args.export_every, vote)}")
     return 0
 
 
