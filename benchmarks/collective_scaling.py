@@ -3,6 +3,7 @@
 
     python benchmarks/collective_scaling.py                 # 2, 4, 8, 16 ranks, nodes of 2 ranks
     python benchmarks/collective_scaling.py --ranks 2 4 --per-node 2 --steps 50
+    python benchmarks/collective_scaling.py --steps 200 --parts   # benchmarks/results/
 
 For each world size, spawned gloo ranks on this machine, laid out as nodes of ``--per-node``
 consecutive ranks, time (after a barrier each step, the slowest rank's time) the two export
@@ -26,8 +27,10 @@ of the tensors the ranks handed the collectives (an all-gather over ``G`` ranks 
 each: ``(G - 1) n``, a ring's; an all-reduce of ``n`` bytes: ``2 n``, a reduce then a broadcast),
 the median ordinary step, the median export step and the mean step of an export cycle (what a
 step costs on average; the median over the cycles, as another engineer's process on these
-shared cores can stall any one step). On 2 CPU cores, ranks beyond 2 share cores: absolute times grow with
-the oversubscription as well as with the algorithm, so read the ratio between the schedules.
+shared cores can stall any one step). On 2 CPU cores, ranks beyond 2 share cores: absolute
+times grow with the oversubscription as well as with the algorithm, so read the ratio between
+the schedules. ``--parts`` also times each collective of an export step alone; ``--no-vote``
+leaves out the vote (``export_interval_s=0`` on DDP: ordinary steps send nothing).
 
     python benchmarks/collective_scaling.py --model         # the alpha-beta model, 64-16,384 GPUs
 
