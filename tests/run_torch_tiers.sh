@@ -24,9 +24,11 @@ NEWER=(-m slow tests/test_fsdp.py tests/test_layouts.py
   tests/test_framework_lightning.py tests/test_framework_hf.py tests/test_framework_fabric.py)
 # The fast tier less the modules that never reach torch (Prometheus rules through promtool, the
 # deploy manifests, the docs site, the report and the HTTP server, the last two tested to import no
-# torch): they cannot differ between torch releases and run once, in the pinned suite.
+# torch, the collective-scaling model): they cannot differ between torch releases and run once,
+# in the pinned suite.
 TORCHLESS=(--ignore=tests/test_alert_rules.py --ignore=tests/test_deploy_manifests.py
-  --ignore=tests/test_docs.py --ignore=tests/test_report.py --ignore=tests/test_http_server.py)
+  --ignore=tests/test_docs.py --ignore=tests/test_report.py --ignore=tests/test_http_server.py
+  --ignore=tests/test_collective_model.py)
 # The fast tiers run side by side (each is one in-process pytest, ~1 core: on CI's 2 cores the
 # three take ~1.5x one's time instead of 3x), each in a temporary folder of its own; the parity
 # jobs (2-4 ranks each) one after another.

@@ -189,3 +189,30 @@ def test_fsdp_benchmark_runs_and_reports_its_row(layout, size, header):
     assert lo <= ratio <= hi, row
     figures, err = cells[10].split()
     assert figures == "valid" and float(err.strip("()")) < 1e-4, row
+
+
+def test_collective_scaling_measures_both_schedules_on_nodes():
+    """``collective_scaling.py`` on 2 and 4 gloo ranks in nodes of 2: a row per schedule and world
+    size with positive times, the node schedule's bytes the same at both sizes, today's growing
+    (the script itself exits non-zero when the tensors its ranks handed gloo differ from the
+    model's bytes); a world size that is no whole number of nodes is refused."""
+    script = os.path.join(REPO, "benchmarks", "collective_scaling.py")
+    proc = _run(script, "--ranks", "2", "4", "--per-node", "2", "--steps", "10", "--layers", "8")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (proc.stdout + proc.stderr)[-6000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[0].isdigit():
+            rows[int(cells[0]), cells[1]] = [
+                float(c.replace(",", "").rstrip("x") or "nan") for c in cells[2:]
+            ]
+    assert set(rows) == {(w, s) for w in (2, 4) for s in ("gather", "node")}, proc.stdout
+    for (world, schedule), (sent, ordinary, export, mean, ratio) in rows.items():
+        assert sent > 0 and ordinary > 0 and export > 0 and mean > 0, (world, schedule, rows)
+        if schedule == "node":
+            assert ratio > 0, rows
+    assert rows[2, "node"][0] == rows[4, "node"][0]
+    assert rows[2, "gather"][0] < rows[4, "gather"][0]
+
+    bad = _run(script, "--ranks", "4", "--per-node", "3")
+    assert bad.returncode == 2 and "multiple of --per-node" in bad.stderr, bad.stderr
