@@ -39,6 +39,7 @@ class StepPhase(enum.Enum):
     STEP = "optimizer step"
     CLOSED = "closed"
 
+
 __all__ = ["BackwardSums", "LayerOrder", "Pending"]
 
 Pending = list[tuple[Runs, list[torch.Tensor]]]

@@ -31,7 +31,7 @@ from .errors import ErrorCounter
 from .export_thread import ExportThread
 from .grouping import Grouping, build_grouping
 from .guard import StepHooks
-from .hostinfo import RankInfo, restart_count
+from .hostinfo import Nodes, RankInfo, restart_count
 from .layout import Coordinates, coordinates, declared_group, part_position
 from .lifecycle import Prepared, served_ranks
 from .loss_scale import LossScale
@@ -44,6 +44,7 @@ from .snapshot import Snapshot
 from .sources import (
     PipelineSource,
     Reading,
+    Source,
     first_device,
     pipeline_stage,
     read_layout,
@@ -125,6 +126,7 @@ class Built(NamedTuple):
     agreed: dict[str, str]
     coords: Coordinates | None  # this rank's place in each parallel dimension (several of them)
     direct: DirectNorm  # the job's global norm from placements alone (checks; clipping an invalid step)
+    held: tuple[int, ...]  # the ranks (of the source's group) whose rows this rank holds: its node's
 
 
 class Planned(NamedTuple):
@@ -218,10 +220,12 @@ def build_rank(
     *,
     errors: ErrorCounter,
     exports: ExportQueue,
+    nodes: Nodes | None = None,
 ) -> Built:
     """The source and the step tracker of one rank, on the layout the job confirmed (raises what is
     wrong, naming the option). The tracker hands its exports to ``exports``; the export thread
-    that reads it is built later.
+    that reads it is built later. ``nodes``: where the job's ranks run (its rows hold its node's
+    ranks'; None: every rank's).
     """
     cfg, optimizers, module, stage = planned.cfg, planned.optimizers, planned.module, planned.stage
     # a pipeline stage, or any job whose ranks hold different layers: the rows hold every part's
@@ -251,9 +255,11 @@ def build_rank(
         optimizers = source.steps(optimizers)
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
+    held = held_ranks(nodes, source)
     plan = RowPlan.build(
         n_layers=n_layers,
         world=source.world_size,
+        held=len(held),
         rank_layers=cfg.rank_layers and source.local_figures,
         partial=source.partial,
         vote=source.group is not None and cfg.export_interval_s > 0,
@@ -279,13 +285,14 @@ def build_rank(
         errors=errors,
         export=exports.put,
         partial=source.partial,
-        detector=DeviceDetector(det_cfg, plan, device) if cfg.detect is not False else None,
+        detector=DeviceDetector(det_cfg, plan, device, held) if cfg.detect is not False else None,
         noise=NoiseScale(plan, alpha=cfg.gns_alpha, device=device) if extra.batch_of_step else None,
         batch_size=extra.batch_of_step,
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
         check=LayoutCheck(named, source.counted, source.group) if source.counted is not None else None,
+        held=held,
     )
     agreed = cfg.agreed(grouping.layers, watched)
     coords = coordinates(
@@ -304,7 +311,35 @@ def build_rank(
         loss_scale=loss_scale,
         agreed=agreed,
         direct=direct,
+        held=held,
     )
+
+
+def held_ranks(nodes: Nodes | None, source: Source) -> tuple[int, ...]:
+    """The ranks of the source's group on this rank's node (all of them when the group is not the
+    job's, whose nodes ``nodes`` describes)."""
+    world = source.world_size
+    if source.group is None:
+        return (0,)
+    rank = dist.get_rank(source.group)
+    if nodes is None or len(nodes.index) != world:
+        return tuple(range(world))
+    return nodes.ranks_of(nodes.index[rank])
+
+
+def node_group(built: Built) -> dist.ProcessGroup | None:
+    """The process group of this rank's node within the source's group (None: alone on its node).
+
+    Created once every rank started (``agree``), so that no rank waits for a node peer that
+    failed before: only the node's ranks take part (``use_local_synchronization``).
+    """
+    group, held = built.tracker.source.group, built.held
+    if group is None or len(held) == 1:
+        return None
+    if len(held) == dist.get_world_size(group):
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group([ranks[r] for r in held], use_local_synchronization=True)
 
 
 def build_exports(
@@ -351,6 +386,7 @@ def build_exports(
         for info in peers_info:
             groups.setdefault(info.coords.peers() if info.coords else (), []).append(info.rank)
         tracker.judge.detector.compare_within(list(groups.values()))
+        tracker.exchange.cross.compare_within(list(groups.values()))
     decoder = RowDecoder(
         built.plan,
         layers=built.grouping.layers,
@@ -361,6 +397,8 @@ def build_exports(
         coords=coords if any(coords) else None,
         local_figures=tracker.source.local_figures,
         restart=restart_count(),
+        held=built.held,
+        node=me.node_index,
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
     return thread, aggregate

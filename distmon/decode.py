@@ -15,7 +15,7 @@ from .backward import LayerOrder
 from .detectors import DetectorDecoder
 from .layout import Coordinates
 from .ring import StepInfo
-from .rows import Head, Noise, RowPlan, earliest_nonfinite
+from .rows import Head, Job, Noise, RowPlan, earliest_nonfinite
 from .snapshot import AnomalyEvent, Snapshot
 
 __all__ = ["RowDecoder"]
@@ -29,7 +29,10 @@ class RowDecoder:
     """Decodes step rows of one monitor into snapshots (on the export thread).
 
     ``order`` holds each layer's position in backward order (known once the source saw a
-    backward); ``detector`` turns the detector columns into events and scores. Without
+    backward); ``detector`` turns the detector columns into events and scores; ``held`` the
+    ranks whose rows a row holds (its node's) and ``node`` this rank's node. The job-wide
+    figures (the first non-finite rank and layer, error and non-finite counts) come from the
+    row's job columns, what the export's reductions brought from every rank. Without
     ``local_figures`` (a source that cannot measure each rank's local gradient: FSDP2 before
     torch 2.9) the per-rank figures are left out (empty), not NaN.
 
@@ -38,6 +41,7 @@ class RowDecoder:
         >>> plan = RowPlan.build(n_layers=1, world=1)
         >>> dec = RowDecoder(plan, layers=["fc"], run_id="r", order=LayerOrder(1, torch.device("cpu")))
         >>> row = [1.0, 4.0, 4.0] + [4.0, 0.0, 1.0]   # head, layers, rank 0: layer sums, errors, valid
+        >>> row += [1, 1, 0, 0, -1, -1, -1, -1, float("nan"), float("nan")]   # job: 1 rank, nothing bad
         >>> snap = dec.decode(StepInfo(1, 0, 0.0, ""), row)
         >>> snap.grad_norm, snap.rank_grad_norms, snap.valid
         (2.0, [2.0], True)
@@ -55,8 +59,12 @@ class RowDecoder:
         coords: Sequence[Coordinates | None] | None = None,
         local_figures: bool = True,
         restart: int = 0,
+        held: Sequence[int] | None = None,
+        node: int = 0,
     ) -> None:
         self.plan = plan
+        self.held = tuple(held) if held is not None else tuple(range(plan.step.held))  # the held rows' ranks
+        self.node = node  # this rank's node (its index among the job's nodes)
         self.restart = restart  # the launcher's restart count, on every snapshot
         self.resumed_from: int | None = None  # set by a resume, put on the next snapshot only
         self.layers = tuple(layers)
@@ -71,17 +79,16 @@ class RowDecoder:
         step, f = self.plan.step, self.plan.rank
         layer_sq = row[step.layers]
         gathered = row[step.ranks]
+        job = row[step.job]
         order = self.order.host
-        ranks = [gathered[r * f.width : (r + 1) * f.width] for r in range(step.world)]
+        ranks = [gathered[i * f.width : (i + 1) * f.width] for i in range(step.held)]
         rank_norms: list[float] = []
         rank_layers: list[list[float]] = []
-        bad: list[tuple[int, int]] = []  # (rank, layer)
+        bad: list[tuple[int, int]] = []  # (rank, layer) of the held ranks
         rank_errors: list[int] = []
         measured = row[Head.VALID] == 1.0  # this rank measured the reduced gradient (what it reports)
-        if f.reduced_ok is not None:  # a partial layout's reduced figures need every rank's part
-            measured &= all(vals[f.reduced_ok] == 1.0 for vals in ranks)
         rank_valid: list[bool] = []
-        for r, (vals, total) in enumerate(zip(ranks, f.totals(ranks))):
+        for r, vals, total in zip(self.held, ranks, f.totals(ranks)):
             rank_errors.append(int(vals[f.errors]))
             ok = vals[f.valid] == 1.0
             rank_valid.append(ok)
@@ -95,8 +102,13 @@ class RowDecoder:
         if not self.local_figures:  # refused at construction: absent, never NaN
             rank_norms, rank_valid = [], []
         grad_norm = _sqrt(row[Head.TOTAL_SQ]) if measured else math.nan
+        # the job's figures came with the export's reductions; without them (they failed), the
+        # held ranks' own say what they can
+        reduced = job[Job.REPORTED] == job[Job.REPORTED]
         first: tuple[int, str] | None = None
-        if bad:
+        if reduced and job[Job.FIRST_RANK] >= 0:
+            first = (int(job[Job.FIRST_RANK]), self.layers[int(job[Job.FIRST_LAYER])])
+        elif not reduced and bad:
             r, layer = min(bad, key=lambda rl: (order[rl[1]], rl[0]))
             first = (r, self.layers[layer])
         elif measured and not math.isfinite(grad_norm):
@@ -104,6 +116,9 @@ class RowDecoder:
             layer = earliest_nonfinite(layer_sq, order)
             if layer >= 0:
                 first = (-1, self.layers[layer])
+        bad_ranks = sorted(
+            {r for r, _ in bad} | ({first[0]} if first is not None and first[0] >= 0 else set())
+        )
         where = self.coords[first[0]] if self.coords and first is not None and first[0] >= 0 else None
         snap = Snapshot(
             step=info.step,
@@ -115,10 +130,11 @@ class RowDecoder:
             rank_grad_norms=rank_norms,
             rank_layer_grad_norms=rank_layers if f.n_layer_cols else None,
             nonfinite=first is not None or (measured and not math.isfinite(grad_norm)),
-            nonfinite_ranks=[r for r, _ in bad],
+            nonfinite_ranks=bad_ranks,
+            nonfinite_rank_count=int(job[Job.NONFINITE_RANKS]) if reduced else len(bad_ranks),
             first_nonfinite=first,
             first_nonfinite_coords=where.labels() if where is not None else None,
-            monitor_errors=sum(rank_errors),
+            monitor_errors=int(job[Job.ERRORS]) if reduced else sum(rank_errors),
             rank_monitor_errors=rank_errors,
             valid=measured,
             rank_valid=rank_valid,
@@ -128,6 +144,8 @@ class RowDecoder:
             skip_reason=info.skip,
             restart=self.restart,
             resumed_from=self.resumed_from,
+            ranks=list(self.held),
+            node=self.node,
         )
         self.resumed_from = None
         if step.noise.stop > step.noise.start:
@@ -137,7 +155,7 @@ class RowDecoder:
             if not self.local_figures:
                 snap = replace(snap, rank_outlier_scores=[])
         if step.n_watched:
-            snap = self._activations(info.step, row[step.act], ranks, snap)
+            snap = self._activations(info.step, row[step.act], job, snap)
         if step.upd.stop > step.upd.start:
             ratios = row[step.upd]
             if not all(math.isnan(v) for v in ratios):  # a count step (Exchange.counted)
@@ -155,15 +173,13 @@ class RowDecoder:
             layer_noise_signal=dict(zip(self.layers, noise[k + n :])),
         )
 
-    def _activations(self, step: int, act: list[float], ranks: list[list[float]], snap: Snapshot) -> Snapshot:
-        n, at = len(self.watched), self.plan.rank.act_first
-        bad = [(int(vals[at]), r) for r, vals in enumerate(ranks)]
-        bad = [(module, r) for module, r in bad if module >= 0]
+    def _activations(self, step: int, act: list[float], job: list[float], snap: Snapshot) -> Snapshot:
+        n = len(self.watched)
         first = None
         events = snap.events
-        if bad:
-            module, r = min(bad)  # earliest in forward order, lowest rank on a tie
-            first = (r, self.watched[module])
+        if job[Job.ACT_RANK] >= 0:  # earliest in forward order, lowest rank on a tie (NaN: not reduced)
+            r = int(job[Job.ACT_RANK])
+            first = (r, self.watched[int(job[Job.ACT_MODULE])])
             events += (
                 AnomalyEvent(
                     kind="activation_nonfinite",

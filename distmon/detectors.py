@@ -20,8 +20,10 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
   consecutive steps: from then on it is the new normal and the baseline learns it (a
   learned baseline stopped reporting a x1e4 explosion after 3 steps). Falling norms
   (early-training decay) only make z negative: never an event;
-- the rank-outlier scale is the EMA over steps of the ranks' mean squared deviation from their
-  median leaving out the largest one: a rank that stays bad, or is bad from step 1, cannot
+- the rank-outlier center is the mean of a peer group's log-norms leaving out the largest and
+  the smallest (the median for 3 and 4 ranks; exact from fixed-size reductions at any world
+  size, ``crossrank.py``), the scale the EMA over steps of the ranks' mean squared deviation
+  from it leaving out the largest one: a rank that stays bad, or is bad from step 1, cannot
   inflate it; a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate
   with 2), and with 2 ranks "which one is odd" has no answer at all;
 - non-finite gradients are flagged by the core per rank and layer; they are reported as an
@@ -37,6 +39,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .resume import load_tensors, save_tensors
+from .crossrank import GroupStat
 from .rows import RowPlan, Verdict
 from .snapshot import AnomalyEvent, Snapshot
 from .sums import prefix_ema, run_lengths, stable_run
@@ -83,155 +86,167 @@ class DetectorConfig:
                 raise ValueError(f"distmon: {name} must be an int, got {getattr(self, name)!r}")
 
 
-CONSISTENCY = (  # ranks 2..128, from benchmarks/consistency_table.py (2 ranks: exactly 1)
-    1.0,
+CONSISTENCY = (  # ranks 2..128, from benchmarks/consistency_table.py
+    0.9997,
     5.7704,
     2.7565,
-    2.4745,
-    2.0095,
-    1.9179,
-    1.7301,
-    1.6833,
-    1.5805,
-    1.5509,
-    1.4859,
-    1.4655,
-    1.4199,
-    1.4046,
-    1.3716,
-    1.3591,
-    1.3337,
-    1.3241,
-    1.3039,
-    1.2955,
-    1.2790,
-    1.2724,
-    1.2590,
-    1.2528,
-    1.2414,
-    1.2364,
-    1.2264,
-    1.2223,
-    1.2134,
-    1.2095,
-    1.2019,
-    1.1985,
-    1.1918,
-    1.1886,
-    1.1827,
-    1.1798,
-    1.1743,
+    4.1753,
+    3.2806,
+    2.8002,
+    2.5025,
+    2.2956,
+    2.1435,
+    2.0260,
+    1.9331,
+    1.8566,
+    1.7926,
+    1.7389,
+    1.6931,
+    1.6524,
+    1.6174,
+    1.5863,
+    1.5582,
+    1.5329,
+    1.5102,
+    1.4897,
+    1.4712,
+    1.4534,
+    1.4377,
+    1.4231,
+    1.4094,
+    1.3971,
+    1.3851,
+    1.3741,
+    1.3638,
+    1.3540,
+    1.3445,
+    1.3360,
+    1.3280,
+    1.3201,
+    1.3126,
+    1.3058,
+    1.2993,
+    1.2929,
+    1.2868,
+    1.2809,
+    1.2756,
+    1.2702,
+    1.2651,
+    1.2602,
+    1.2559,
+    1.2512,
+    1.2471,
+    1.2430,
+    1.2390,
+    1.2353,
+    1.2314,
+    1.2279,
+    1.2243,
+    1.2210,
+    1.2179,
+    1.2147,
+    1.2119,
+    1.2090,
+    1.2060,
+    1.2034,
+    1.2006,
+    1.1982,
+    1.1954,
+    1.1930,
+    1.1908,
+    1.1885,
+    1.1860,
+    1.1841,
+    1.1818,
+    1.1797,
+    1.1777,
+    1.1756,
+    1.1738,
     1.1719,
-    1.1672,
-    1.1648,
-    1.1603,
-    1.1580,
-    1.1540,
-    1.1521,
-    1.1484,
-    1.1466,
-    1.1434,
-    1.1415,
-    1.1387,
-    1.1369,
-    1.1340,
-    1.1326,
-    1.1298,
-    1.1285,
-    1.1259,
-    1.1244,
-    1.1225,
-    1.1211,
-    1.1189,
-    1.1179,
-    1.1157,
-    1.1148,
-    1.1127,
-    1.1119,
-    1.1098,
-    1.1088,
-    1.1072,
-    1.1064,
-    1.1047,
-    1.1038,
-    1.1023,
-    1.1013,
-    1.1000,
-    1.0991,
-    1.0978,
-    1.0970,
-    1.0958,
-    1.0951,
-    1.0937,
-    1.0931,
-    1.0918,
-    1.0910,
-    1.0899,
-    1.0894,
-    1.0882,
-    1.0876,
-    1.0866,
-    1.0862,
-    1.0849,
-    1.0844,
-    1.0834,
-    1.0829,
-    1.0818,
-    1.0814,
-    1.0805,
-    1.0801,
-    1.0791,
-    1.0787,
-    1.0778,
-    1.0774,
-    1.0766,
-    1.0761,
-    1.0753,
-    1.0748,
-    1.0743,
-    1.0738,
-    1.0729,
-    1.0726,
-    1.0719,
-    1.0715,
-    1.0709,
-    1.0705,
-    1.0698,
-    1.0695,
-    1.0689,
-    1.0684,
-    1.0679,
-    1.0675,
-    1.0669,
-    1.0666,
-    1.0660,
-    1.0657,
-    1.0652,
-    1.0649,
-    1.0643,
-    1.0639,
-    1.0634,
+    1.1701,
+    1.1684,
+    1.1666,
+    1.1649,
+    1.1630,
+    1.1614,
+    1.1598,
+    1.1582,
+    1.1568,
+    1.1553,
+    1.1538,
+    1.1525,
+    1.1509,
+    1.1496,
+    1.1481,
+    1.1468,
+    1.1455,
+    1.1443,
+    1.1430,
+    1.1419,
+    1.1407,
+    1.1395,
+    1.1384,
+    1.1373,
+    1.1360,
+    1.1349,
+    1.1339,
+    1.1328,
+    1.1320,
+    1.1308,
+    1.1297,
+    1.1288,
+    1.1278,
+    1.1269,
+    1.1260,
+    1.1251,
+    1.1241,
+    1.1233,
+    1.1224,
+    1.1214,
+    1.1207,
+    1.1198,
+    1.1190,
+    1.1182,
+    1.1174,
+    1.1166,
+    1.1158,
+    1.1150,
+    1.1143,
+    1.1135,
+    1.1128,
 )
 
 
 def _trimmed_consistency(world: int) -> float:
-    """sigma^2 / E[trimmed mean squared deviation from the median] for ``world`` Gaussian ranks.
+    """sigma^2 / E[the rank-outlier spread (``crossrank.GroupStat.SPREAD``)] for ``world`` Gaussian ranks.
 
     Makes the rank-outlier score read in standard deviations whatever the world size (the
     trimmed mean of a handful of deviations is far below sigma^2): a measured table up to 128
-    ranks, the large-world approximation beyond (the median's variance pi/(2n), the largest of
-    n squared deviations ~2 ln n; 0.4% below Monte Carlo at 129 ranks, 0.1% at 256). Constant time and memory
-    at any world size; ``benchmarks/consistency_table.py`` regenerates the table.
+    ranks, :func:`large_world_consistency` beyond (0.05% from Monte Carlo at 129 ranks:
+    ``benchmarks/consistency_table.py --check``). Constant time and memory at any world size;
+    ``benchmarks/consistency_table.py`` regenerates the table.
 
     Example:
         >>> round(_trimmed_consistency(64), 1), round(_trimmed_consistency(4096), 3)
-        (1.1, 1.003)
+        (1.2, 1.006)
     """
     if world < 2:
         return 1.0
     if world - 2 < len(CONSISTENCY):
         return CONSISTENCY[world - 2]
-    return (world - 1) / (world + math.pi / 2 - 2 * math.log(world))
+    return large_world_consistency(world)
+
+
+def large_world_consistency(n: int) -> float:
+    """The consistency constant's approximation beyond the table: the n log-norms' squared
+    deviations from their mean add up to ~(n - 1) sigma^2, each extreme's to ~(2 ln n - ln ln n -
+    ln(4 pi) / 2) sigma^2, and the middle n - 2 share the rest.
+
+    Example:
+        >>> round(large_world_consistency(256), 3)
+        1.064
+    """
+    return (n - 2) / (n - 1 - 4 * math.log(n) + 2 * math.log(math.log(n)) + math.log(4 * math.pi))
 
 
 def _seed(
@@ -253,8 +268,8 @@ class DeviceDetector:
     """Running detector state on the device, advanced by runs of finished ring rows.
 
     :meth:`update` judges the reduced figures (spikes, vanishing, the guard's verdict),
-    :meth:`update_ranks` the per-rank ones (rank outliers), once the export gathered every
-    rank's rows. Without a guard the tracker hands over all valid rows since the last export
+    :meth:`update_ranks` the per-rank ones (rank outliers), once the export's reductions
+    brought the job's peer-group figures. Without a guard the tracker hands over all valid rows since the last export
     at once; a guard needs each reduced verdict before its step, so there every run of
     :meth:`update` is one row. Both give the
     step-by-step recurrence: the running mean and variance before each row of a run come in
@@ -265,10 +280,13 @@ class DeviceDetector:
     no per-step cost on ordinary steps.
     """
 
-    def __init__(self, cfg: DetectorConfig, plan: RowPlan, device: torch.device) -> None:
+    def __init__(
+        self, cfg: DetectorConfig, plan: RowPlan, device: torch.device, held: Sequence[int] | None = None
+    ) -> None:
         self.cfg = cfg
         self.step_row, self.fields = plan.step, plan.rank
         self.world = world = plan.step.world
+        self.held_ranks = tuple(held) if held is not None else tuple(range(plan.step.held))  # the held rows'
         n = plan.step.n_layers + 1  # global norm first, then layers
         f32 = dict(dtype=torch.float32, device=device)
         self.mean = torch.zeros(n, **f32)
@@ -320,6 +338,14 @@ class DeviceDetector:
             torch.Size([2])
         """
         self._groups = [torch.tensor(list(g), dtype=torch.long, device=self._device) for g in groups]
+        self._sizes = [len(g) for g in groups]
+        # per group, the positions of its held ranks in the held rows
+        self._held_in = [
+            torch.tensor(
+                [i for i, r in enumerate(self.held_ranks) if r in g], dtype=torch.long, device=self._device
+            )
+            for g in groups
+        ]
         # cross-rank log-norm variance of each group, EMA over steps
         self.dev_var = torch.full((len(groups),), math.nan, dtype=torch.float32, device=self._device)
         self._consistency = [_trimmed_consistency(len(g)) for g in groups]
@@ -396,16 +422,19 @@ class DeviceDetector:
                 seg.copy_(torch.where(learn[run, 0], x[run, 0], seg))
         self.updates += k
 
-    def update_ranks(self, rows: torch.Tensor) -> None:
-        """Judge a run of consecutive valid steps' per-rank figures (rank outliers), every rank's rows in.
+    def update_ranks(self, rows: torch.Tensor, stats: torch.Tensor) -> None:
+        """Judge a run of consecutive valid steps' cross-rank figures (rank outliers), once the export's
+        reductions landed: ``stats`` ``(k, groups, GroupStat)`` are the job's peer-group figures of
+        the same steps (``crossrank.py``).
 
-        Writes the outlier columns and every rank's score; device ops only.
+        Writes the outlier columns (the job's worst rank and score) and every held rank's score;
+        device ops only.
         """
         if len(rows) > self._max_run:
             for i in range(0, len(rows), self._max_run):
-                self.update_ranks(rows[i : i + self._max_run])
+                self.update_ranks(rows[i : i + self._max_run], stats[i : i + self._max_run])
             return
-        score, rank, top = self._rank_outliers(rows)
+        score, rank, top = self._rank_outliers(rows, stats)
         outlier = top > self.cfg.outlier_score
         outlier[: max(0, self.cfg.warmup_steps - self.rank_updates)] = False
         self.rank_updates += len(rows)
@@ -413,38 +442,44 @@ class DeviceDetector:
         out[:, Verdict.OUTLIER : len(Verdict)] = torch.stack([outlier.float(), rank.float(), top], 1)
         out[:, len(Verdict) :] = score
 
-    def _rank_outliers(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per row: every rank's outlier score, the top rank and its score; advances the scale."""
+    def _rank_outliers(self, rows: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per row: the held ranks' outlier scores, the job's worst rank and its score; advances the scales.
+
+        A group's worst rank is its largest or its smallest log-norm, the farthest from the
+        center: the job learns it from the reductions, with no rank's row leaving its node.
+        """
         gathered = self.step_row.rank_rows(rows)
         ok = gathered[..., self.fields.valid] == 1.0
         x = torch.where(ok, 0.5 * torch.log(self.fields.device_totals(gathered)), math.nan)
         x = torch.where(torch.isfinite(x), x, math.nan)  # non-finite ranks are the NaN event's
         score = torch.full_like(x, math.nan)  # NaN: a rank of a group of 2 or fewer has no score
-        for g, ranks in enumerate(self._groups):
-            if len(ranks) >= 3:  # with two, each is as far from their median as the other
-                score[:, ranks] = self._group_scores(x[:, ranks], g)
-        best_score, best = score.nan_to_num(0.0).max(1)
+        best_score = torch.zeros(len(rows), dtype=torch.float32, device=rows.device)
+        best = torch.zeros_like(best_score)
+        for g, held in enumerate(self._held_in):
+            if self._sizes[g] < 3:  # with two, each is as far from their median as the other
+                continue
+            st = stats[:, g]
+            scale = self._scale(g, st[:, GroupStat.SPREAD])
+            center = st[:, GroupStat.CENTER, None]
+            score[:, held] = ((x[:, held] - center).abs() / scale[:, None]).nan_to_num(0.0)
+            worst = (st[:, GroupStat.WORST] / scale).nan_to_num(0.0)
+            rank = st[:, GroupStat.WORST_RANK]
+            take = (worst > best_score) | ((worst == best_score) & (rank >= 0) & (rank < best))
+            best_score = torch.where(take, worst, best_score)
+            best = torch.where(take, rank, best)
         return score, best, best_score
 
-    def _group_scores(self, x: torch.Tensor, g: int) -> torch.Tensor:
-        """One group's scores: each rank's distance from the group's median, in EMA scales."""
-        dev = (x - torch.nanmedian(x, 1, keepdim=True).values).abs()
-        # scale: EMA over steps of the ranks' mean squared deviation without the largest one,
-        # so a rank that stays bad (or is bad from the start) never inflates the scale
-        d2 = dev * dev
-        missing = torch.isnan(d2)
-        n = (~missing).sum(1)
-        top = torch.where(missing, 0.0, d2).max(1).values
-        trim = n >= 3
-        trimmed = (torch.nansum(d2, 1) - torch.where(trim, top, 0.0)) / (n - trim.long()).clamp(min=1)
-        m2 = torch.where(n >= 2, trimmed * self._consistency[g], math.nan)
+    def _scale(self, g: int, spread: torch.Tensor) -> torch.Tensor:
+        """Group ``g``'s scale per row: the EMA over steps of its ranks' mean squared deviation from
+        their center leaving out the largest (so a rank that stays bad, or is bad from the start,
+        never inflates it), floored; advances the EMA."""
+        m2 = spread * self._consistency[g]
         state = self.dev_var[g]
         var0, judged, used = _seed(state, ~torch.isnan(state), m2, torch.isfinite(m2))
         var, var_after = prefix_ema(var0, m2, used, self.cfg.ema_alpha)
         var = torch.where(judged, var, math.nan)  # no scale yet: the floor
-        scale = torch.sqrt(var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
         state.copy_(var_after)
-        return (dev / scale[:, None]).nan_to_num(0.0)
+        return torch.sqrt(var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
 
 
 class DetectorDecoder:

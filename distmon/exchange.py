@@ -1,23 +1,27 @@
-"""The monitor's one collective per step: which one each step sends, and where what it brings lands.
+"""The monitor's collectives: which ones each step sends, and where what they bring lands.
 
 Reduced gradients are identical on every rank, so global norms need no collective; only the
-per-rank (pre-reduction) figures do, and they are needed only when rows are exported. So a
-step sends at most one collective, on the source's process group:
+per-rank (pre-reduction) figures do, and they are needed only when rows are exported. No
+collective's size grows with the number of ranks:
 
-- an ordinary step, a SUM all-reduce of a few floats whatever the world size (rank 0's vote
-  for a time-bounded export; a partial layout's per-layer sums of every rank's counted
-  shards, each distinct shard counted on one replica), or nothing at all when there is nothing to add up;
-- an export step, in its place, one all-gather of this rank's rows of every step since the
-  last export (kept in a ring of ``export_every`` rows): the same bytes as a gather per step,
-  one latency term per export instead of one per step.
+- an ordinary step sends a SUM all-reduce of a few floats (rank 0's vote for a time-bounded
+  export; a partial layout's per-layer sums of every rank's counted shards, each distinct shard
+  counted on one replica), or nothing at all when there is nothing to add up;
+- an export step, in its place, sends three, over the rows of every step since the last export
+  (kept in a ring of ``export_every`` rows): an all-gather of those rows over the ranks of this
+  rank's node only (per-rank figures are served and logged by their own node), and the two
+  fixed-size all-reduces of ``crossrank.py`` over the job (its counts, moments and packed
+  (value, rank) keys: what the job-wide figures need from every rank), whose SUM carries the
+  ordinary step's floats too.
 
 Each is issued by the training thread when the optimizer step begins: on every rank,
-whatever happened locally (a collective issued on some ranks only would hang the job), and
-after the gradient reduction and every collective a user's comm hook issued from its
-callbacks have completed (a collective issued while those may still start could be matched
-against one of them on another rank, and hang the job). Which steps export must be the same on
-every rank, because it decides which collective a step sends: ``export_every`` is a step
-count, and ``export_interval_s`` is rank 0's clock, whose vote rides a step's collective.
+whatever happened locally (a collective issued on some ranks only would hang the job), in the
+same order on every rank, and after the gradient reduction and every collective a user's comm
+hook issued from its callbacks have completed (a collective issued while those may still start
+could be matched against one of them on another rank, and hang the job). Which steps export
+must be the same on every rank, because it decides which collectives a step sends:
+``export_every`` is a step count, and ``export_interval_s`` is rank 0's clock, whose vote rides
+a step's collective.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import torch
 import torch.distributed as dist
 
 from . import sums
+from .backward import LayerOrder
 from .compat import all_gather, profiler_enabled
+from .crossrank import CrossRank
 from .errors import ErrorCounter
 from .ring import DeviceRing
 from .rows import Head, RowPlan
@@ -42,6 +48,9 @@ __all__ = ["Exchange", "InFlight", "RankBuffers", "LaggedVote"]
 
 class RankBuffers:
     """This rank's row of each step, kept until an export, and the collectives that carry rows.
+
+    ``held``: the ranks (of ``group``) whose rows the export gathers here, this rank's node's,
+    over ``node_group`` (None: this rank alone on its node, or one process).
 
     :meth:`pack` fills the send row when the step begins (the tracker folds the local per-layer
     sums straight into :attr:`layer_sq`, its head with ``rank_layers``; ``errors`` and ``valid``
@@ -59,12 +68,21 @@ class RankBuffers:
     """
 
     def __init__(
-        self, plan: RowPlan, *, n_rows: int, group: dist.ProcessGroup | None, device: torch.device
+        self,
+        plan: RowPlan,
+        *,
+        n_rows: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        node_group: dist.ProcessGroup | None = None,
+        held: tuple[int, ...] | None = None,
     ) -> None:
         self.fields = f = plan.rank
-        self.group = group
+        self.group, self.node_group = group, node_group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.held = held if held is not None else tuple(range(self.world))
+        self.held_index = self.held.index(self.rank)
         f32 = dict(dtype=torch.float32, device=device)
         n_layers = plan.step.n_layers
         self.send = torch.zeros(f.width, **f32)
@@ -72,10 +90,10 @@ class RankBuffers:
         self.partial_sq = self.send[f.partial]  # the reduced sums of the parts this rank counts
         self.rows = torch.zeros(n_rows, f.width, **f32)  # kept rows, by ring slot
         self.summed = torch.zeros(f.reduced.stop - f.reduced.start, **f32)  # the all-reduce's buffer
-        self._gathered = torch.zeros(self.world * n_rows * f.width, **f32)
+        self._gathered = torch.zeros(len(self.held) * n_rows * f.width, **f32)
         # (errors, valid, reduced_ok, batch) as written in the send row
         self._sent_meta: tuple[int, float, bool, float] | None = None
-        self._work: dist.Work | None = None
+        self._works: list[dist.Work] = []
 
     def pack(
         self,
@@ -119,16 +137,26 @@ class RankBuffers:
 
     def reduce(self) -> None:
         """Start the SUM all-reduce of the send row's :attr:`RankRow.reduced` floats, in :attr:`summed`."""
+        self.wait()
         self.summed.copy_(self.send[self.fields.reduced])
         self._start(dist.all_reduce(self.summed, group=self.group, async_op=True))
 
     def gather(self, first: int, last: int) -> torch.Tensor:
-        """Start the all-gather of kept rows ``first..last`` (ring slots); ``(world, k, width)`` out."""
+        """Start the all-gather of kept rows ``first..last`` (ring slots) over the node: ``(held, k, width)``
+        out (this rank's own rows when it is alone on its node)."""
+        self.wait()
         k, width = last - first + 1, self.fields.width
-        out = self._gathered[: self.world * k * width]
-        rows = self.rows[first : last + 1].view(-1)
-        self._start(all_gather(out, rows, group=self.group, async_op=True))
-        return out.view(self.world, k, width)
+        rows = self.rows[first : last + 1]
+        if self.node_group is None:
+            return rows.unsqueeze(0)
+        out = self._gathered[: len(self.held) * k * width]
+        self._start(all_gather(out, rows.reshape(-1), group=self.node_group, async_op=True))
+        return out.view(len(self.held), k, width)
+
+    def summarize(self, sums: torch.Tensor, keys: torch.Tensor) -> None:
+        """Start the job's SUM of ``sums`` and MAX of ``keys`` (``crossrank.py``), after the node's gather."""
+        self._start(dist.all_reduce(sums, group=self.group, async_op=True))
+        self._start(dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
 
     def _start(self, work: dist.Work) -> None:
         """Hold the work for :meth:`wait`; under ``torch.profiler`` complete it at once.
@@ -139,15 +167,14 @@ class RankBuffers:
         crashed, 0 of 10 with the wait inside), and a user's profiler window may close at any
         step end.
         """
-        self.wait()
-        self._work = work
+        self._works.append(work)
         if profiler_enabled():
             self.wait()
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Complete the pending collective, if any (a stream wait on NCCL); raise after ``timeout_s``."""
-        work, self._work = self._work, None
-        if work is not None:
+        """Complete the pending collectives, if any (stream waits on NCCL); raise after ``timeout_s``."""
+        works, self._works = self._works, []
+        for work in works:
             work.wait(timedelta(seconds=timeout_s)) if timeout_s else work.wait()
 
 
@@ -200,12 +227,13 @@ class LaggedVote:
 class InFlight:
     """The collective a step started; completed when the next one starts, or at an export."""
 
-    # "reduce": an ordinary step's all-reduce; "export": an export step's gather; "flush": the
-    # gather of rows not yet gathered, at flush() or close() (its steps had their own collectives)
+    # "reduce": an ordinary step's all-reduce; "export": an export step's gather and reductions;
+    # "flush": those of rows not yet gathered, at flush() or close() (its steps had their own
+    # collectives)
     kind: Literal["reduce", "export", "flush"]
     first: int  # the steps whose rows (a gather) or sums (the all-reduce) it carries
     last: int
-    out: torch.Tensor | None = None  # a gather's ``(world, k, width)`` output
+    out: torch.Tensor | None = None  # a gather's ``(held, k, width)`` output
 
 
 class Exchange:
@@ -213,12 +241,15 @@ class Exchange:
 
     ``partial``: each rank holds a part of the reduced gradient (shards, a pipeline stage): the
     step's all-reduce adds up the per-layer sums of every rank's counted parts (``layout.py``);
-    otherwise every rank holds the whole reduced gradient and measures it alone.
+    otherwise every rank holds the whole reduced gradient and measures it alone. ``node_group``
+    and ``held``: the ranks whose rows an export gathers here (:class:`RankBuffers`); ``order``
+    the layers' backward order, for the first non-finite layer's key.
 
     Example:
         >>> plan = RowPlan.build(n_layers=1, world=1)
         >>> ex = Exchange(plan, ring=DeviceRing(4, plan.step, torch.device("cpu")), group=None,
-        ...               export_every=4, export_interval_s=0.0, errors=ErrorCounter())
+        ...               export_every=4, export_interval_s=0.0, errors=ErrorCounter(),
+        ...               order=LayerOrder(1, torch.device("cpu")))
         >>> [ex.exports(step) for step in (1, 4)]   # one process decides alone
         [False, True]
     """
@@ -232,15 +263,24 @@ class Exchange:
         export_every: int,
         export_interval_s: float,
         errors: ErrorCounter,
+        order: LayerOrder,
         partial: bool = False,
+        node_group: dist.ProcessGroup | None = None,
+        held: tuple[int, ...] | None = None,
     ) -> None:
-        self.plan, self.ring, self.errors = plan, ring, errors
+        self.plan, self.ring, self.errors, self.order = plan, ring, errors, order
         self.export_every, self.export_interval_s = export_every, export_interval_s
         # several ranks agree on export steps through their collectives; one process decides alone
         self.collective = group is not None
-        self.buffers = RankBuffers(plan, n_rows=export_every, group=group, device=ring.data.device)
+        device = ring.data.device
+        self.buffers = RankBuffers(
+            plan, n_rows=export_every, group=group, device=device, node_group=node_group, held=held
+        )
         self.rank = self.buffers.rank
         f = plan.rank
+        self.cross = CrossRank(
+            plan, rank=self.rank, n_rows=export_every, device=device, n_extra=f.reduced.stop - f.reduced.start
+        )
         self.partial = partial
         self.votes = LaggedVote(ring.data.device) if f.vote is not None else None
         self._voter = self.votes is not None and self.rank == 0
@@ -252,6 +292,10 @@ class Exchange:
         self._export_at = 0  # the step whose collective was its export's gather
         self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()
+
+    def join_node(self, group: dist.ProcessGroup | None) -> None:
+        """Gather the held ranks' rows over ``group``, their node's (set once every rank started)."""
+        self.buffers.node_group = group
 
     def resume_at(self, step: int) -> None:
         """Go on after ``step`` (a resumed run): its rows and collectives were an earlier process's."""
@@ -269,11 +313,19 @@ class Exchange:
         if self.counted(step) or voted:
             first = self.gathered_through + 1
             self.gathered_through = self._export_at = step
-            out = self.buffers.gather(self.ring.slot(first), self.ring.slot(step))
-            self._in_flight = InFlight("export", first, step, out)
+            self._in_flight = self._gather("export", first, step)
         elif self._reduces:
             self._in_flight = InFlight("reduce", step, step)
             self.buffers.reduce()
+
+    def _gather(self, kind: Literal["export", "flush"], first: int, last: int) -> InFlight:
+        """Start the node's gather and the job's reductions of the kept rows of steps ``first..last``."""
+        buf, a, b = self.buffers, self.ring.slot(first), self.ring.slot(last)
+        out = buf.gather(a, b)
+        sums, keys = self.cross.pack(buf.rows[a : b + 1], self.order.device)
+        self.cross.extra(b - a + 1).copy_(buf.send[self.plan.rank.reduced])  # the last step's floats
+        buf.summarize(sums, keys)
+        return InFlight(kind, first, last, out)
 
     def invalidate(self) -> None:
         """This rank sends "no figures" this step (its row could not be packed)."""
@@ -300,10 +352,11 @@ class Exchange:
     def complete(self, timeout_s: float | None = None) -> None:
         """Wait for the collective in flight and put what it brought where it belongs.
 
-        Every rank's rows into the ring rows of their steps; a partial layout's reduced sums
-        into the step's row (from the all-reduce, or added up from the export's gathered
-        shard sums); rank 0's vote on its way to the host. ``timeout_s``: give up waiting
-        (counted as a monitor error, what it would have brought stays "not measured").
+        The node's rows into the ring rows of their steps, the job's reductions into their job
+        columns; a partial layout's reduced sums into the step's row and rank 0's vote on its way
+        to the host (from the ordinary step's all-reduce, or the floats an export's SUM carried
+        for its last step). ``timeout_s``: give up waiting (counted as a monitor error, what it
+        would have brought stays "not measured").
         """
         flight, self._in_flight = self._in_flight, None
         if flight is None:
@@ -311,22 +364,18 @@ class Exchange:
         buf, f = self.buffers, self.plan.rank
         try:
             buf.wait(timeout_s)
-            vote = None
-            if flight.out is None:  # the all-reduce
+            summed = buf.summed
+            if flight.out is not None:
+                k = flight.last - flight.first + 1
+                self._store(flight.first, flight.last, flight.out)
+                self.cross.land(self.ring.span(flight.first, flight.last), self.ring.slot(flight.first))
+                summed = self.cross.extra(k).float()
+            if flight.kind != "flush":
                 if self.partial:  # the regions by name: rows.py may order them as it likes
                     ok = f.summed("reduced_ok").start
-                    self._land_partial(flight.last, buf.summed[f.summed("partial")], buf.summed[ok])
-                if f.vote is not None:
-                    vote = buf.summed[f.summed("vote")]
-            else:
-                self._store(flight.first, flight.last, flight.out)
-                last = flight.out[:, -1]
-                if flight.kind == "export" and self.partial:
-                    self._land_partial(flight.last, last[:, f.partial].sum(0), last[:, f.reduced_ok].sum())
-                if flight.kind == "export" and f.vote is not None:
-                    vote = flight.out[0, -1, f.vote : f.vote + 1]
-            if vote is not None and self.votes is not None:
-                self.votes.post(flight.last, vote)
+                    self._land_partial(flight.last, summed[f.summed("partial")], summed[ok])
+                if f.vote is not None and self.votes is not None:
+                    self.votes.post(flight.last, summed[f.summed("vote")])
         except Exception:
             self.errors.record("rank exchange (wait)")
 
@@ -337,7 +386,7 @@ class Exchange:
         self.ring.row(step)[Head.VALID].mul_(measured == self.buffers.world)
 
     def _store(self, first: int, last: int, out: torch.Tensor, ranks: slice = slice(None)) -> None:
-        """Write ``out`` (``(ranks, k, width)``: each rank's rows of steps ``first..last``) into the ring."""
+        """Write ``out`` (``(held, k, width)``: each held rank's rows of steps ``first..last``) into the ring."""
         self.plan.step.rank_rows(self.ring.span(first, last))[:, ranks].copy_(out.transpose(0, 1))
 
     # -- exports ----------------------------------------------------------------------------
@@ -362,11 +411,13 @@ class Exchange:
         )
 
     def gather_rest(self, last: int, gather: bool, timeout_s: float | None = None) -> None:
-        """Every rank's rows of the steps up to ``last`` not gathered yet, into the ring (a collective).
+        """The held ranks' rows and the job's reductions of the steps up to ``last`` not gathered
+        yet, into the ring (collectives).
 
         ``gather=False`` (a rank closing on an exception, which the others may not share) stores
-        this rank's own rows only; the other ranks' stay "not measured". ``timeout_s`` bounds
-        the wait for the others (at interpreter exit they may never come).
+        this rank's own rows and figures only (its job columns say one rank reported); the other
+        ranks' stay "not measured". ``timeout_s`` bounds the wait for the others (at interpreter
+        exit they may never come).
         """
         self.complete()  # whatever is exported, no collective of distmon's is left in flight
         if self.gathered_through >= last:
@@ -374,12 +425,12 @@ class Exchange:
         first, self.gathered_through = self.gathered_through + 1, last
         try:
             if gather and self.collective:
-                out = self.buffers.gather(self.ring.slot(first), self.ring.slot(last))
-                self._in_flight = InFlight("flush", first, last, out)
+                self._in_flight = self._gather("flush", first, last)
                 self.complete(timeout_s)
             else:
-                s, r = self.ring.slot(first), self.rank
-                own = self.buffers.rows[s : s + last - first + 1].unsqueeze(0)
-                self._store(first, last, own, slice(r, r + 1))
+                s, r = self.ring.slot(first), self.buffers.held_index
+                own = self.buffers.rows[s : s + last - first + 1]
+                self._store(first, last, own.unsqueeze(0), slice(r, r + 1))
+                self.cross.alone(self.ring.span(first, last), s, own, self.order.device)
         except Exception:
             self.errors.record("rank exchange (flush)")

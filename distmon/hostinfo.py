@@ -8,7 +8,7 @@ import pickle
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .compat import all_gather
 from .layout import Coordinates
 
-__all__ = ["RankInfo", "resolve_run_id", "restart_count", "local_rank_info", "exchange"]
+__all__ = ["RankInfo", "Nodes", "resolve_run_id", "restart_count", "local_rank_info", "exchange", "nodes_of"]
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,17 @@ class RankInfo:
     local_rank: int
     hostname: str
     gpu_uuid: str  # "GPU-..." as DCGM reports it, "" off GPU
-    node: str = ""  # hostname, plus torchrun's node rank (GROUP_RANK) when set
+    node: str = ""  # hostname, plus torchrun's node rank (GROUP_RANK) or Slurm's node id when set
     coords: Coordinates | None = None  # its place in each parallel dimension (several of them)
+    node_index: int = 0  # its node's place among the job's nodes (ordered by their lowest rank)
 
     def labels(self) -> dict[str, str]:
-        out = {"rank": str(self.rank), "local_rank": str(self.local_rank), "hostname": self.hostname}
+        out = {
+            "rank": str(self.rank),
+            "local_rank": str(self.local_rank),
+            "hostname": self.hostname,
+            "node": str(self.node_index),
+        }
         if self.gpu_uuid:
             out["gpu_uuid"] = self.gpu_uuid
         if self.coords is not None:
@@ -81,16 +87,59 @@ def _gpu_uuid(device: torch.device) -> str:
 
 
 def local_rank_info(group: dist.ProcessGroup | None, device: torch.device) -> RankInfo:
-    """This process's identity in ``group`` (rank 0 of a single process without ``torch.distributed``)."""
+    """This process's identity in ``group`` (rank 0 of a single process without ``torch.distributed``).
+
+    Its node is its launcher's: torchrun's agent (``GROUP_RANK``: several agents on one host are
+    several nodes), else Slurm's node (``SLURM_NODEID``), else its host. Without ``LOCAL_RANK``
+    (ranks started by ``torch.multiprocessing``) the local rank is its place on its node, set by
+    :func:`nodes_of`.
+    """
     host = socket.gethostname()
-    node_rank = os.environ.get("GROUP_RANK")
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID"))
+    local = os.environ.get("LOCAL_RANK", "")
     return RankInfo(
         rank=dist.get_rank(group) if group is not None else 0,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_rank=int(local) if local.isdigit() else -1,
         hostname=host,
         gpu_uuid=_gpu_uuid(device),
         node=f"{host}/{node_rank}" if node_rank is not None else host,
     )
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where the ranks of a group run: each rank's node index (nodes ordered by their lowest rank).
+
+    Example:
+        >>> n = Nodes((0, 0, 1, 1)); n.count, n.ranks_of(1), n.lead(2), n.lead(3)
+        (2, (2, 3), True, False)
+    """
+
+    index: tuple[int, ...]  # per rank of the group
+
+    @property
+    def count(self) -> int:
+        return max(self.index) + 1
+
+    def ranks_of(self, node: int) -> tuple[int, ...]:
+        """The group ranks on ``node``, in order."""
+        return tuple(r for r, n in enumerate(self.index) if n == node)
+
+    def lead(self, rank: int) -> bool:
+        """Whether ``rank`` is the lowest rank of its node: the one that serves and logs for it."""
+        return self.ranks_of(self.index[rank])[0] == rank
+
+
+def nodes_of(me: RankInfo, group: dist.ProcessGroup | None) -> tuple[RankInfo, Nodes]:
+    """Every rank's node (one small exchange at construction, on every rank); ``me`` with its node
+    index and, without ``LOCAL_RANK``, its place on its node as its local rank."""
+    keys = exchange(me.node, group)
+    first: dict[str, int] = {}
+    for key in keys:
+        first.setdefault(key, len(first))
+    nodes = Nodes(tuple(first[k] for k in keys))
+    local = me.local_rank if me.local_rank >= 0 else nodes.ranks_of(nodes.index[me.rank]).index(me.rank)
+    return replace(me, node_index=nodes.index[me.rank], local_rank=local), nodes
 
 
 def exchange(payload: object, group: dist.ProcessGroup | None) -> list:

@@ -374,7 +374,9 @@ class MetricServer:
         tls, auth = (security or EndpointSecurity()).load()
         family, host = _resolve(addr, port)
         # the next ports, then an ephemeral one: with fallback a taken port never fails the job
-        candidates = [port] + (list(range(port + 1, min(port + tries, 65536))) + [0] if fallback and port else [])
+        candidates = [port] + (
+            list(range(port + 1, min(port + tries, 65536))) + [0] if fallback and port else []
+        )
         last: OSError | None = None
         deadline = time.monotonic() + wait_s
         for p in candidates:

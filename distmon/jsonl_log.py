@@ -1,4 +1,5 @@
-"""JSONL exporter: one strict-JSON line per optimizer step, written by rank 0."""
+"""JSONL exporter: one strict-JSON line per optimizer step, written by rank 0 (and by the first rank
+of every other node, for its node's ranks: :func:`node_log_path`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,21 @@ from collections.abc import Sequence
 
 from .snapshot import Snapshot, to_jsonable
 
-__all__ = ["JsonlLog"]
+__all__ = ["JsonlLog", "node_log_path"]
+
+
+def node_log_path(path: str, node: int) -> str:
+    """Where node ``node`` writes its log: ``path`` itself for the first node (global rank 0's),
+    ``<stem>.node<n><suffix>`` beside it for the others (their lines hold their own ranks' rows).
+
+    Example:
+        >>> node_log_path("logs/run.jsonl", 0), node_log_path("logs/run.jsonl", 3)
+        ('logs/run.jsonl', 'logs/run.node3.jsonl')
+    """
+    if node == 0:
+        return path
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.node{node}{suffix}"
 
 
 class JsonlLog:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .crossrank import CrossRank
 from .detectors import DeviceDetector
 from .errors import ErrorCounter
 from .noise_scale import NoiseScale
@@ -40,7 +41,7 @@ def valid_runs(valid: Sequence[bool]) -> list[tuple[int, int]]:
 
 
 class Judge:
-    """The verdicts of finished step rows: reduced ones (:meth:`reduced`), per-rank ones (:meth:`ranks`).
+    """The verdicts of finished step rows: reduced ones (:meth:`judge_reduced`), cross-rank ones (:meth:`judge_ranks`).
 
     Example:
         >>> from distmon.rows import RowPlan
@@ -58,8 +59,10 @@ class Judge:
         detector: DeviceDetector | None,
         noise: NoiseScale | None,
         errors: ErrorCounter,
+        cross: CrossRank | None = None,
     ) -> None:
         self.step_row, self.detector, self.noise, self.errors = step_row, detector, noise, errors
+        self.cross = cross  # the job's cross-rank figures per ring slot (the rank outliers read them)
 
     def judge_reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
         """Write the totals of consecutive ``rows`` into them and update the reduced-figure detectors
@@ -72,12 +75,14 @@ class Judge:
         except Exception:
             self.errors.record("detectors")
 
-    def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
-        """Update the verdicts that need every rank's rows (rank outliers, noise scale), once they are in."""
-        if self.detector is not None:
+    def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool], slot: int = 0) -> None:
+        """Update the verdicts that need every rank's figures (rank outliers, noise scale), once the
+        export's reductions landed (``slot``: the ring slot of ``rows[0]``)."""
+        if self.detector is not None and self.cross is not None:
             try:
                 for start, stop in valid_runs(valid):
-                    self.detector.update_ranks(rows[start:stop])
+                    stats = self.cross.stats[slot + start : slot + stop]
+                    self.detector.update_ranks(rows[start:stop], stats)
             except Exception:
                 self.errors.record("detectors")
         if self.noise is not None:

@@ -29,7 +29,7 @@ from .export_thread import ExportThread
 from .file_sd import TargetFile, target_host
 from .hostinfo import RankInfo
 from .http_server import MetricServer
-from .jsonl_log import JsonlLog
+from .jsonl_log import JsonlLog, node_log_path
 from .options import option_label
 from .prometheus_exporter import MetricsAggregate
 
@@ -73,14 +73,14 @@ def serves(serve: str, rank: int, local_rank: int) -> bool:
 def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tuple[bool, tuple[RankInfo, ...]]:
     """(serves the cluster-wide families, ranks whose per-rank series it serves) for this process.
 
-    Cluster-wide families come only from global rank 0, so no series is counted twice.
+    Cluster-wide families come only from global rank 0, so no series is counted twice; a rank
+    holds the rows of its own node's ranks only, so per-rank series come from their own node
+    (``serve="rank0"``: node 0's alone).
     """
     if not serves(serve, me.rank, me.local_rank):
         return False, ()
-    ranks = {"rank0": tuple(everyone), "node": tuple(i for i in everyone if i.node == me.node), "all": (me,)}[
-        serve
-    ]
-    return me.rank == 0, ranks
+    node = tuple(i for i in everyone if i.node == me.node)
+    return me.rank == 0, {"rank0": node, "node": node, "all": (me,)}[serve]
 
 
 @dataclass
@@ -130,8 +130,8 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
                     port,
                     out.server.port,
                 )
-        if cfg.log_path and me.rank == 0:
-            out.log = _usable("log_path", cfg.log_path, JsonlLog)
+        if cfg.log_path and me.local_rank == 0 and (me.rank == 0 or me.node_index > 0):
+            out.log = _usable("log_path", node_log_path(cfg.log_path, me.node_index), JsonlLog)
         if cfg.file_sd_dir and me.rank == 0:
             out.target = _usable("file_sd_dir", cfg.file_sd_dir, lambda d: TargetFile(d, run_id))
     except BaseException:

@@ -226,7 +226,7 @@ def check_snapshot(obj: object) -> str | None:
     if matrix and any(len(row) != len(obj.get("layer_grad_norms", ())) for row in matrix):
         return "`rank_layer_grad_norms` rows do not match `layer_grad_norms`"
     ranks = obj.get("ranks")
-    if ranks is not None:
+    if ranks:  # [] (a snapshot made by hand): ranks 0..n-1, as without the field
         for name in PER_RANK:  # empty where no local figure can be read (FSDP2 before torch 2.9)
             if obj.get(name) and len(obj[name]) != len(ranks):
                 return f"`{name}` does not hold one entry per rank of `ranks`"
@@ -237,7 +237,7 @@ def check_snapshot(obj: object) -> str | None:
 
 def ranks_of(obj: dict[str, object]) -> Sequence[int]:
     """The global ranks a checked line's per-rank lists describe: its ``"ranks"``, else (a line
-    of an older or one-node log) ``0..len(rank_grad_norms)-1``, else (no per-rank figures) every
+    of an older log, or ``"ranks": []``) ``0..len(rank_grad_norms)-1``, else (no per-rank figures) every
     rank of the job.
 
     Example:
@@ -245,7 +245,7 @@ def ranks_of(obj: dict[str, object]) -> Sequence[int]:
         ([4, 5], range(0, 2))
     """
     ranks = obj.get("ranks")
-    if ranks is not None:
+    if ranks:
         return ranks
     n = len(obj.get("rank_grad_norms") or ())
     return range(n) if n else range(obj.get("world_size", 1))
@@ -687,7 +687,12 @@ class _Line:
 
 
 def _checked(
-    f: BinaryIO, log: NodeLog, name: str | None, max_line_bytes: int, skip: Callable[[str, int | str], None]
+    f: BinaryIO,
+    log: NodeLog,
+    *,
+    name: str | None,
+    max_line_bytes: int,
+    skip: Callable[[str, int | str], None],
 ) -> Iterator[_Line]:
     """The checked lines of one file, each with its segment; the others skipped by reason.
 
@@ -724,7 +729,13 @@ def _checked(
             seg[0], seg[1] = seg[0] + 1, 0
         seg[2] = step
         stamp = as_float(obj.get("timestamp"))
-        yield _Line((rid, seg[0], seg[1]), step, stamp if math.isfinite(stamp) else math.inf, where, obj)
+        yield _Line(
+            segment=(rid, seg[0], seg[1]),
+            step=step,
+            timestamp=stamp if math.isfinite(stamp) else math.inf,
+            where=where,
+            obj=obj,
+        )
 
 
 def _steps(files: list[Iterator[_Line]]) -> Iterator[list[tuple[int, _Line]]]:
@@ -797,7 +808,11 @@ def read_log(
     with ExitStack() as files:
         streams = [
             _checked(
-                files.enter_context(open(p, "rb")), log, p if len(paths) > 1 else None, max_line_bytes, skip
+                files.enter_context(open(p, "rb")),
+                log,
+                name=p if len(paths) > 1 else None,
+                max_line_bytes=max_line_bytes,
+                skip=skip,
             )
             for p, log in zip(paths, logs)
         ]

@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 
 from . import hostinfo, options
 from .activations import ActivationSpec
-from .build import Hooks, build_exports, build_rank, read_rank
+from .build import Hooks, build_exports, build_rank, node_group, read_rank
 from .census import alone, read_job
 from .clip import Clipper
 from .config import GuardMode, MonitorConfig, Scheduler, ServeMode
@@ -169,6 +169,7 @@ class GradMonitor:
         # others over the group it was given)
         group = process_group(cfg.job_group if cfg is not None else job_group)
         me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
+        me, nodes = hostinfo.nodes_of(me, group)  # every rank, whatever happened: a collective
         self._errors = ErrorCounter()
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
         # Everything that can fail, on this rank: read, then (once the job read its layout) built,
@@ -189,7 +190,7 @@ class GradMonitor:
             if failure is None and job is not None:  # None: another rank failed (agree() raises its error)
                 if job.refusal is not None:
                     raise job.refusal
-                built = build_rank(planned, job, errors=self._errors, exports=exports)
+                built = build_rank(planned, job, errors=self._errors, exports=exports, nodes=nodes)
                 proposal = hostinfo.resolve_run_id(built.cfg.run_id)  # rank 0's run id wins
                 prepared = prepare(built.cfg, me, proposal)
                 hooks = Hooks(built)
@@ -212,6 +213,12 @@ class GradMonitor:
             prepared.release()
             raise
         assert built is not None and hooks is not None  # agree() raised on every rank if any failed
+        try:
+            built.tracker.exchange.join_node(node_group(built))
+        except BaseException:
+            hooks.remove()
+            prepared.release()
+            raise
 
         # Every rank is ready: the exporters, the export thread, the hooks. Nothing below raises.
         self.config, tracker = built.cfg, built.tracker

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from .resume import load_tensors, save_tensors
-from .rows import Head, Noise, RowPlan
+from .rows import Head, Job, Noise, RowPlan
 from .sums import ema_after
 
 __all__ = ["NoiseScale"]
@@ -46,7 +46,7 @@ class NoiseScale:
     """
 
     def __init__(self, plan: RowPlan, *, alpha: float, device: torch.device):
-        self.step_row, self.fields = plan.step, plan.rank
+        self.step_row = plan.step
         self.n = plan.step.n_layers + 1  # global, then layers
         self.world = plan.step.world
         self.alpha = alpha
@@ -64,23 +64,16 @@ class NoiseScale:
 
     def update(self, rows: torch.Tensor) -> None:
         """Fold a run of finished rows (in step order) in; write their noise columns."""
-        f, w, step_row = self.fields, self.world, self.step_row
-        gathered = step_row.rank_rows(rows)
+        w, step_row = self.world, self.step_row
         big = rows[:, step_row.total_and_layers].double()  # reduced: total, then layers
-        small_total = f.device_totals(gathered).double().mean(1, keepdim=True)
-        if f.n_layer_cols:
-            small_layers = gathered[..., f.layers].double().mean(1)
-        else:
-            small_layers = torch.full_like(big[:, 1:], math.nan)
-        small = torch.cat([small_total, small_layers], 1)
-        b = gathered[..., f.batch].double()  # (k, world)
+        job = rows[:, step_row.job].double()  # the ranks' mean local sums: total, then layers
+        small = torch.cat([job[:, Job.MEAN_SQ : Job.MEAN_SQ + 1], job[:, len(Job) :]], 1)
+        bs = job[:, Job.BATCH : Job.BATCH + 1]  # NaN unless every rank had the same batch
         ok = (
             (rows[:, Head.VALID] == 1.0)
-            & (gathered[..., f.valid] == 1.0).all(1)
-            & (b == b[:, :1]).all(1)
-            & (b[:, 0] > 0)
+            & (job[:, Job.MEASURED] == w)  # every rank's local figures are in the mean
+            & (bs[:, 0] > 0)
         )
-        bs = b[:, :1]
         bb = bs * w
         g2 = (bb * big - bs * small) / (bb - bs)
         tr = (small - big) / (1 / bs - 1 / bb)

@@ -59,7 +59,7 @@ class Option:
 
         Example:
             >>> BY_NAME["serve"].default_text, BY_NAME["export_interval_s"].default_text
-            ('`rank0`', '5')
+            ('`node`', '5')
         """
         if self.shown is not None:
             return self.shown
@@ -143,15 +143,16 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "rank_layers",
         True,
-        "also gather the rank x layer matrix at exports (else per-rank totals only)",
+        "also gather the rank x layer matrix of each node's ranks at exports (else per-rank totals only)",
         agreed=True,
     ),
     Option(
         "serve",
-        "rank0",
-        "`rank0`: global rank 0 serves everything; `node`: local rank 0 of each node serves its "
-        "node's per-rank series, global rank 0 alone the cluster-wide ones; `all`: every rank "
-        "serves its own; `none`",
+        "node",
+        "`node`: the first rank of each node (torchrun agent) serves its node's per-rank series, "
+        "global rank 0 also the job-wide ones (one endpoint on one node); `rank0`: global rank 0 "
+        "alone (the job-wide series and its own node's ranks'); `all`: every rank serves its own "
+        "(ports `port + local rank`); `none`",
         env="DISTMON_SERVE",
         agreed=True,
     ),
@@ -214,7 +215,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "log_path",
         None,
-        'JSONL file of every step\'s snapshot, written by rank 0 (non-finite floats as `"nan"`/`"inf"`)',
+        'JSONL file of every step\'s snapshot (non-finite floats as `"nan"`/`"inf"`), written by rank 0; '
+        "with several nodes the first rank of node n writes its ranks' in `<stem>.node<n><suffix>` beside "
+        "it (`python -m distmon report` reads them together)",
         env="DISTMON_LOG_PATH",
     ),
     Option(
@@ -288,9 +291,7 @@ OPTIONS: tuple[Option, ...] = (
         "([Forward activations](metrics.md#forward-activations))",
         agreed=True,
     ),
-    Option(
-        "activation_every", None, "steps between watched forwards", agreed=True, shown="`export_every`"
-    ),
+    Option("activation_every", None, "steps between watched forwards", agreed=True, shown="`export_every`"),
     Option(
         "update_ratio",
         False,

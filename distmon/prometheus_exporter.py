@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
@@ -29,7 +29,7 @@ __all__ = ["MetricsAggregate", "GradCollector", "ANOMALY_KINDS", "NORM_BUCKETS",
 
 # 1, 2.5, 5 x 10^k for k = -4..4: wide enough for fp32 training from init to late phases
 NORM_BUCKETS = tuple(m * 10.0**k for k in range(-4, 5) for m in (1.0, 2.5, 5.0))
-RANK_LABELS = ("rank", "local_rank", "hostname", "gpu_uuid")
+RANK_LABELS = ("rank", "local_rank", "hostname", "node", "gpu_uuid")
 
 
 class MetricSpec(NamedTuple):
@@ -114,7 +114,6 @@ METRICS: dict[str, MetricSpec] = {
         ("layer", "depth"),
         "A layer's ||update|| / ||weights|| at the latest export_every-th step (update_ratio=True).",
     ),
-
     "distmon_rank_nonfinite_steps_total": MetricSpec(
         "counter", RANK_LABELS, "Steps whose local gradient held a NaN or Inf on this rank."
     ),
@@ -145,8 +144,8 @@ class _View:
     measured: Snapshot | None = None  # the newest step whose figures were all measured
     nonfinite_steps: int = 0
     scaler_skipped_steps: int = 0
-    rank_nonfinite: tuple[int, ...] = ()
-    rank_norms: tuple[float | None, ...] = ()  # each rank's latest measured local norm (None: never)
+    rank_nonfinite: Mapping[int, int] = field(default_factory=dict)  # by rank, the served ones
+    rank_norms: Mapping[int, float] = field(default_factory=dict)  # each rank's latest measured local norm
     anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
     window_max: float = math.nan
     activations: Snapshot | None = None  # the newest step with activation figures
@@ -188,8 +187,8 @@ class MetricsAggregate:
         )
         self._hist_child = self._hist.labels(self.run_id)
         self._anomalies = dict(self.view.anomalies)
-        self._rank_nonfinite = [0] * self.world_size
-        self._rank_norms: list[float | None] = [None] * self.world_size
+        self._rank_nonfinite = {info.rank: 0 for info in self.ranks}
+        self._rank_norms: dict[int, float] = {}
         self._nonfinite = 0
         self._scaler_skipped = 0
 
@@ -209,9 +208,10 @@ class MetricsAggregate:
                     self._scaler_skipped += 1
                     continue
                 # a rank's local figures can be measured when the global ones are not, and back
-                for r, ok in enumerate(s.rank_valid or [s.valid] * len(s.rank_grad_norms)):
+                ranks = s.ranks or range(len(s.rank_grad_norms))
+                for r, norm, ok in zip(ranks, s.rank_grad_norms, s.rank_valid or [s.valid] * len(ranks)):
                     if ok:
-                        self._rank_norms[r] = s.rank_grad_norms[r]
+                        self._rank_norms[r] = norm
                 if s.valid:
                     measured = s
                     if math.isfinite(s.grad_norm):
@@ -219,7 +219,8 @@ class MetricsAggregate:
                         self._window.append((s.timestamp, s.grad_norm))
                 self._nonfinite += s.nonfinite
                 for r in s.nonfinite_ranks:
-                    self._rank_nonfinite[r] += 1
+                    if r in self._rank_nonfinite:  # another node's rank is counted by its node
+                        self._rank_nonfinite[r] += 1
             last = snaps[-1]
             while self._window and self._window[0][0] < last.timestamp - self.window_s:
                 self._window.popleft()
@@ -231,8 +232,8 @@ class MetricsAggregate:
                 scaler_skipped_steps=self._scaler_skipped,
                 activations=activations,
                 updates=updates,
-                rank_nonfinite=tuple(self._rank_nonfinite),
-                rank_norms=tuple(self._rank_norms),
+                rank_nonfinite=dict(self._rank_nonfinite),
+                rank_norms=dict(self._rank_norms),
                 anomalies=tuple(self._anomalies.items()),
                 window_max=max((v for _, v in self._window), default=math.nan),
             )
@@ -244,9 +245,11 @@ class MetricsAggregate:
     def monitor_errors(self) -> int:
         """Errors summed over ranks as of the latest step, with this process's later ones."""
         latest = self.view.latest
-        if latest is None or not latest.rank_monitor_errors:
+        ranks = (latest.ranks or range(len(latest.rank_monitor_errors))) if latest is not None else ()
+        if latest is None or self.rank not in ranks:
             return self.own_errors()
-        return latest.monitor_errors - latest.rank_monitor_errors[self.rank] + self.own_errors()
+        mine = latest.rank_monitor_errors[list(ranks).index(self.rank)]
+        return latest.monitor_errors - mine + self.own_errors()
 
     def histogram(self) -> Iterable[Metric]:
         """The histogram of every step's norm, as the client library counts it (no ``_created``)."""
@@ -283,17 +286,19 @@ class GradCollector(Collector):
         if agg.cluster and m is not None:
             yield self._one("distmon_grad_norm", m.grad_norm)
             yield self._by_layer("distmon_layer_grad_norm", m.layer_grad_norms, depth=True)
-        if agg.ranks and any(n is not None for n in v.rank_norms):
-            yield self._per_rank("distmon_rank_grad_norm", v.rank_norms.__getitem__)
+        if agg.ranks and v.rank_norms:
+            yield self._per_rank("distmon_rank_grad_norm", v.rank_norms.get)
         if agg.cluster:
             yield from self._cluster(v)
         if agg.ranks:
-            rank_nonfinite = v.rank_nonfinite or (0,) * agg.world_size
-            yield self._per_rank("distmon_rank_nonfinite_steps_total", rank_nonfinite.__getitem__)
-            scores = m.rank_outlier_scores if m is not None else []
-            if any(not math.isnan(x) for x in scores):  # NaN: in a group of fewer than 3 ranks
+            yield self._per_rank("distmon_rank_nonfinite_steps_total", lambda r: v.rank_nonfinite.get(r, 0))
+            scores = (
+                dict(zip(m.ranks or range(len(m.rank_outlier_scores)), m.rank_outlier_scores)) if m else {}
+            )
+            if any(not math.isnan(x) for x in scores.values()):  # NaN: in a group of fewer than 3 ranks
                 yield self._per_rank(
-                    "distmon_rank_outlier_score", lambda r: None if math.isnan(scores[r]) else scores[r]
+                    "distmon_rank_outlier_score",
+                    lambda r: None if math.isnan(scores.get(r, math.nan)) else scores[r],
                 )
 
     def _cluster(self, v: _View) -> Iterable[Metric]:
@@ -309,7 +314,9 @@ class GradCollector(Collector):
                 yield self._one("distmon_gradient_noise_scale", m.gradient_noise_scale)
                 yield self._one("distmon_gradient_noise_trace", m.noise_trace)
                 yield self._one("distmon_gradient_noise_signal", m.noise_signal)
-                yield self._by_layer("distmon_layer_gradient_noise_scale", m.layer_gradient_noise_scale, depth=True)
+                yield self._by_layer(
+                    "distmon_layer_gradient_noise_scale", m.layer_gradient_noise_scale, depth=True
+                )
         if v.latest is not None:
             yield self._one("distmon_last_step_timestamp_seconds", v.latest.timestamp)
         yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)

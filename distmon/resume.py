@@ -138,7 +138,9 @@ def load_monitor_state(
     if detector is not None and state.get("detector") is not None:
         detector.load_state_dict(state["detector"], same_ranks=same_ranks)
         if not same_ranks:
-            notes.append(f"rank-outlier scales start afresh (state from {state['world_size']} ranks, now {world})")
+            notes.append(
+                f"rank-outlier scales start afresh (state from {state['world_size']} ranks, now {world})"
+            )
     elif detector is not None:
         notes.append("the detectors start cold (the state was taken with detect=False)")
     if noise is not None and state.get("noise") is not None:

@@ -70,7 +70,7 @@ class DeviceRing:
         >>> from distmon.rows import RowPlan
         >>> ring = DeviceRing(4, RowPlan.build(n_layers=1, world=1).step, torch.device("cpu"))
         >>> ring.slot(1), ring.slot(5), tuple(ring.data.shape)
-        (0, 0, (4, 6))
+        (0, 0, (4, 16))
     """
 
     def __init__(self, n_rows: int, layout: StepRow, device: torch.device) -> None:

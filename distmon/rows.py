@@ -5,7 +5,7 @@ the host), and each rank sends its own part of it in the step's collective (a *r
 Both are laid out here, by name, from the options of one monitor; every other module reads
 and writes them through these names:
 
-    step row   head (valid, total_sq) | layers | ranks (world x rank row) | detector | noise | act | upd
+    step row   head (valid, total_sq) | layers | ranks (held x rank row) | job | detector | noise | act | upd
     rank row   layers, or total_sq + first_nonfinite | errors | valid | reduced_ok | batch | act_first
                | vote | partial      (the last two: what the ordinary step's all-reduce adds up)
 
@@ -16,6 +16,10 @@ Example:
     >>> plan = RowPlan.build(n_layers=3, world=2, rank_layers=True)
     >>> plan.rank.width, plan.rank.layers, plan.step.layers, plan.step.ranks
     (5, slice(0, 3, None), slice(2, 5, None), slice(5, 15, None))
+
+The ranks region holds the rows of the ranks this rank *holds*: its node's (``held``, the
+world on one node); the ``job`` columns what the whole job's ranks add up to
+(``crossrank.py``), whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 __all__ = [
     "Head",
     "Verdict",
+    "Job",
     "Noise",
     "Schema",
     "RankRow",
@@ -54,8 +59,24 @@ class Head(IntEnum):
     TOTAL_SQ = 1  # the reduced sum of squares (the layers' sum, written when the row is judged)
 
 
+class Job(IntEnum):
+    """The job-wide columns of a step row, written by ``crossrank.py`` (then, with the noise scale,
+    the ranks' mean local sum of squares per layer)."""
+
+    REPORTED = 0  # ranks whose figures reached the reductions (the world, unless some closed alone)
+    MEASURED = 1  # ranks whose local figures were measured
+    ERRORS = 2  # monitor errors, summed over ranks
+    NONFINITE_RANKS = 3  # ranks whose local gradient held a NaN/Inf
+    FIRST_RANK = 4  # the first non-finite (rank, layer) in backward order (-1: none)
+    FIRST_LAYER = 5
+    ACT_RANK = 6  # the first non-finite activation (rank, module) in forward order (-1: none)
+    ACT_MODULE = 7
+    MEAN_SQ = 8  # noise scale: the ranks' mean local sum of squares (NaN without it)
+    BATCH = 9  # noise scale: the per-rank batch, NaN unless every rank had the same
+
+
 class Verdict(IntEnum):
-    """The detector columns of a step row (then one rank-outlier score per rank)."""
+    """The detector columns of a step row (then one rank-outlier score per held rank)."""
 
     ZSCORE = 0  # z-score of the log global norm
     MEDIAN_RATIO = 1  # global norm / running median
@@ -231,9 +252,13 @@ class RankRow:
 
 
 class StepRow:
-    """One step's row in the device ring: its head, reduced layers, every rank's row, derived figures.
+    """One step's row in the device ring: its head, reduced layers, the held ranks' rows, the job's
+    cross-rank figures, derived figures.
 
-    ``detector``: :class:`Verdict` columns then one outlier score per rank; ``noise``:
+    ``world``: the job's ranks; ``held``: the ranks whose rows this rank holds (its node's);
+    ``job``: :class:`Job` columns, then with the noise scale the ranks' mean
+    local sum of squares per layer; ``detector``: :class:`Verdict` columns then one outlier score
+    per held rank; ``noise``:
     :class:`Noise` columns then B_simple and EMA |G_l|^2 per layer; ``act``: RMS per watched
     module, max-abs per module, the first non-finite module; ``upd``: the update ratio per layer.
     """
@@ -244,33 +269,36 @@ class StepRow:
         n_layers: int,
         world: int,
         rank: RankRow,
+        held: int | None = None,
         detector: bool = False,
         noise: bool = False,
         watched: int = 0,
         update_ratio: bool = False,
     ) -> None:
         self.n_layers, self.world, self.rank = n_layers, world, rank
+        self.held = world if held is None else held
         self.n_watched = watched
         self.schema = s = Schema(
             [
                 ("head", len(Head)),
                 ("layers", n_layers),
-                ("ranks", world * rank.width),
-                ("detector", len(Verdict) + world if detector else 0),
+                ("ranks", self.held * rank.width),
+                ("job", len(Job) + (n_layers if noise else 0)),
+                ("detector", len(Verdict) + self.held if detector else 0),
                 ("noise", len(Noise) + 2 * n_layers if noise else 0),
                 ("act", 2 * watched + 1 if watched else 0),
                 ("upd", n_layers if update_ratio else 0),
             ]
         )
         self.width = s.width
-        self.layers, self.ranks = s["layers"], s["ranks"]
+        self.layers, self.ranks, self.job = s["layers"], s["ranks"], s["job"]
         self.detector, self.noise, self.act, self.upd = s["detector"], s["noise"], s["act"], s["upd"]
         # the reduced log-norm's inputs: the total, then every layer
         self.total_and_layers = slice(Head.TOTAL_SQ, self.layers.stop)
 
     def rank_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The ranks region of ``rows`` ``(k, width)`` as ``(k, world, rank.width)``: each rank's floats."""
-        return rows[:, self.ranks].view(len(rows), self.world, self.rank.width)
+        """The ranks region of ``rows`` ``(k, width)`` as ``(k, held, rank.width)``: each held rank's floats."""
+        return rows[:, self.ranks].view(len(rows), self.held, self.rank.width)
 
     def blank(self, device: torch.device) -> torch.Tensor:
         """A step's row before it is measured: valid, zero sums, no verdict, NaN derived figures.
@@ -281,6 +309,7 @@ class StepRow:
         row[Head.VALID] = 1.0
         if self.detector.stop > self.detector.start:
             row[self.detector.start + Verdict.SPIKE_LAYER] = -1.0
+        row[self.job] = math.nan  # no job-wide figure until the export's reductions landed
         row[self.noise] = math.nan  # no noise-scale figure until a row is judged
         row[self.act] = math.nan  # a step whose forwards were not watched
         row[self.upd] = math.nan  # not a count step (Exchange.counted)
@@ -300,6 +329,7 @@ class RowPlan:
         *,
         n_layers: int,
         world: int,
+        held: int | None = None,
         rank_layers: bool = True,
         partial: bool = False,
         vote: bool = False,
@@ -308,7 +338,8 @@ class RowPlan:
         detector: bool = False,
         update_ratio: bool = False,
     ) -> RowPlan:
-        """The plan for these options; ``watched`` is the number of modules whose activations are watched."""
+        """The plan for these options; ``watched`` is the number of modules whose activations are
+        watched, ``held`` the ranks whose rows this rank holds (its node's; the world by default)."""
         rank = RankRow(
             n_layers=n_layers,
             rank_layers=rank_layers,
@@ -320,6 +351,7 @@ class RowPlan:
         step = StepRow(
             n_layers=n_layers,
             world=world,
+            held=held,
             rank=rank,
             detector=detector,
             noise=batch,

@@ -176,7 +176,9 @@ class NonfiniteNotice:
         if first.first_nonfinite is not None:
             rank, layer = first.first_nonfinite
             coords = ", ".join(f"{k}={v}" for k, v in (first.first_nonfinite_coords or {}).items() if v)
-            where = f"rank {rank}{f' ({coords})' if coords else ''}, layer {layer!r} (first in backward order)"
+            where = (
+                f"rank {rank}{f' ({coords})' if coords else ''}, layer {layer!r} (first in backward order)"
+            )
         else:
             where = f"ranks {first.nonfinite_ranks or 'unknown'}"
         logger.warning(

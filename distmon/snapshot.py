@@ -43,21 +43,23 @@ class Snapshot:
             (NaN when it was not measured: no backward this step, or this rank's monitor
             code failed; ``valid`` is then False).
         layer_grad_norms: layer -> L2 norm of its reduced gradient (NaN when not measured).
-        rank_grad_norms: per rank, the L2 norm of its local gradient before all-reduce
+        rank_grad_norms: per rank of ``ranks``, the L2 norm of its local gradient before all-reduce
             (NaN where it was not measured; see ``monitor_errors``). Empty, as are
             ``rank_valid`` and ``rank_outlier_scores``, where no rank's local gradient can be
             read (FSDP2 before torch 2.9: said when the monitor is built).
         rank_layer_grad_norms: ranks x layers local norms (layers in ``layer_grad_norms``
             order), or None with ``rank_layers=False``.
         nonfinite: any local or reduced gradient held a NaN/Inf.
-        nonfinite_ranks: ranks whose local gradient held a NaN/Inf.
+        nonfinite_ranks: ranks of ``ranks`` whose local gradient held a NaN/Inf, and the rank of
+            ``first_nonfinite`` wherever it runs.
+        nonfinite_rank_count: how many of the job's ranks had a NaN/Inf local gradient.
         first_nonfinite: ``(rank, layer)`` of the first non-finite layer in backward order
             (lowest rank on a tie), or None.
         first_nonfinite_coords: that rank's place in each parallel dimension (``dp_rank``,
             ``tp_rank``, ``pp_stage``, ``ep_rank``; "" where the job has none), in a job of several
             dimensions; None otherwise.
         events: detector verdicts of this step.
-        monitor_errors: errors caught in monitor code so far, summed over ranks.
+        monitor_errors: errors caught in monitor code so far, summed over the job's ranks.
         rank_monitor_errors: the same per rank.
         valid: the step's global figures (``grad_norm``, ``layer_grad_norms``, the detectors'
             verdicts on them) were measured. False when no backward preceded the optimizer step
@@ -87,6 +89,12 @@ class Snapshot:
             steps with ``update_ratio=True``; empty on other steps.
         noise_trace, noise_signal: the bias-corrected EMAs of tr(Sigma) (per-example gradient
             variance) and |G|^2 (squared true gradient) whose ratio is the noise scale.
+        ranks: the ranks the per-rank lists (``rank_grad_norms``, ``rank_layer_grad_norms``,
+            ``rank_valid``, ``rank_monitor_errors``, ``rank_outlier_scores``) describe, in order:
+            the ranks of this rank's node (every rank of a job on one node); the other nodes'
+            are in their own nodes' snapshots.
+        node: the node these ranks run on (its index among the job's nodes, ordered by their
+            lowest rank).
         restart: how many times the launcher had restarted the job when this step ran (torchrun's
             ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT``; 0 on the first start).
         resumed_from: on the first step exported after ``GradMonitor.load_state_dict``, the step
@@ -129,6 +137,9 @@ class Snapshot:
     first_nonfinite_coords: dict[str, str] | None = None
     restart: int = 0
     resumed_from: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    node: int = 0
+    nonfinite_rank_count: int = 0
 
 
 def _clean(value: object) -> object:

@@ -125,6 +125,8 @@ class StepTracker:
         activation_every: int = 1,
         update_ratio: UpdateRatio | None = None,
         check: Callable[[], tuple[float, float]] | None = None,
+        node_group: dist.ProcessGroup | None = None,
+        held: tuple[int, ...] | None = None,
     ) -> None:
         self.plan, self.sums, self.source, self.errors = plan, sums, source, errors
         self.export_every = export_every
@@ -136,9 +138,14 @@ class StepTracker:
             export_every=export_every,
             export_interval_s=export_interval_s,
             errors=errors,
+            order=sums.order,
             partial=partial,
+            node_group=node_group,
+            held=held,
         )
-        self.judge = Judge(plan.step, detector=detector, noise=noise, errors=errors)
+        self.judge = Judge(
+            plan.step, detector=detector, noise=noise, errors=errors, cross=self.exchange.cross
+        )
         self.batch_size = batch_size  # this rank's batch this step, for the gradient noise scale
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
@@ -269,7 +276,9 @@ class StepTracker:
         buf.pack(
             sums.order.device,
             errors=self.errors.count,
-            valid=(1.0 if sums.local_exact else LOCAL_NONFINITE_ONLY) if sums.local_ok and sums.measured else 0.0,
+            valid=(1.0 if sums.local_exact else LOCAL_NONFINITE_ONLY)
+            if sums.local_ok and sums.measured
+            else 0.0,
             reduced_ok=sums.reduced_ok and sums.measured,
             batch=float(self.batch_size()) if self.batch_size is not None else 0.0,
         )
@@ -450,7 +459,7 @@ class StepTracker:
         self._judge(last)
         a = self.ring.slot(first)
         rows = self.ring.span(first, last)
-        self.judge.judge_ranks(rows, self._valid[a : a + len(rows)])
+        self.judge.judge_ranks(rows, self._valid[a : a + len(rows)], a)
         self._exported_through = last
         self.exchange.last_export = time.monotonic()
         try:

@@ -479,19 +479,26 @@ def _schedule_job(rank, world_size):
 
 
 def test_export_steps_gather_every_ranks_rows_since_the_last_in_place_of_the_all_reduce():
-    """Every export_every-th step's one collective is the all-gather of the rows of the steps
-    since the last export (export_every rows of every rank); the other steps send one float
-    (with the time rule's vote) or nothing."""
+    """Every export_every-th step sends, in place of the ordinary step's all-reduce, the all-gather
+    of the rows of the steps since the last export (export_every rows of every rank of the node:
+    all three here) and the job's two fixed-size reductions of the same steps (a SUM of 7
+    floats per step, with the vote after them; a MAX of 3 keys per step); the other steps send
+    one float (with the time rule's vote) or nothing."""
     world = 3
     for rank, runs in enumerate(run_ranks(_schedule_job, world)):
         for interval_s, (steps, flush_colls, norms) in runs.items():
             width = len(LAYERS) + 2  # the rank's row: its layer sums, errors, valid (+ the vote)
-            width += 1 if interval_s else 0
+            vote = 1 if interval_s else 0
+            width += vote
             for step, colls in enumerate(steps, 1):
                 where = (interval_s, rank, step, colls)
                 if step % SCHEDULE_EVERY == 0:
                     rows = SCHEDULE_EVERY * width
-                    assert colls == [(f"dist.{ALL_GATHER}", [world * rows, rows])], where
+                    assert colls == [
+                        (f"dist.{ALL_GATHER}", [world * rows, rows]),
+                        ("dist.all_reduce", [SCHEDULE_EVERY * 7 + vote]),
+                        ("dist.all_reduce", [SCHEDULE_EVERY * 3]),
+                    ], where
                 elif interval_s:
                     assert colls == [("dist.all_reduce", [1])], where
                 else:

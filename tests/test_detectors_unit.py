@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from distmon.crossrank import CrossRank
 from distmon.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
 from distmon.rows import Head, RowPlan, RowWriter
 from distmon.snapshot import Snapshot
@@ -58,7 +59,7 @@ class Feeder:
         if not k:
             return []
         self.det.update(self.rows[:k])
-        self.det.update_ranks(self.rows[:k])  # the export: every rank's rows are in
+        self.det.update_ranks(self.rows[:k], reduce_ranks(self.plan, self.rows[:k]))  # the export
         events = []
         for (step, ranks), vals in zip(self.pending, self.rows[:k].tolist()):
             total = vals[Head.TOTAL_SQ]
@@ -75,6 +76,22 @@ class Feeder:
             events += judged.events
         self.pending = []
         return events
+
+
+def reduce_ranks(plan: RowPlan, rows: torch.Tensor) -> torch.Tensor:
+    """What an export's two all-reduces bring for ``rows`` (every rank's row filled in): each rank's
+    part packed as on that rank, added up (SUM) and maxed (MAX) here as the collectives would."""
+    k, cpu = len(rows), torch.device("cpu")
+    parts = []
+    for r in range(plan.step.world):
+        cross = CrossRank(plan, rank=r, n_rows=k, device=cpu)
+        sums, keys = cross.pack(plan.step.rank_rows(rows)[:, r], torch.zeros(plan.step.n_layers))
+        parts.append((sums.clone(), keys.clone()))
+    cross = CrossRank(plan, rank=0, n_rows=k, device=cpu)
+    cross.sums(k).view(-1).copy_(torch.stack([s for s, _ in parts]).sum(0))
+    cross.keys.copy_(torch.stack([m for _, m in parts]).amax(0))
+    cross.land(rows, 0)
+    return cross.stats
 
 
 def series(seed: int, steps: int, start: float, end: float, tau: float, noise: float):

@@ -103,8 +103,8 @@ def test_gauges_counters_and_per_rank_series():
     assert value(reg, "distmon_layer_grad_norm", layer="b.c", depth="0001") == 4.0
     assert value(reg, "distmon_grad_norm_zscore") == 0.5
     assert value(reg, "distmon_anomalies_total", kind="spike") == 1
-    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0") == 2.0
-    assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0") == 0.2
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0") == 2.0
+    assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0", node="0") == 0.2
     assert value(reg, "distmon_grad_norm_window_max") == 4.0
 
 
@@ -130,7 +130,7 @@ def test_an_unmeasured_step_advances_the_count_but_leaves_the_gauges():
     assert value(reg, "distmon_optimizer_steps_total") == 2
     assert value(reg, "distmon_last_step_timestamp_seconds") == 1002.0
     assert value(reg, "distmon_grad_norm") == 0.5
-    assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0") == 1.0
+    assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0", node="0") == 1.0
     assert value(reg, "distmon_step_grad_norm_count") == 1
     assert value(reg, "distmon_nonfinite_steps_total") == 0
 
@@ -148,10 +148,10 @@ def test_a_scaler_skipped_step_is_counted_apart_and_leaves_the_gauges():
     assert value(reg, "distmon_optimizer_steps_total") == 3
     assert value(reg, "distmon_scaler_skipped_steps_total") == 2
     assert value(reg, "distmon_nonfinite_steps_total") == 0  # routine fp16 overflow pages nobody
-    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0") == 0
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0", node="0") == 0
     assert value(reg, "distmon_anomalies_total", kind="scaler_stuck") == 1
     assert value(reg, "distmon_grad_norm") == 0.5  # the last measured step's, not inf
-    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0") == 2.0
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0") == 2.0
     assert value(reg, "distmon_step_grad_norm_count") == 1
     # a guard's skip is no scaler skip: its figures are served
     agg.add([snap(4, 7.0, skip="guard")])
@@ -162,8 +162,8 @@ def test_a_scaler_skipped_step_is_counted_apart_and_leaves_the_gauges():
 def test_rank_nonfinite_counters_and_errors_with_the_servers_later_ones():
     agg, reg = registry(own_errors=5)
     agg.add([snap(1, math.inf, nonfinite=True, bad_ranks=(1,), errors=(2, 3))])
-    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0") == 1
-    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="0", local_rank="0", hostname="h0") == 0
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0", node="0") == 1
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="0", local_rank="0", hostname="h0", node="0") == 0
     # rank 0 (this server) had counted 2 when the step was gathered, 5 now: 5 + rank 1's 3
     assert value(reg, "distmon_monitor_errors_total") == 8
 
@@ -177,8 +177,8 @@ def test_window_max_forgets_old_steps():
 def test_a_node_server_serves_only_its_ranks_and_no_cluster_families():
     agg, reg = registry(cluster=False, ranks=RANKS[1:])
     agg.add([snap(1, 0.5)])
-    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0") == 2.0
-    assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0") is None
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0") == 2.0
+    assert value(reg, "distmon_rank_grad_norm", rank="0", local_rank="0", hostname="h0", node="0") is None
     assert value(reg, "distmon_grad_norm") is None and value(reg, "distmon_optimizer_steps_total") is None
 
 
@@ -187,7 +187,7 @@ def test_gpu_uuid_label_only_on_gpus():
     agg, reg = registry(ranks=gpu_ranks)
     agg.add([snap(1, 0.5)])
     assert (
-        value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", gpu_uuid="GPU-def")
+        value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0", gpu_uuid="GPU-def")
         == 2.0
     )
 
@@ -287,7 +287,7 @@ def test_scores_that_mean_nothing_yet_are_not_served():
                          "rank_outlier_scores": [math.nan, math.nan]})])
     assert value(reg, "distmon_grad_norm") == 0.5
     assert value(reg, "distmon_grad_norm_median_ratio") is None
-    assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0") is None
+    assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0", node="0") is None
     agg.add([snap(2, 4.0)])  # a median, and a group of 3+ ranks
     assert value(reg, "distmon_grad_norm_median_ratio") == 1.1
-    assert value(reg, "distmon_rank_outlier_score", rank="1", local_rank="1", hostname="h0") == 0.3
+    assert value(reg, "distmon_rank_outlier_score", rank="1", local_rank="1", hostname="h0", node="0") == 0.3
