@@ -467,6 +467,8 @@ class DeviceDetector:
             take = (worst > best_score) | ((worst == best_score) & (rank >= 0) & (rank < best))
             best_score = torch.where(take, worst, best_score)
             best = torch.where(take, rank, best)
+        if not any(size >= 3 for size in self._sizes):
+            best_score.fill_(math.nan)  # no rank to tell apart: no worst score
         return score, best, best_score
 
     def _scale(self, g: int, spread: torch.Tensor) -> torch.Tensor:
@@ -558,6 +560,8 @@ class DetectorDecoder:
                 "zscore": c[Verdict.ZSCORE],
                 "median_ratio": c[Verdict.MEDIAN_RATIO],
                 "layer_zmax": c[Verdict.LAYER_ZMAX],
+                "rank_outlier_worst": c[Verdict.OUTLIER_SCORE],
+                "rank_outlier_worst_rank": c[Verdict.OUTLIER_RANK],
             },
             rank_outlier_scores=c[len(Verdict) :],
         )

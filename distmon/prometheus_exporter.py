@@ -120,6 +120,21 @@ METRICS: dict[str, MetricSpec] = {
     "distmon_rank_outlier_score": MetricSpec(
         "gauge", RANK_LABELS, "Robust distance of a rank's log-norm from the other ranks'."
     ),
+    "distmon_rank_outlier_worst_score": MetricSpec(
+        "gauge",
+        (),
+        "The job's largest rank-outlier score at the latest measured step, from every node (absent "
+        "without a group of >= 3 peer ranks).",
+    ),
+    "distmon_rank_outlier_worst_rank": MetricSpec(
+        "gauge", (), "The rank with that score (wherever it runs; its own series are on its node)."
+    ),
+    "distmon_last_nonfinite_step": MetricSpec(
+        "gauge",
+        ("rank", "layer"),
+        "The latest step with a NaN/Inf gradient; labels: the first non-finite (rank, layer) in backward "
+        "order, on any node (rank -1: non-finite only after the reduction).",
+    ),
     "distmon_run_info": MetricSpec("gauge", ("world_size", "version", "serve"), "Run metadata; value 1."),
 }
 
@@ -149,6 +164,7 @@ class _View:
     anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
     window_max: float = math.nan
     activations: Snapshot | None = None  # the newest step with activation figures
+    nonfinite: Snapshot | None = None  # the newest step with a non-finite gradient (scaler skips apart)
     updates: Snapshot | None = None  # the newest step with update ratios
     finished: bool = False
 
@@ -197,6 +213,7 @@ class MetricsAggregate:
         with self._lock:
             measured = self.view.measured
             activations, updates = self.view.activations, self.view.updates
+            nonfinite = self.view.nonfinite
             for s in snaps:
                 if s.activation_rms:
                     activations = s
@@ -218,6 +235,8 @@ class MetricsAggregate:
                         self._hist_child.observe(s.grad_norm)
                         self._window.append((s.timestamp, s.grad_norm))
                 self._nonfinite += s.nonfinite
+                if s.first_nonfinite is not None:
+                    nonfinite = s
                 for r in s.nonfinite_ranks:
                     if r in self._rank_nonfinite:  # another node's rank is counted by its node
                         self._rank_nonfinite[r] += 1
@@ -232,6 +251,7 @@ class MetricsAggregate:
                 scaler_skipped_steps=self._scaler_skipped,
                 activations=activations,
                 updates=updates,
+                nonfinite=nonfinite,
                 rank_nonfinite=dict(self._rank_nonfinite),
                 rank_norms=dict(self._rank_norms),
                 anomalies=tuple(self._anomalies.items()),
@@ -310,6 +330,9 @@ class GradCollector(Collector):
                 yield self._one("distmon_grad_norm_zscore", m.scores["zscore"])
             if not math.isnan(m.scores.get("median_ratio", math.nan)):  # NaN: no earlier step yet
                 yield self._one("distmon_grad_norm_median_ratio", m.scores["median_ratio"])
+            if not math.isnan(m.scores.get("rank_outlier_worst", math.nan)):  # NaN: no group of 3+
+                yield self._one("distmon_rank_outlier_worst_score", m.scores["rank_outlier_worst"])
+                yield self._one("distmon_rank_outlier_worst_rank", m.scores["rank_outlier_worst_rank"])
             if m.layer_gradient_noise_scale:  # batch_size given: the noise scale is on
                 yield self._one("distmon_gradient_noise_scale", m.gradient_noise_scale)
                 yield self._one("distmon_gradient_noise_trace", m.noise_trace)
@@ -317,6 +340,9 @@ class GradCollector(Collector):
                 yield self._by_layer(
                     "distmon_layer_gradient_noise_scale", m.layer_gradient_noise_scale, depth=True
                 )
+        if v.nonfinite is not None and v.nonfinite.first_nonfinite is not None:
+            rank, layer = v.nonfinite.first_nonfinite
+            yield self._one("distmon_last_nonfinite_step", v.nonfinite.step, labels=(str(rank), layer))
         if v.latest is not None:
             yield self._one("distmon_last_step_timestamp_seconds", v.latest.timestamp)
         yield self._one("distmon_optimizer_steps_total", v.latest.step if v.latest else 0)

@@ -309,6 +309,8 @@ class StepRow:
         row[Head.VALID] = 1.0
         if self.detector.stop > self.detector.start:
             row[self.detector.start + Verdict.SPIKE_LAYER] = -1.0
+            row[self.detector.start + Verdict.OUTLIER_RANK] = -1.0  # not judged: no worst rank
+            row[self.detector.start + Verdict.OUTLIER_SCORE] = math.nan
         row[self.job] = math.nan  # no job-wide figure until the export's reductions landed
         row[self.noise] = math.nan  # no noise-scale figure until a row is judged
         row[self.act] = math.nan  # a step whose forwards were not watched

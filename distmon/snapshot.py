@@ -73,7 +73,8 @@ class Snapshot:
         run_id, world_size: the run this step belongs to.
         scores: detector scores: "zscore" and "median_ratio" of the global norm (NaN until an
             earlier export gave the running median its first norms), "layer_zmax" the largest
-            layer z-score.
+            layer z-score, "rank_outlier_worst" the job's largest rank-outlier score (NaN without
+            a peer group of 3+ ranks) and "rank_outlier_worst_rank" its rank, on any node.
         rank_outlier_scores: per rank, robust distance of its log-norm from the other ranks'
             (those holding the same shards); NaN in a group of fewer than 3 ranks.
         gradient_noise_scale: B_simple (McCandlish et al. 2018) from the EMAs below, in the units

@@ -94,7 +94,7 @@ def reduce_ranks(plan: RowPlan, rows: torch.Tensor) -> torch.Tensor:
     return cross.stats
 
 
-def series(seed: int, steps: int, start: float, end: float, tau: float, noise: float):
+def series(seed: int, steps: int, start: float, end: float, tau: float, noise: float, ranks: int = 4):
     """Decaying norm curve with log-normal noise, per layer and per rank."""
     g = torch.Generator().manual_seed(seed)
     for t in range(steps):
@@ -102,8 +102,8 @@ def series(seed: int, steps: int, start: float, end: float, tau: float, noise: f
         layers = [
             level * w * math.exp(noise * torch.randn(1, generator=g).item()) for w in (0.3, 1.0, 0.8, 0.5)
         ]
-        ranks = [level * 1.2 * math.exp(noise * torch.randn(1, generator=g).item()) for _ in range(4)]
-        yield layers, ranks
+        per_rank = [level * 1.2 * math.exp(noise * torch.randn(1, generator=g).item()) for _ in range(ranks)]
+        yield layers, per_rank
 
 
 def run(feed: Feeder, steps) -> list:
@@ -215,6 +215,29 @@ def test_a_rank_that_stays_bad_stays_flagged(onset, block):
     assert len(flagged) >= 0.9 * (600 - first + 1)
     # still flagged late in the run (the failure mode was ~0 here; seeds give 84-100 of 100)
     assert len([t for t in flagged if t > 500]) >= 80
+
+
+@pytest.mark.parametrize("world,bad", [(5, {1: 4.0}), (16, {1: 4.0, 14: 0.25}), (64, {1: 4.0, 62: 0.25})])
+def test_among_many_ranks_bad_ones_at_either_end_are_flagged_and_no_other(world, bad):
+    """From 5 ranks on the center and spread are those of the ranks between the extremes
+    (``crossrank.py``): a rank x4 (and, among 16 or 64, another /4) from step 100 on, flagged at
+    >= 90% of the steps from 150 on (the farthest of each end is an extreme), no other rank
+    ever, nothing before the onset, over 600 steps of noisy decay."""
+
+    def bad_ranks(t, layers, ranks):
+        if t >= 100:
+            for r, factor in bad.items():
+                ranks[r] *= factor
+
+    feed = Feeder(world=world, block=10)
+    events = run(feed, with_changes(series(5, 600, 10.0, 1.0, 100.0, 0.1, ranks=world), bad_ranks))
+    assert {e.kind for e in events} == {"rank_outlier"} and {e.rank for e in events} <= set(bad)
+    assert min(e.step for e in events) >= 100
+    scores = [dict(zip(range(world), s)) for _, s in feed.scores[150:]]  # every held rank's score
+    for r in bad:
+        assert sum(s[r] > DEFAULTS.outlier_score for s in scores) >= 0.9 * len(scores), r
+    good = [v for s in scores for r, v in s.items() if r not in bad]
+    assert max(good) < DEFAULTS.outlier_score
 
 
 @pytest.mark.parametrize("block", BLOCKS)

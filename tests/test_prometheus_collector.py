@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import urllib.request
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -291,3 +292,29 @@ def test_scores_that_mean_nothing_yet_are_not_served():
     agg.add([snap(2, 4.0)])  # a median, and a group of 3+ ranks
     assert value(reg, "distmon_grad_norm_median_ratio") == 1.1
     assert value(reg, "distmon_rank_outlier_score", rank="1", local_rank="1", hostname="h0", node="0") == 0.3
+
+
+def test_a_node_serves_its_own_ranks_and_rank_0_the_job_s_worst_rank_and_first_nonfinite():
+    """A node's endpoint serves the per-rank series of the ranks its snapshots hold (``ranks``),
+    whatever their number in the job; rank 0's the job-wide worst rank-outlier score and the
+    first non-finite (rank, layer) of the latest non-finite step, wherever those ranks run."""
+    node1 = (RankInfo(6, 0, "h3", "", "h3/3", node_index=3), RankInfo(7, 1, "h3", "", "h3/3", node_index=3))
+    agg, reg = registry(ranks=node1)
+    worst = {"rank_outlier_worst": 9.5, "rank_outlier_worst_rank": 2.0}
+    agg.add(
+        [
+            replace(snap(1, 0.5), ranks=[6, 7], world_size=8, scores=worst, nonfinite_ranks=[3]),
+            replace(snap(2, 0.7, nonfinite=True), ranks=[6, 7], first_nonfinite=(3, "b.c"), nonfinite_ranks=[3]),
+            replace(snap(3, 0.6), ranks=[6, 7], scores=worst),
+        ]
+    )
+    labels = dict(local_rank="1", hostname="h3", node="3")
+    assert value(reg, "distmon_rank_grad_norm", rank="7", **labels) == 2.0
+    assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0") is None
+    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="7", **labels) == 0  # rank 3 is node 1's
+    assert value(reg, "distmon_rank_outlier_worst_score") == 9.5
+    assert value(reg, "distmon_rank_outlier_worst_rank") == 2.0
+    assert value(reg, "distmon_last_nonfinite_step", rank="3", layer="b.c") == 2.0
+    agg, reg = registry()
+    agg.add([replace(snap(1, 0.5), scores={"rank_outlier_worst": math.nan})])
+    assert value(reg, "distmon_rank_outlier_worst_score") is None  # no group of 3+: not served
