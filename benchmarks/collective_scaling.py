@@ -19,8 +19,10 @@ swaps every export cycle):
   ranks only (a group per node, ``dist.new_group``), (2) a SUM all-reduce over the job of
   ``7 x export_every + 1`` float64 (per kept step: reported, valid, errors, non-finite ranks,
   the peer group's n, sum x, sum x^2; plus the vote) and (3) a MAX all-reduce over the job of
-  ``2 x export_every`` int64 (per kept step: the first non-finite key, the packed extremes).
-  Nothing grows with the world size.
+  ``3 x export_every`` int64 (per kept step: the first non-finite key, the peer group's largest
+  and smallest x packed with its rank). These are distmon's sizes at defaults (DDP: one peer
+  group; no noise scale, no activations: ``distmon/crossrank.py``). Nothing grows with the
+  world size.
 
 Reported per schedule: the bytes a rank sends (= receives) per step on average, from the sizes
 of the tensors the ranks handed the collectives (an all-gather over ``G`` ranks of ``n`` bytes
@@ -56,6 +58,9 @@ from functools import partial
 SCHEDULES = ("gather", "node")
 MODEL_GPUS = (64, 1024, 4096, 16384)
 TARGET_MS = 1.0  # issue #28's acceptance: the node schedule's mean per step at 16,384 GPUs
+# Per kept step at defaults (one peer group; crossrank.py's sum_width and max_width):
+SUM_PER_STEP = 4 + 3  # float64: reported, valid, errors, non-finite ranks; the group's n, sum x, sum x^2
+MAX_PER_STEP = 1 + 2  # int64: the first non-finite key; the group's largest and smallest x with its rank
 F32, F64, I64 = 4, 8, 8  # bytes per element
 
 # A collective as the benchmark issues it: (kind, ranks in its group, bytes in each rank's tensor).
@@ -68,16 +73,16 @@ def export_calls(
     """The collectives of one export step (``every`` steps kept since the last export).
 
     >>> export_calls("node", 64, 8, 128, 10)
-    [('all_gather', 8, 5240), ('all_reduce', 64, 568), ('all_reduce', 64, 160)]
+    [('all_gather', 8, 5240), ('all_reduce', 64, 568), ('all_reduce', 64, 240)]
     """
     rows = every * (layers + 3) * F32
     if schedule == "gather":
         return [("all_gather", world, rows)]
-    sums = (7 * every + vote) * F64
+    sums = (SUM_PER_STEP * every + vote) * F64
     return [
         ("all_gather", per_node, rows),
         ("all_reduce", world, sums),
-        ("all_reduce", world, 2 * every * I64),
+        ("all_reduce", world, MAX_PER_STEP * every * I64),
     ]
 
 
@@ -141,8 +146,8 @@ def _rank(
     rows = torch.rand(every * (layers + 3))
     job_rows = torch.empty(world * rows.numel())
     node_rows = torch.empty(per_node * rows.numel())
-    sums = torch.zeros(7 * every + vote_on, dtype=torch.float64)  # zeros: a SUM of them stays finite
-    maxes = torch.zeros(2 * every, dtype=torch.int64)
+    sums = torch.zeros(SUM_PER_STEP * every + vote_on, dtype=torch.float64)  # zeros: a SUM stays finite
+    maxes = torch.zeros(MAX_PER_STEP * every, dtype=torch.int64)
     issued: dict[str, list[Call]] = {"gather": [], "node": []}  # what the export steps handed gloo
 
     def ordinary() -> None:
@@ -282,8 +287,9 @@ def parts_table(rows: list[tuple[int, dict[str, float]]], layers: int, every: in
     lines = [
         "Each collective alone on export steps (median us): the vote (all-reduce of 1 float32), "
         f"the rows ({row} float32 per rank) all-gathered over the job and over the node, the SUM "
-        f"all-reduce of {7 * every + vote} float64 and the MAX all-reduce of {2 * every} int64 "
-        "over the job, and the node schedule's three waited in turn and started together (async)\n",
+        f"all-reduce of {SUM_PER_STEP * every + vote} float64 and the MAX all-reduce of "
+        f"{MAX_PER_STEP * every} int64 over the job, and the node schedule's three waited in turn "
+        "and started together (async)\n",
         "| ranks | vote | rows over the job | rows over the node | SUM | MAX | node's three in turn "
         "| node's three async |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",

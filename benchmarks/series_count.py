@@ -6,9 +6,11 @@ fed one measured step of a job of ``--gpus`` GPUs, ``--gpus-per-node`` per node,
 defaults (no noise scale, activations or update ratios, unless ``--all-options``: then
 ``batch_size=``, ``update_ratio=True`` and ``activations=`` watching one module per layer
 group; the detector on, so every rank of a group of >= 3 has an outlier score). It counts the
-samples (one series each) and the bytes of each body, as served with ``serve="node"`` (every
-node's local rank 0 serves its ranks' series, global rank 0 also the job-wide ones) and with
-``serve="rank0"`` (one endpoint for everything). Prometheus adds 5 series per target (``up``,
+samples (one series each) and the bytes of each body, as served at the default
+``serve="node"`` (every node's local rank 0 serves its ranks' series, global rank 0 also the
+job-wide ones; ``serve="rank0"`` serves rank 0's endpoint alone), and for comparison the one
+endpoint that served every rank before issue #28 (rank 0's, with the per-rank series of the
+whole job, their label sets without ``node``). Prometheus adds 5 series per target (``up``,
 ``scrape_duration_seconds``, ``scrape_samples_scraped``, ``scrape_samples_post_metric_relabeling``,
 ``scrape_series_added``).
 The recording rules of ``deploy/prometheus/rules/distmon-recording.yml`` add their own series:
@@ -54,15 +56,26 @@ class Body:
     bytes: int
 
 
+NODE_LABEL = re.compile(rb',node="[0-9]+"')  # the per-rank label that issue #28 added
+
+
 def _rank(r: int, per_node: int) -> RankInfo:
     host = f"gpu-node-{r // per_node:05d}"
-    return RankInfo(r, r % per_node, host, f"GPU-{r:08x}-0000-4000-8000-{r:012x}", host)
+    uuid = f"GPU-{r:08x}-0000-4000-8000-{r:012x}"
+    return RankInfo(r, r % per_node, host, uuid, host, node_index=r // per_node)
 
 
 def _body(
-    world: int, layers: int, cluster: bool, ranks: tuple[RankInfo, ...], serve: str, options: bool
+    world: int,
+    layers: int,
+    cluster: bool,
+    ranks: tuple[RankInfo, ...],
+    serve: str,
+    options: bool,
+    before: bool = False,
 ) -> Body:
-    """One endpoint's /metrics after one measured step: its series (samples) and bytes."""
+    """One endpoint's /metrics after one measured step: its series (samples) and bytes
+    (``before``: without the per-rank ``node`` label, as served before issue #28)."""
     names = [f"model.layers.{i // 4}.mlp.{('up', 'gate', 'down', 'norm')[i % 4]}_proj" for i in range(layers)]
     per_layer = dict.fromkeys(names, 0.1) if options else {}
     agg = MetricsAggregate(
@@ -75,11 +88,14 @@ def _body(
                 timestamp=1.0e9,
                 grad_norm=1.0,
                 layer_grad_norms=dict.fromkeys(names, 0.1),
-                rank_grad_norms=[1.0] * world,
+                rank_grad_norms=[1.0] * len(ranks),
+                rank_monitor_errors=[0] * len(ranks),
+                ranks=[info.rank for info in ranks],
+                node=ranks[0].node_index,
                 run_id=RUN_ID,
                 world_size=world,
                 scores={"zscore": 0.0, "median_ratio": 1.0},
-                rank_outlier_scores=[0.5 if world >= 3 else float("nan")] * world,
+                rank_outlier_scores=[0.5 if world >= 3 else float("nan")] * len(ranks),
                 gradient_noise_scale=100.0 if options else float("nan"),
                 layer_gradient_noise_scale=per_layer,
                 activation_rms=per_layer,
@@ -91,7 +107,8 @@ def _body(
     reg = CollectorRegistry()
     reg.register(GradCollector(agg))
     samples = sum(len(family.samples) for family in reg.collect())
-    return Body(samples, len(generate_latest(reg)))
+    body = generate_latest(reg)
+    return Body(samples, len(NODE_LABEL.sub(b"", body) if before else body))
 
 
 def recorded_rank_series(world: int) -> int:
@@ -122,7 +139,7 @@ def row(gpus: int, per_node: int, layers: int, options: bool) -> dict[str, int]:
         if nodes > 1
         else None
     )
-    single = _body(gpus, layers, True, tuple(ranks), "rank0", options)
+    before = _body(gpus, layers, True, tuple(ranks), "rank0", options, before=True)
     node_job = rank0.series + (nodes - 1) * (other.series if other else 0)
     return {
         "gpus": gpus,
@@ -132,8 +149,8 @@ def row(gpus: int, per_node: int, layers: int, options: bool) -> dict[str, int]:
         "node_series": other.series if other else 0,
         "node_bytes": other.bytes if other else 0,
         "job_series": node_job + nodes * SCRAPE_SERIES,
-        "rank0_only_series": single.series + SCRAPE_SERIES,
-        "rank0_only_bytes": single.bytes,
+        "before_series": before.series + SCRAPE_SERIES,
+        "before_bytes": before.bytes,
         "recorded": recorded_rank_series(gpus) if gpus >= 3 else 0,
     }
 
@@ -156,8 +173,8 @@ def main() -> int:
     )
     print(
         "| GPUs | nodes = targets | rank 0's endpoint: series / bytes | any other node's endpoint: "
-        'series / bytes | whole job, serve="node": series | serve="rank0": one endpoint, '
-        "series / bytes | recorded by the rank comparison |"
+        "series / bytes | whole job: series | before #28, rank 0 served every rank: series / bytes "
+        "| recorded by the rank comparison |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for gpus in args.gpus:
@@ -165,7 +182,7 @@ def main() -> int:
         other = f"{r['node_series']:,} / {r['node_bytes']:,}" if r["node_series"] else "-"
         print(
             f"| {gpus:,} | {r['nodes']:,} | {r['rank0_series']:,} / {r['rank0_bytes']:,} | {other} | "
-            f"{r['job_series']:,} | {r['rank0_only_series']:,} / {r['rank0_only_bytes']:,} | "
+            f"{r['job_series']:,} | {r['before_series']:,} / {r['before_bytes']:,} | "
             f"{r['recorded']:,} |"
         )
     return 0

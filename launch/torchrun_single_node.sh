@@ -12,7 +12,8 @@
 #              DISTMON_RUN_ID, DISTMON_LOG_PATH, DISTMON_FILE_SD_DIR, DISTMON_LINGER_S, ...)
 #
 # --standalone runs a private c10d rendezvous on a free local port, so several jobs can
-# share the machine. Metrics are served by rank 0 on 127.0.0.1:9290 unless configured.
+# share the machine. Metrics are served by rank 0 (this node's first rank) on 127.0.0.1:9290
+# unless configured; a second job on the machine takes the next free port (port_fallback).
 set -euo pipefail
 
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

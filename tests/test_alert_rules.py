@@ -418,6 +418,28 @@ def test_prometheus_config_structure():
         assert code.count(s) == 1, f"{s!r} must occur exactly once outside comments"
 
 
+def test_the_distmon_job_s_limits_admit_every_node_endpoint_at_max_layers(monkeypatch):
+    """sample_limit and body_size_limit of the distmon job pass the largest body a node serves
+    at the ``max_layers`` cap (global rank 0's, every optional family on: the real /metrics body
+    that benchmarks/series_count.py builds), with room to spare, and stop one of many thousands."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("series_count", ROOT / "benchmarks" / "series_count.py")
+    series_count = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "series_count", series_count)  # its dataclass looks itself up
+    spec.loader.exec_module(series_count)
+    jobs = yaml.safe_load(PROM_CONFIG.read_text())["scrape_configs"]
+    (job,) = [j for j in jobs if j["job_name"] == "distmon"]
+    samples, size = job["sample_limit"], job["body_size_limit"]
+    number, unit = re.fullmatch(r"(\d+)(KB|MB)", size).groups()
+    size_bytes = int(number) * {"KB": 1 << 10, "MB": 1 << 20}[unit]
+    largest = series_count.row(32, 16, 128, True)  # 2 nodes of 16 GPUs, 128 layer groups (the cap)
+    assert largest["rank0_series"] * 2 <= samples and largest["rank0_bytes"] * 4 <= size_bytes, largest
+    assert largest["node_series"] < samples and largest["node_bytes"] < size_bytes, largest
+    assert samples < 10_000 and size_bytes <= 4 << 20  # still a limit
+
+
 def test_promtool_check_config(promtool, tmp_path):
     r = _run(promtool, "check", "config", str(PROM_CONFIG))
     assert r.returncode == 0, r.stdout + r.stderr

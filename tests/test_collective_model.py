@@ -32,14 +32,34 @@ def _read(*path: str) -> str:
 
 @pytest.mark.parametrize("world", [8, 64, 1024, 16384])
 def test_node_schedule_bytes_at_defaults_by_hand(world):
-    # an export step: 7 node peers' rows (10 steps x 131 float32 each), a SUM of 71 float64 and
-    # a MAX of 20 int64 (an all-reduce: 2 x its bytes); 9 ordinary steps: the 1-float vote
-    export = 7 * 10 * 131 * 4 + 2 * 71 * 8 + 2 * 20 * 8
+    # an export step: 7 node peers' rows (10 steps x 131 float32 each), a SUM of 71 float64
+    # (10 steps x (4 counts + the peer group's n, sum x, sum x^2), the vote) and a MAX of 30
+    # int64 (10 steps x (first non-finite key, the group's largest and smallest x)); an
+    # all-reduce: 2 x its bytes; 9 ordinary steps: the 1-float vote
+    export = 7 * 10 * 131 * 4 + 2 * 71 * 8 + 2 * 30 * 8
     want = (export + 9 * 2 * 4) / 10
     assert cs.mean_bytes("node", world, 8, 128, 10) == pytest.approx(want)
     # today's: every other rank's rows over the job
     want_gather = ((world - 1) * 10 * 131 * 4 + 9 * 2 * 4) / 10
     assert cs.mean_bytes("gather", world, 8, 128, 10) == pytest.approx(want_gather)
+
+
+def test_the_modelled_sizes_are_distmons_own():
+    """The schedule's per-step SUM and MAX widths and row width are those distmon's exchange
+    builds at defaults (DDP: one peer group, the export vote; no noise scale, no activations)."""
+    import torch
+
+    from distmon.crossrank import CrossRank
+    from distmon.rows import RowPlan
+
+    plan = RowPlan.build(n_layers=128, world=64, vote=True)
+    extra = plan.rank.reduced.stop - plan.rank.reduced.start
+    cross = CrossRank(plan, rank=0, n_rows=10, device=torch.device("cpu"), n_extra=extra)
+    assert (cross.sum_width, cross.max_width, cross.n_extra) == (cs.SUM_PER_STEP, cs.MAX_PER_STEP, 1)
+    assert plan.rank.width == 128 + 3
+    gather, sums, maxes = cs.export_calls("node", 64, 8, 128, 10)
+    assert gather[2] == 10 * plan.rank.width * 4
+    assert sums[2] == (10 * cross.sum_width + cross.n_extra) * 8 and maxes[2] == 10 * cross.max_width * 8
 
 
 def test_node_schedule_bytes_never_grow_with_the_world_size():
@@ -63,7 +83,7 @@ def test_alpha_beta_times_by_hand():
     node_export = (
         7 * (10 + rows * beta)
         + (2 * math.log2(w) * 10 + 2 * 71 * 8 * beta)
-        + (2 * math.log2(w) * 10 + 2 * 20 * 8 * beta)
+        + (2 * math.log2(w) * 10 + 2 * 30 * 8 * beta)
     )
     assert cs.model_us(cs.ordinary_calls(w), 10, beta) == pytest.approx(ordinary)
     assert cs.model_us(cs.export_calls("gather", w, 8, 128, 10), 10, beta) == pytest.approx(gather_export)
