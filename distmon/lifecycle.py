@@ -259,7 +259,7 @@ def announce(
     if prepared.target is not None:
         try:
             prepared.target.write(
-                [(p.endpoint, {"run_id": run_id, "node": p.info.node}) for p in peers if p.endpoint]
+                [(p.endpoint, {"run_id": run_id, "node": str(p.info.node_index)}) for p in peers if p.endpoint]
             )
         except OSError:
             errors.record("file_sd target file")
