@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--serve",
         choices=("rank0", "node", "all", "none"),
         default=None,
-        help="which ranks serve /metrics (default: env DISTMON_SERVE, else rank0)",
+        help="which ranks serve /metrics (default: env DISTMON_SERVE, else node)",
     )
     m.add_argument(
         "--port",

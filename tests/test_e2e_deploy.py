@@ -463,7 +463,8 @@ def test_two_nodes_serve_one_target_each_and_sums_match_the_snapshot(stack, jobs
         rank = int(m["rank"])
         assert m["local_rank"] == str(rank % 2), m
         assert m["instance"] == instance_of[str(rank // 2)], (m, instance_of)
-        assert m["node"].endswith(f"/{rank // 2}") and m["hostname"], m
+        # the series' own node label (the node index, #28) wins over the target's (honor_labels)
+        assert m["node"] == str(rank // 2) and m["hostname"], m
     # Cluster-wide families come from global rank 0 only.
     assert scalar(prom, f'count(distmon_grad_norm{{run_id="{NODES}"}})') == 1
     assert scalar(prom, f'count(distmon_run_info{{run_id="{NODES}", world_size="4", serve="node"}})') == 1
@@ -486,10 +487,15 @@ def test_two_nodes_serve_one_target_each_and_sums_match_the_snapshot(stack, jobs
         rc = job.wait(LINGER_NODES + 60, diag)
         assert rc == 0, f"{job.name} failed\n{diag()}"
 
-    last = read_jsonl(stack.workdir / "nodes.jsonl")[-1]
-    assert last["step"] == NODES_STEPS and last["world_size"] == 4, last["step"]
-    norms = [float(x) for x in last["rank_grad_norms"]]
-    assert len(norms) == 4 and all(math.isfinite(x) and x > 0 for x in norms), norms
+    # each node's first rank logs its own node's ranks (#28): nodes.jsonl and nodes.node1.jsonl
+    lasts = [read_jsonl(stack.workdir / name)[-1] for name in ("nodes.jsonl", "nodes.node1.jsonl")]
+    assert [(row["step"], row["world_size"], row["node"]) for row in lasts] == [
+        (NODES_STEPS, 4, 0),
+        (NODES_STEPS, 4, 1),
+    ], lasts
+    by_rank = {r: float(x) for row in lasts for r, x in zip(row["ranks"], row["rank_grad_norms"])}
+    norms = [by_rank[r] for r in range(4)]
+    assert len(by_rank) == 4 and all(math.isfinite(x) and x > 0 for x in norms), by_rank
     sel = f'distmon_rank_grad_norm{{run_id="{NODES}"}}'
     assert scalar(prom, f"sum({sel})", at=t_query) == pytest.approx(sum(norms), rel=1e-6)
     assert scalar(prom, f"max({sel})", at=t_query) == pytest.approx(max(norms), rel=1e-6)
