@@ -51,6 +51,7 @@ MAX_RANKS = 1 << RANK_BITS  # ranks per job a key can name
 MAX_LAYERS = 1 << (62 - RANK_BITS - LAYER_BITS)  # layers (backward positions) a key can name
 KEY_TOP = 1 << 62  # keys are sent as KEY_TOP - key: the MAX picks the smallest key
 NONE = -(1 << 62)  # "nothing to report" in the MAX block
+COUNTS = Job.NONFINITE_RANKS + 1  # the SUM's first columns: Job's counts, added up as they are
 
 
 class GroupStat(IntEnum):
@@ -104,12 +105,12 @@ class CrossRank:
     def compare_within(self, groups: Sequence[Sequence[int]]) -> None:
         """Compare ranks only within each group (lists of ranks covering the job); before any step."""
         self.groups = [list(g) for g in groups]
-        self.group_size = torch.tensor([len(g) for g in groups], dtype=torch.float64, device=self.device)
         self.my_group = next(i for i, g in enumerate(groups) if self.rank in g)
         g, n = len(groups), self.n_rows
-        # SUM columns: 4 counts, 3 per group, then the noise scale's sums (total, per layer)
+        # SUM columns: the COUNTS (as the job columns they become), 3 per group, then the noise
+        # scale's sums (total, per layer)
         self.n_noise = (1 + (self.f.n_layer_cols if self.layer_noise else 0)) if self.noise else 0
-        self.sum_width = 4 + 3 * g + self.n_noise
+        self.sum_width = COUNTS + 3 * g + self.n_noise
         # MAX columns: first non-finite (, first non-finite activation), 2 per group (, batch max, -min)
         self._ext = 1 + (self.f.act_first is not None)  # the groups' first column
         self.max_width = self._ext + 2 * g + (2 if self.noise else 0)
@@ -144,11 +145,11 @@ class CrossRank:
         counted = measured & torch.isfinite(x)
         layer, pos = self._first_bad(own, order)
         bad = (valid > 0.0) & (layer >= 0)  # LOCAL_NONFINITE_ONLY still names the rank
-        sums[:, 0] = 1.0
-        sums[:, 1] = measured.double()
-        sums[:, 2] = own[:, f.errors].double()
-        sums[:, 3] = bad.double()
-        g = 4 + 3 * self.my_group
+        sums[:, Job.REPORTED] = 1.0
+        sums[:, Job.MEASURED] = measured.double()
+        sums[:, Job.ERRORS] = own[:, f.errors].double()
+        sums[:, Job.NONFINITE_RANKS] = bad.double()
+        g = COUNTS + 3 * self.my_group
         xd = torch.where(counted, x, 0.0).double()
         sums[:, g] = counted.double()
         sums[:, g + 1] = xd
@@ -163,7 +164,7 @@ class CrossRank:
         keys[:, h] = torch.where(counted, (_ordered(x) << RANK_BITS) + tie, NONE)
         keys[:, h + 1] = torch.where(counted, (_ordered(-x) << RANK_BITS) + tie, NONE)
         if self.noise:
-            s = 4 + 3 * len(self.groups)
+            s = COUNTS + 3 * len(self.groups)
             sums[:, s] = torch.where(measured, total, 0.0).double()
             if self.layer_noise:
                 sums[:, s + 1 :] = torch.where(measured[:, None], own[:, f.layers], 0.0).double()
@@ -190,10 +191,7 @@ class CrossRank:
         k = len(rows)
         sums, keys = self.sums(k), self.keys[:k]
         job = rows[:, self.plan.step.job]
-        job[:, Job.REPORTED] = sums[:, 0].float()
-        job[:, Job.MEASURED] = sums[:, 1].float()
-        job[:, Job.ERRORS] = sums[:, 2].float()
-        job[:, Job.NONFINITE_RANKS] = sums[:, 3].float()
+        job[:, :COUNTS] = sums[:, :COUNTS].float()
         job[:, Job.FIRST_RANK : Job.FIRST_LAYER + 1] = self._located(keys[:, 0], LAYER_BITS)
         if self.f.act_first is not None:
             job[:, Job.ACT_RANK : Job.ACT_MODULE + 1] = self._located(keys[:, 1], 0)
@@ -201,7 +199,7 @@ class CrossRank:
             job[:, Job.ACT_RANK : Job.ACT_MODULE + 1] = -1.0
         job[:, Job.MEAN_SQ :] = math.nan
         if self.noise:
-            s = 4 + 3 * len(self.groups)
+            s = COUNTS + 3 * len(self.groups)
             job[:, Job.MEAN_SQ] = (sums[:, s] / self.world).float()
             if self.layer_noise:
                 job[:, len(Job) :] = (sums[:, s + 1 :] / self.world).float()
@@ -220,7 +218,7 @@ class CrossRank:
 
     def _group_stats(self, sums: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> None:
         k, g = len(sums), len(self.groups)
-        moments = sums[:, 4 : 4 + 3 * g].view(k, g, 3)
+        moments = sums[:, COUNTS : COUNTS + 3 * g].view(k, g, 3)
         n, sx, sxx = moments.unbind(2)
         ext = keys[:, self._ext : self._ext + 2 * g].view(k, g, 2)
         present = ext[..., 0] != NONE

@@ -445,11 +445,11 @@ def test_two_nodes_serve_one_target_each_and_sums_match_the_snapshot(stack, jobs
     targets = wait_for(two_targets_up, STARTUP_S, "two healthy targets of run e2e-nodes", diag)
     node_labels = sorted(t["labels"]["node"] for t in targets)
     assert len(set(node_labels)) == 2, targets
-    assert [n.rsplit("/", 1)[1] for n in node_labels] == ["0", "1"], node_labels  # hostname/GROUP_RANK
+    assert node_labels == ["0", "1"], node_labels  # the node's index, as on its per-rank series
     assert all(
         t["discoveredLabels"]["__meta_filepath"] == str(stack.sd_dir / f"{NODES}.json") for t in targets
     )
-    instance_of = {t["labels"]["node"].rsplit("/", 1)[1]: t["labels"]["instance"] for t in targets}
+    instance_of = {t["labels"]["node"]: t["labels"]["instance"] for t in targets}
 
     # Per-rank series: all 4 ranks, once each, each served by its own node's target.
     def four_ranks() -> list | None:

@@ -142,9 +142,9 @@ def counts(samples: dict[str, list]) -> dict[str, int]:
 
 
 def node_targets(sd_file: Path) -> dict[int, str]:
-    """node index -> the address its target file entry names (node label ``host/GROUP_RANK``)."""
+    """node index -> the address its target file entry names (its `node` label)."""
     entries = json.loads(sd_file.read_text())
-    return {int(e["labels"]["node"].rsplit("/", 1)[1]): e["targets"][0] for e in entries}
+    return {int(e["labels"]["node"]): e["targets"][0] for e in entries}
 
 
 def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_node(stack: Stack):
