@@ -29,16 +29,18 @@ What is checked, by direct scrapes of the four endpoints and by Prometheus queri
   process' sockets are closed at once and every gloo peer fails within seconds (measured: all
   other agents exit with status 1 within ~5 s), so the job ends and nothing stalls; a lost
   machine closes nothing, and NCCL peers hang until their watchdog (10 min by default), which
-  the stop reproduces. -> DistmonTargetDown for node 3's target only, DistmonTrainingStalled
-  for the run (the other ranks hang in their collective, rank 0 keeps answering scrapes), and
-  no DistmonMetricsVanished (the run's job-wide series are still served);
+  the stop reproduces. -> DistmonTargetDown for node 3's target only, the other nodes still up
+  and their agents running (their ranks hang in the collective, rank 0 keeps answering
+  scrapes: DistmonTrainingStalled then fires 120 s after the last step, as
+  tests/test_e2e_deploy.py's stalled job shows, not waited for here), and no
+  DistmonMetricsVanished (the run's job-wide series are still served);
 * finally every process is stopped, then killed (no process writes after another is gone), and
   ``python -m distmon report`` over the log directory (``run.jsonl`` and ``run.node{1,2,3}.jsonl``)
   reports all 8 ranks from the 4 node logs, none missing, no disagreement, the NaN's rank and
   layer, rank 7 as the most outlying rank.
 
 The shipped thresholds make the wall time: DistmonRankOutlier's ``for: 30s`` before the stop,
-DistmonTrainingStalled's 120 s after it. ~3 minutes on 2 cores.
+DistmonTargetDown's after it. ~2 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ from test_e2e_deploy import (
     STARTUP_S,
     STEP_S,
     Stack,
-    alert_rules,
     read_jsonl,
     rule_for,
     scalar,
@@ -335,17 +336,6 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
         assert parse_rfc3339(fired[0]["activeAt"]) >= t_dark - 2 * SCRAPE_S, (fired, t_dark)
         t_down = fired[0]["states"]["firing"][0]
 
-        stalled = alert_rules()["DistmonTrainingStalled"]["expr"]
-        threshold = 120
-        assert f"> {threshold}\n" in stalled, stalled  # the wait below rests on it
-        fired = wait_for(
-            lambda: rec.prom_alert("DistmonTrainingStalled", RUN, "firing"),
-            last_step_at + threshold + 60 - time.time(),
-            f"DistmonTrainingStalled for {RUN}",
-            diag,
-        )
-        assert parse_rfc3339(fired[0]["activeAt"]) >= last_step_at + threshold - 2, (fired, last_step_at)
-        t_stalled = fired[0]["states"]["firing"][0]
         # the rest of the job hangs, still served: one target down, the run not vanished
         for agent in job:
             assert agent.poll() is None, f"{agent.name} exited\n{diag()}"
@@ -353,12 +343,11 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
         ups = {m["instance"]: v for m, v in prom.values(f'up{{run_id="{RUN}"}}')}
         assert ups == {address: float(n != DARK_NODE) for n, address in instance.items()}, ups
         wait_for(
-            lambda: rec.am_alert("DistmonTrainingStalled", RUN), 30, "Alertmanager to list the stall", diag
+            lambda: rec.am_alert("DistmonTargetDown", RUN), 30, "Alertmanager to list the dark node", diag
         )
         figures.append(
-            f"after node {DARK_NODE} went dark: DistmonTargetDown firing at +{t_down - t_dark:.0f} s, "
-            f"DistmonTrainingStalled at +{t_stalled - t_dark:.0f} s (last exported step at "
-            f"{last_step_at - t_dark:+.1f} s)"
+            f"after node {DARK_NODE} went dark: DistmonTargetDown firing at +{t_down - t_dark:.0f} s "
+            f"(last exported step at {last_step_at - t_dark:+.1f} s)"
         )
         for agent in reference:
             assert agent.wait(STARTUP_S, diag) == 0, diag()
