@@ -285,7 +285,7 @@ class DeviceDetector:
     ) -> None:
         self.cfg = cfg
         self.step_row, self.fields = plan.step, plan.rank
-        self.world = world = plan.step.world
+        world = plan.step.world
         self.held_ranks = tuple(held) if held is not None else tuple(range(plan.step.held))  # the held rows'
         n = plan.step.n_layers + 1  # global norm first, then layers
         f32 = dict(dtype=torch.float32, device=device)
@@ -311,7 +311,7 @@ class DeviceDetector:
         return {
             **save_tensors(self, self._STATE),
             "dev_var": self.dev_var.tolist(),
-            "groups": [g.tolist() for g in self._groups],
+            "groups": self._groups,
             "updates": self.updates,
             "rank_updates": self.rank_updates,
         }
@@ -320,7 +320,7 @@ class DeviceDetector:
         """Go on from ``state``; the rank-outlier scales only when the ranks are grouped alike."""
         load_tensors(self, state, self._STATE, "detector", why={"history": "DetectorConfig.median_window"})
         self.updates, self.rank_updates = int(state["updates"]), int(state["rank_updates"])
-        if same_ranks and state["groups"] == [g.tolist() for g in self._groups]:
+        if same_ranks and state["groups"] == self._groups:
             load_tensors(self, state, ("dev_var",), "detector")
         else:
             self.rank_updates = 0  # another grouping: the outlier warm-up starts again with its scales
@@ -337,7 +337,8 @@ class DeviceDetector:
             >>> det.compare_within([[0, 2], [1, 3]]); det.dev_var.shape
             torch.Size([2])
         """
-        self._groups = [torch.tensor(list(g), dtype=torch.long, device=self._device) for g in groups]
+        # the groups' ranks, as plain lists: the state_dict's (nothing indexes by them on the device)
+        self._groups = [list(g) for g in groups]
         self._sizes = [len(g) for g in groups]
         # per group, the positions of its held ranks in the held rows
         self._held_in = [
