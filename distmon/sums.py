@@ -16,6 +16,7 @@ from .compat import sq_sums_fp32
 
 __all__ = [
     "sq_sums",
+    "rows_sq_sum",
     "sparse_sq_sum",
     "fold_layers",
     "first_nonfinite",
@@ -28,19 +29,62 @@ __all__ = [
 ]
 
 
+# On the CPU, torch's fused fp32 reduction (``_foreach_powsum``, ``vector_norm``: what
+# ``clip_grad_norm_`` uses too) accumulates along the tensor, with an error that grows with its
+# size: 6e-6 relative at 0.4M elements, 5e-3 at 40M (benchmarks/cpu_accuracy.py), and 2e-6 at
+# 8K bf16 elements (their squares share few significant bits: roundings add up instead of
+# cancelling). A tensor of more than two rows is reduced as rows (4,096 elements, 256 for
+# 16-bit types), each row's norm on its own, then their squares summed by torch's pairwise
+# sum: within 1e-7 at any size, for the same cost per byte. A GPU's fused kernel reduces in a
+# tree already: one call there.
+CPU_ROW = 4096
+CPU_ROW_16 = 256  # for 16-bit gradients (bf16, fp16)
+
+
+def cpu_row(t: torch.Tensor) -> int:
+    """The row length :func:`rows_sq_sum` reduces ``t`` in."""
+    return CPU_ROW if t.element_size() >= 4 else CPU_ROW_16
+
+
 def sq_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The fp32 sum of squares of each tensor, as 0-d tensors (one fused pass over the bytes).
 
     A sum of squares is non-finite exactly when an element is non-finite (or when the sum
     overflows fp32, i.e. an element above ~1e19: an exploded gradient either way). Sources
     pass complex gradients as their real views (``torch.view_as_real``), made once with
-    their layout, so ``|z|^2 = re^2 + im^2`` is what is summed.
+    their layout, so ``|z|^2 = re^2 + im^2`` is what is summed. On the CPU, tensors of more
+    than two rows (:func:`cpu_row`) are summed by rows (:func:`rows_sq_sum`), for accuracy.
 
     Example:
         >>> [float(s) for s in sq_sums([torch.tensor([3.0, 4.0]), torch.view_as_real(torch.tensor([1j]))])]
         [25.0, 1.0]
     """
-    return sq_sums_fp32(tensors)  # torch._foreach_powsum, or its fallback before torch 2.11
+    if not tensors or tensors[0].device.type != "cpu":
+        return sq_sums_fp32(tensors)  # torch._foreach_powsum, or its fallback before torch 2.11
+    large = [t.numel() > 2 * cpu_row(t) for t in tensors]
+    if not any(large):
+        return sq_sums_fp32(tensors)
+    small = iter(sq_sums_fp32([t for t, big in zip(tensors, large) if not big]) if not all(large) else ())
+    return [rows_sq_sum(t) if big else next(small) for t, big in zip(tensors, large)]
+
+
+def rows_sq_sum(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of squares of ``t`` from rows of :func:`cpu_row` elements: each row's norm
+    alone, their squares summed pairwise (a CPU's fused reduction drifts over many elements;
+    rows keep every accumulation short).
+
+    Example:
+        >>> g = torch.full((3 * CPU_ROW + 5,), 0.5)
+        >>> float(rows_sq_sum(g)) == (3 * CPU_ROW + 5) * 0.25
+        True
+    """
+    flat, row = t.reshape(-1), cpu_row(t)
+    k = flat.numel() // row
+    rows = torch.linalg.vector_norm(flat[: k * row].view(k, row), dim=1, dtype=torch.float32)
+    total = rows.square_().sum()
+    if flat.numel() > k * row:
+        total = total + sq_sums_fp32([flat[k * row :]])[0]
+    return total
 
 
 def sparse_sq_sum(grad: torch.Tensor) -> torch.Tensor:
