@@ -327,24 +327,26 @@ class GradMonitor:
         scale have learned (``distmon/resume.py``). Plain lists and numbers, alike on every rank.
 
         Save it with the model and optimizer (``torch.save``; with ``torch.distributed.checkpoint``
-        the monitor is itself a ``Stateful``). Call it on every rank at the same point: it exports
-        the steps since the last export first, as :meth:`flush` does.
+        the monitor is itself a ``Stateful``), on every rank or on one (the usual ``if rank == 0:``
+        checkpoint), at any step: no collective, and the run goes on as if it had not been called.
+        The rank-outlier scales and the noise scale are as of the latest export (at most
+        ``export_every - 1`` steps before: the other ranks' figures of the steps since are theirs
+        until the next export); the rest is as of the latest step.
 
         Example:
-            >>> torch.save({"model": model.state_dict(), "distmon": mon.state_dict()}, path)  # doctest: +SKIP
+            >>> if rank == 0:                                                  # doctest: +SKIP
+            ...     torch.save({"model": model.state_dict(), "distmon": mon.state_dict()}, path)
             >>> mon = GradMonitor(model, opt)                                  # doctest: +SKIP
             >>> mon.load_state_dict(torch.load(path)["distmon"])               # doctest: +SKIP
         """
-        if self._tracker.measured_steps:  # not for steps that measured nothing (dcp.load's lr-0 step)
-            self.flush()
-        judge, decoder = self._tracker.judge, self._export.decoder.detector
+        detector, noise = self._tracker.learned()
         return monitor_state(
             step=self.step,
             layers=self.layers,
             world=self.world_size,
-            detector=judge.detector,
-            noise=judge.noise,
-            scaler_run=decoder.scaler_run if decoder else 0,
+            detector=detector,
+            noise=noise,
+            scaler_run=self._tracker.scaler_run,
         )
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -362,6 +364,7 @@ class GradMonitor:
             noise=judge.noise,
         )
         self._tracker.resume_at(step)
+        self._tracker.scaler_run = scaler_run
         decoder.resumed_from = step
         if decoder.detector is not None:
             decoder.detector.scaler_run = scaler_run

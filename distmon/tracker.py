@@ -43,6 +43,7 @@ With a guard (or ``clip_grad_norm_``) hops 4 and 6 happen at once, before the op
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import time
@@ -162,6 +163,7 @@ class StepTracker:
             activations.active = 1 % activation_every == 0  # step 1's forwards
         self.step = 0
         self.measured_steps = 0  # steps whose reduced figures were measured (a backward ran)
+        self.scaler_run = 0  # consecutive steps the GradScaler skipped, through the latest
         self._exported_through = 0
         self._judged_through = 0
         self._finished: list[tuple[float, SkipReason]] = [(0.0, "")] * export_every  # per slot
@@ -371,6 +373,7 @@ class StepTracker:
         """The step is over: count it, ready the next one, export on schedule."""
         self.step += 1
         self.measured_steps += self._valid[self.ring.slot(self.step)]
+        self.scaler_run = self.scaler_run + 1 if skip == "scaler" else 0
         self._finished[self.ring.slot(self.step)] = (time.time(), skip)
         self._new_step()
         watch = self.activations
@@ -429,6 +432,29 @@ class StepTracker:
                 self.export()
         except Exception:
             self.errors.record("step schedule")
+
+    # -- a checkpoint ---------------------------------------------------------------------------
+    def learned(self) -> tuple[DeviceDetector | None, NoiseScale | None]:
+        """What the run has learned through the latest finished step, without a collective and
+        without changing the run: callable on one rank alone (a checkpoint saved by rank 0).
+
+        The reduced-figure verdicts of the steps not judged yet are judged on copies (the
+        detector's and the rows'), as the next export will judge them; the verdicts that need
+        every rank's figures (rank outliers, the noise scale) are as of the latest export: the
+        other ranks' figures of the steps since are theirs until then. A partial layout's last
+        reduced sums come with its step's collective, already issued on every rank: waited here.
+        """
+        self.exchange.complete()
+        detector = self.judge.detector
+        first, last = self._judged_through + 1, self.step
+        if detector is not None and last >= first:
+            detector = copy.deepcopy(detector)
+            a = self.ring.slot(first)
+            rows = self.ring.span(first, last).clone()
+            Judge(self.plan.step, detector=detector, noise=None, errors=self.errors).judge_reduced(
+                rows, self._valid[a : a + len(rows)]
+            )
+        return detector, self.judge.noise
 
     # -- exports ------------------------------------------------------------------------------
     def _judge(self, through: int) -> None:

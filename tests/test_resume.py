@@ -115,6 +115,45 @@ def test_state_round_trips_and_is_plain_data():
     assert json.dumps(back, sort_keys=True) == json.dumps(state, sort_keys=True)
 
 
+def test_state_dict_at_any_step_issues_no_collective_and_changes_nothing(one_rank, tmp_path):
+    """A checkpoint saved by rank 0 alone calls ``state_dict()`` on one rank: no collective in it
+    (one rank cannot call one alone), and the run goes on exactly as if it had not been called."""
+    from ddp_harness import SyncRecorder
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(log: str, calls: set[int]) -> list[dict]:
+        net, opt = _model()
+        model = DDP(net)
+        mon = distmon.GradMonitor(model, opt, serve="none", export_every=10, log_path=log, linger_s=0)
+        states = []
+        for step in range(1, STEPS + 1):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+            ((model(x) - y).pow(2).mean() * (1000.0 if step == SPIKE_AT else 1.0)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in calls:
+                with SyncRecorder() as rec:
+                    states.append(mon.state_dict())
+                assert not rec.collectives, (step, rec.describe(rec.collectives))
+                assert states[-1]["step"] == step
+        mon.close()
+        return states
+
+    plain, called = str(tmp_path / "plain.jsonl"), str(tmp_path / "called.jsonl")
+    run(plain, set())
+    states = run(called, {3, 7, 10, 13, 27, 30, 33, 52})
+    a, b = (
+        {
+            step: {k: v for k, v in row.items() if k not in ("timestamp", "run_id")}
+            for step, row in _rows(p).items()
+        }
+        for p in (plain, called)
+    )
+    assert a == b and [e["kind"] for e in a[SPIKE_AT]["events"]] == ["spike"]
+    assert states[2]["detector"]["updates"] == 10 and states[3]["detector"]["updates"] == 13
+
+
 def test_torch_distributed_checkpoints_lr0_step_before_the_load_is_no_step():
     """``get_state_dict`` on an empty optimizer steps it once at lr 0 with zero gradients (torch's
     ``_init_optim_state``), as ``dcp.load`` does on resume: no training step, the next is state + 1."""
@@ -139,7 +178,10 @@ def test_states_that_cannot_be_mapped_are_refused_and_another_world_size_is_mapp
         state = mon.state_dict()
     other = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     with distmon.GradMonitor(other, torch.optim.SGD(other.parameters(), lr=0.1), serve="none") as m:
-        with pytest.raises(ValueError, match=r"layers are not this monitor's \(3 vs 2; first difference #2: '4' in the state, 'none' here"):
+        with pytest.raises(
+            ValueError,
+            match=r"layers are not this monitor's \(3 vs 2; first difference #2: '4' in the state, 'none' here",
+        ):
             m.load_state_dict(state)
     net, opt = _model()
     with distmon.GradMonitor(net, opt, serve="none") as m:
@@ -190,6 +232,45 @@ def test_a_ddp_job_killed_and_resumed_with_torch_distributed_checkpoint(tmp_path
     log = read_log(str(tmp_path / "resumed.jsonl"))
     assert log.run_count == 1 and log.run.restarts == [(30, at + 1)]
     assert list(log.run.steps) == list(range(1, 71))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_by_rank_0_alone_off_the_export_schedule(tmp_path):
+    """nanoGPT's pattern: only the master process builds and saves the checkpoint, with
+    ``mon.state_dict()``, at steps off (7, 13, 27) and on (20) the export schedule: the job runs
+    through (no collective, no hang, no abort), and a job resumed from step 27 goes on as the
+    uninterrupted one: the same figures and events; the detectors' scores as judged from step 27,
+    the noise scale as of the export before it (step 20)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMON_")}
+    env["OMP_NUM_THREADS"] = "1"
+    from ddp_harness import free_port
+
+    for mode in ("full", "resume0"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node=2"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+        cmd += [str(ROOT / "tests" / "jobs" / "resume_job.py"), mode, str(tmp_path)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{mode}: {proc.returncode}\n{proc.stderr[-4000:]}"
+    full, resumed = _rows(str(tmp_path / "full.jsonl")), _rows(str(tmp_path / "resumed0.jsonl"))
+    assert sorted(resumed) == list(range(28, 71)) and resumed[28]["resumed_from"] == 27
+    for step, row in resumed.items():
+        ref = full[step]
+        assert row["valid"] and row["events"] == ref["events"], step
+        assert _close(row["grad_norm"], ref["grad_norm"], 1e-6), step
+        assert all(_close(x, y, 1e-6) for x, y in zip(row["rank_grad_norms"], ref["rank_grad_norms"])), step
+        # steps 28..30 are judged in a run of their own (the median reference is its start's)
+        rel = 1e-2 if step <= 30 else 1e-4
+        assert all(_close(row["scores"][k], ref["scores"][k], rel) for k in ref["scores"]), step
+    assert [e["kind"] for e in resumed[57]["events"]] == ["spike"]
+    # what the state holds: the reduced-figure detector through step 27, what needs every rank's
+    # figures (the noise scale, the rank-outlier scales) as of the export before it
+    at27, at20 = (
+        torch.load(tmp_path / f"ckpt-rank0-{s}.pt", weights_only=False)["distmon"] for s in (27, 20)
+    )
+    assert at27["step"] == 27 and at27["detector"]["updates"] == 27 and at27["detector"]["rank_updates"] == 20
+    assert json.dumps(at27["noise"]) == json.dumps(at20["noise"])  # NaN equal to NaN
+    assert json.dumps(at27["detector"]["dev_var"]) == json.dumps(at20["detector"]["dev_var"])
+    assert math.isfinite(resumed[40]["gradient_noise_scale"])
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ class DistmonCallback(pl.Callback):
     def state_dict(self) -> dict[str, object]:
         """The monitor's state (:meth:`GradMonitor.state_dict`), kept in Lightning's checkpoints.
 
-        Lightning asks every rank for it when it saves (the monitor flushes: a collective)."""
+        Lightning asks every rank for it when it saves (no collective)."""
         return self.monitor.state_dict() if self.monitor is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
