@@ -30,6 +30,9 @@ class RankInfo:
     node: str = ""  # hostname, plus torchrun's node rank (GROUP_RANK) or Slurm's node id when set
     coords: Coordinates | None = None  # its place in each parallel dimension (several of them)
     node_index: int = 0  # its node's place among the job's nodes (ordered by their lowest rank)
+    # the job's lowest rank on its node: the one that serves and logs for it (``LOCAL_RANK`` counts
+    # every process on the host, other jobs' too: a job declared with ``job_group=`` may hold none of 0)
+    lead: bool = True
 
     def labels(self) -> dict[str, str]:
         out = {
@@ -132,14 +135,15 @@ class Nodes:
 
 def nodes_of(me: RankInfo, group: dist.ProcessGroup | None) -> tuple[RankInfo, Nodes]:
     """Every rank's node (one small exchange at construction, on every rank); ``me`` with its node
-    index and, without ``LOCAL_RANK``, its place on its node as its local rank."""
+    index, whether it leads its node in the job and, without ``LOCAL_RANK``, its place on its node as
+    its local rank."""
     keys = exchange(me.node, group)
     first: dict[str, int] = {}
     for key in keys:
         first.setdefault(key, len(first))
     nodes = Nodes(tuple(first[k] for k in keys))
     local = me.local_rank if me.local_rank >= 0 else nodes.ranks_of(nodes.index[me.rank]).index(me.rank)
-    return replace(me, node_index=nodes.index[me.rank], local_rank=local), nodes
+    return replace(me, node_index=nodes.index[me.rank], local_rank=local, lead=nodes.lead(me.rank)), nodes
 
 
 def exchange(payload: object, group: dist.ProcessGroup | None) -> list:

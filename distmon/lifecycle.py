@@ -60,14 +60,15 @@ class Peer:
     agreed: Mapping[str, str] | None = None  # the options every rank must set alike (config.AGREED)
 
 
-def serves(serve: str, rank: int, local_rank: int) -> bool:
-    """Whether a process runs an HTTP endpoint under ``serve`` (known before the exchange).
+def serves(serve: str, rank: int, lead: bool) -> bool:
+    """Whether a process runs an HTTP endpoint under ``serve`` (known before the exchange); ``lead``:
+    it is the job's lowest rank on its node.
 
     Example:
-        >>> serves("node", rank=5, local_rank=0), serves("rank0", rank=5, local_rank=0)
+        >>> serves("node", rank=5, lead=True), serves("rank0", rank=5, lead=True)
         (True, False)
     """
-    return {"rank0": rank == 0, "node": local_rank == 0, "all": True, "none": False}[serve]
+    return {"rank0": rank == 0, "node": lead, "all": True, "none": False}[serve]
 
 
 def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tuple[bool, tuple[RankInfo, ...]]:
@@ -77,7 +78,7 @@ def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tupl
     holds the rows of its own node's ranks only, so per-rank series come from their own node
     (``serve="rank0"``: node 0's alone).
     """
-    if not serves(serve, me.rank, me.local_rank):
+    if not serves(serve, me.rank, me.lead):
         return False, ()
     node = tuple(i for i in everyone if i.node == me.node)
     return me.rank == 0, {"rank0": node, "node": node, "all": (me,)}[serve]
@@ -117,7 +118,7 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
     """
     out = Prepared()
     try:
-        if serves(cfg.serve, me.rank, me.local_rank):
+        if serves(cfg.serve, me.rank, me.lead):
             port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
             # a restarted worker wants its predecessor's port (scrape configs name it): wait for it
             wait = RESTART_BIND_S if hostinfo.restart_count() else 0.0
@@ -130,7 +131,7 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
                     port,
                     out.server.port,
                 )
-        if cfg.log_path and me.local_rank == 0 and (me.rank == 0 or me.node_index > 0):
+        if cfg.log_path and me.lead:  # the job's rank 0 leads its node 0: the log itself
             out.log = _usable("log_path", node_log_path(cfg.log_path, me.node_index), JsonlLog)
         if cfg.file_sd_dir and me.rank == 0:
             out.target = _usable("file_sd_dir", cfg.file_sd_dir, lambda d: TargetFile(d, run_id))
@@ -259,7 +260,11 @@ def announce(
     if prepared.target is not None:
         try:
             prepared.target.write(
-                [(p.endpoint, {"run_id": run_id, "node": str(p.info.node_index)}) for p in peers if p.endpoint]
+                [
+                    (p.endpoint, {"run_id": run_id, "node": str(p.info.node_index)})
+                    for p in peers
+                    if p.endpoint
+                ]
             )
         except OSError:
             errors.record("file_sd target file")
