@@ -21,7 +21,7 @@ swaps every export cycle):
   the peer group's n, sum x, sum x^2; plus the vote) and (3) a MAX all-reduce over the job of
   ``3 x export_every`` int64 (per kept step: the first non-finite key, the peer group's largest
   and smallest x packed with its rank). These are distmon's sizes at defaults (DDP: one peer
-  group; no noise scale, no activations: ``distmon/crossrank.py``). Nothing grows with the
+  group; no noise scale, no activations: ``distmon/step/crossrank.py``). Nothing grows with the
   world size.
 
 Reported per schedule: the bytes a rank sends (= receives) per step on average, from the sizes

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate ``distmon.detectors.CONSISTENCY``: the rank-outlier scale's constant per world size.
+"""Regenerate ``distmon.verdicts.detectors.CONSISTENCY``: the rank-outlier scale's constant per world size.
 
 The rank-outlier scale is the mean squared deviation of the ranks' log-norms from their center
-(``distmon.crossrank``): from 5 ranks on, of the ranks between the two extremes around their own
+(``distmon.step.crossrank``): from 5 ranks on, of the ranks between the two extremes around their own
 mean; up to 4, of the ranks around their lower median, leaving out the largest from 3 on. For Gaussian ranks its expectation is below sigma^2 by a factor that depends on the
 world size only; the table holds sigma^2 / E[that mean] for 2..128 ranks, by Monte Carlo over
 4M values each (standard error ~0.07%). Beyond 128 ranks the detector uses the large-world
@@ -14,7 +14,7 @@ approximation ``large_world_consistency`` (``--check`` prints its distance from 
 
 import torch
 
-from distmon.detectors import large_world_consistency
+from distmon.verdicts.detectors import large_world_consistency
 
 
 def consistency(world: int, total: int = 4_000_000, seed: int = 0) -> float:

@@ -3,7 +3,7 @@
 
 For gradient-like tensors of 0.4M to 50M elements (fp32, and bf16 at 0.4M): the relative error
 against float64 of torch's one fused call (``_foreach_powsum``: what distmon used before, and
-what ``clip_grad_norm_``'s ``vector_norm`` shares) and of ``distmon.sums.sq_sums`` (rows on the
+what ``clip_grad_norm_``'s ``vector_norm`` shares) and of ``distmon.step.sums.sq_sums`` (rows on the
 CPU), and the time of each on one thread (median of interleaved repeats), as a ratio.
 
     python benchmarks/cpu_accuracy.py              # prints a markdown table
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from distmon.compat import sq_sums_fp32
-from distmon.sums import sq_sums
+from distmon.step.sums import sq_sums
 
 CASES = [
     (400_000, torch.float32),
@@ -74,7 +74,7 @@ if __name__ == "__main__":
     out = (
         "# CPU accuracy of a sum of squares\n\n"
         "`python benchmarks/cpu_accuracy.py --write`: relative error against float64 of torch's fused "
-        "fp32 call and of distmon's rows (`distmon.sums.sq_sums` on the CPU), on one thread.\n\n"
+        "fp32 call and of distmon's rows (`distmon.step.sums.sq_sums` on the CPU), on one thread.\n\n"
         + table()
         + "\n"
     )

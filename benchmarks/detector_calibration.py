@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "launch"))
 
 from train import torchrun_command  # noqa: E402  (launch/train.py)
 
-from distmon.detectors import DetectorConfig  # noqa: E402
+from distmon.verdicts.detectors import DetectorConfig  # noqa: E402
 
 
 def run_demo(extra: list[str], nproc: int, log: str, timeout: float = 600) -> list[dict[str, Any]]:

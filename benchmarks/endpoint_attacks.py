@@ -5,7 +5,7 @@
     python benchmarks/endpoint_attacks.py --seconds 10 --attacks half-open-tls:16
     python benchmarks/endpoint_attacks.py --timing 20   # also: unknown user vs wrong password, cost 5, 12
 
-Each attack gets a fresh endpoint (``distmon.http_server.MetricServer`` with TLS and basic
+Each attack gets a fresh endpoint (``distmon.serve.http_server.MetricServer`` with TLS and basic
 auth; the users file at bcrypt cost 12, what the README's recipe makes) in a child process
 of its own, as it runs in a training process; this process runs the attackers and a
 Prometheus-like scraper: every 0.5 s a new TLS connection and a GET with credentials the
@@ -94,7 +94,7 @@ def _serve(directory: str, cost: int) -> None:
     """Child process: serve a secured endpoint until stdin closes; print its port first."""
     from prometheus_client.core import GaugeMetricFamily
 
-    from distmon.http_server import EndpointSecurity, MetricServer
+    from distmon.serve.http_server import EndpointSecurity, MetricServer
 
     class Layers:
         """A payload the size of a 128-layer model's gauges."""

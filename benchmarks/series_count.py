@@ -1,6 +1,6 @@
 """Prometheus series that distmon serves, per node endpoint and for a whole job.
 
-Builds the real ``/metrics`` bodies: distmon's collector (``distmon/prometheus_exporter.py``)
+Builds the real ``/metrics`` bodies: distmon's collector (``distmon/serve/prometheus_exporter.py``)
 fed one measured step of a job of ``--gpus`` GPUs, ``--gpus-per-node`` per node, with
 ``--layers`` layer groups (default 128, the ``max_layers`` cap) and the other options at their
 defaults (no noise scale, activations or update ratios, unless ``--all-options``: then
@@ -41,8 +41,8 @@ sys.path.insert(0, ROOT)
 import yaml  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-from distmon.hostinfo import RankInfo  # noqa: E402
-from distmon.prometheus_exporter import GradCollector, MetricsAggregate  # noqa: E402
+from distmon.setup.hostinfo import RankInfo  # noqa: E402
+from distmon.serve.prometheus_exporter import GradCollector, MetricsAggregate  # noqa: E402
 from distmon.snapshot import Snapshot  # noqa: E402
 
 RULES = os.path.join(ROOT, "deploy", "prometheus", "rules", "distmon-recording.yml")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the job's reading of its layout (#27, ``distmon/census.py``) adds to GradMonitor's start-up.
+"""What the job's reading of its layout (#27, ``distmon/layout/census.py``) adds to GradMonitor's start-up.
 
     python benchmarks/startup_census.py                     # 4 and 8 ranks
     python benchmarks/startup_census.py --ranks 4 --repeats 15 --blocks 24
@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, blocks: int, repeats: int, store: str, out: str
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     import distmon
     import distmon.monitor
-    from distmon.census import alone
+    from distmon.layout.census import alone
 
     census = (distmon.monitor.read_job, distmon.monitor.enclosing)
     without = (lambda parts, group: parts and alone(parts), lambda model: model)

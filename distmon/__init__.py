@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from .detectors import DetectorConfig
     from .monitor import GradientAnomalyError, GradMonitor
     from .snapshot import AnomalyEvent, Snapshot
+    from .verdicts.detectors import DetectorConfig
 
 __all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "GradientAnomalyError", "__version__"]
 
@@ -37,7 +37,7 @@ __all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "Gradien
 _LAZY = {
     "GradMonitor": ".monitor",
     "GradientAnomalyError": ".monitor",
-    "DetectorConfig": ".detectors",
+    "DetectorConfig": ".verdicts.detectors",
     "Snapshot": ".snapshot",
     "AnomalyEvent": ".snapshot",
 }

@@ -116,7 +116,7 @@ TORCH = require_supported(str(torch.__version__))  # refused at import: nothing 
 # torch._foreach_powsum: torch 2.11. Before it, _foreach_norm's squares (one ulp apart).
 # Without it: every figure NaN (the fused call raises in every hook).
 def sq_sums_fp32(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The fp32 sum of squares of each tensor, one fused pass (see :func:`distmon.sums.sq_sums`).
+    """The fp32 sum of squares of each tensor, one fused pass (see :func:`distmon.step.sums.sq_sums`).
 
     Example:
         >>> [float(s) for s in sq_sums_fp32([torch.tensor([3.0, 4.0])])]

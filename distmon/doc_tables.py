@@ -5,9 +5,9 @@ marker lines (``<!-- generated: NAME ... -->`` and ``<!-- end: NAME -->``):
 
 - ``options`` (``docs/options.md``): :data:`distmon.options.OPTIONS`, as
   :func:`distmon.options.options_table` renders it;
-- ``metrics`` (``docs/metrics.md``): :data:`distmon.prometheus_exporter.METRICS`, the
+- ``metrics`` (``docs/metrics.md``): :data:`distmon.serve.prometheus_exporter.METRICS`, the
   declarations the collector builds its families from;
-- ``hops`` (``docs/how-it-works.md``): the bucket-to-gauge table of ``distmon/tracker.py``'s
+- ``hops`` (``docs/how-it-works.md``): the bucket-to-gauge table of ``distmon/step/tracker.py``'s
   docstring, its one copy.
 
 ``python -m distmon.doc_tables --write`` renders them into the pages; ``tests/test_docs.py``
@@ -31,7 +31,7 @@ def metrics_table() -> str:
         >>> metrics_table().splitlines()[2].split(" | ")[:3]
         ['| `distmon_grad_norm`', 'gauge', 'run_id']
     """
-    from .prometheus_exporter import METRICS
+    from .serve.prometheus_exporter import METRICS
 
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for name, spec in METRICS.items():
@@ -42,13 +42,13 @@ def metrics_table() -> str:
 
 
 def hop_table() -> str:
-    """The bucket-to-gauge trace of ``distmon/tracker.py``'s docstring, as a Markdown table.
+    """The bucket-to-gauge trace of ``distmon/step/tracker.py``'s docstring, as a Markdown table.
 
     Example:
         >>> hop_table().splitlines()[0]
         '| hop | function | thread |'
     """
-    from . import tracker
+    from .step import tracker
 
     lines = (tracker.__doc__ or "").splitlines()
     rules = [i for i, line in enumerate(lines) if re.fullmatch(r"=+( +=+)+", line)]

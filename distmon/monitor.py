@@ -15,25 +15,26 @@ from dataclasses import replace
 import torch
 from torch.distributed import ProcessGroup
 
-from . import hostinfo, options
-from .activations import ActivationSpec
-from .build import Hooks, build_exports, build_rank, node_group, read_rank
-from .census import alone, read_job
-from .clip import Clipper
-from .config import GuardMode, MonitorConfig, Scheduler, ServeMode
-from .detectors import DetectorConfig
+from . import options
 from .errors import ErrorCounter
-from .export_thread import SINK_WAIT_S
-from .file_sd import target_host
-from .grouping import GroupSpec
-from .guard import GradientAnomalyError, warn_uncovered
-from .hostinfo import RankInfo
-from .lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
-from .resume import load_monitor_state, monitor_state
-from .ring import ExportBatch
-from .sinks import AnomalyCallbacks
+from .export.export_thread import SINK_WAIT_S
+from .export.sinks import AnomalyCallbacks
+from .layout.census import alone, read_job
+from .layout.grouping import GroupSpec
+from .serve.file_sd import target_host
+from .setup import hostinfo
+from .setup.build import Hooks, build_exports, build_rank, node_group, read_rank
+from .setup.config import GuardMode, MonitorConfig, Scheduler, ServeMode
+from .setup.hostinfo import RankInfo
+from .setup.lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
 from .snapshot import AnomalyEvent, Snapshot
 from .sources import CommHook, enclosing, first_device, process_group, trained_module
+from .step.activations import ActivationSpec
+from .step.clip import Clipper
+from .step.optimizer_hooks import GradientAnomalyError, warn_uncovered
+from .step.ring import ExportBatch
+from .verdicts.detectors import DetectorConfig
+from .verdicts.resume import load_monitor_state, monitor_state
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
@@ -324,7 +325,7 @@ class GradMonitor:
 
     def state_dict(self) -> dict[str, object]:
         """What the run carries across a restart: its step count, what the detectors and the noise
-        scale have learned (``distmon/resume.py``). Plain lists and numbers, alike on every rank.
+        scale have learned (``distmon/verdicts/resume.py``). Plain lists and numbers, alike on every rank.
 
         Save it with the model and optimizer (``torch.save``; with ``torch.distributed.checkpoint``
         the monitor is itself a ``Stateful``), on every rank or on one (the usual ``if rank == 0:``

@@ -1,6 +1,6 @@
 """Every option of :class:`distmon.GradMonitor`, declared once: its variable, its default, its meaning.
 
-Everything else follows from :data:`OPTIONS`: :class:`distmon.config.MonitorConfig`'s fields and
+Everything else follows from :data:`OPTIONS`: :class:`distmon.setup.config.MonitorConfig`'s fields and
 defaults, the ``DISTMON_*`` variables it reads, the ``Args:`` of ``GradMonitor``'s docstring
 (:func:`options_args`, so ``help(GradMonitor)`` documents every option) and the option table of
 ``docs/options.md`` (:func:`options_table`; ``python -m distmon.doc_tables --write`` renders it, a test

@@ -1,8 +1,8 @@
 """Failures injected into distmon's own code, for the tests that prove none reaches training.
 
 `FailureInjector` makes chosen places of distmon raise `InjectedFailure` while armed: every
-public function of `distmon.sums` wherever a distmon module holds it (one site per holder:
-``"distmon.sources.ddp.sq_sums"``, ``"distmon.activations.sq_sums"`` ...), torch's fused norm
+public function of `distmon.step.sums` wherever a distmon module holds it (one site per holder:
+``"distmon.sources.ddp.sq_sums"``, ``"distmon.step.activations.sq_sums"`` ...), torch's fused norm
 kernels when called from distmon code (``"torch._foreach_powsum"``, ``"torch._foreach_norm"``),
 and any further ``(owner, attribute)`` given (a method of a distmon class, a function a distmon
 module imported): site ``"Owner.attribute"`` (``"BackwardSums.add_local"``) or, for a module,
@@ -65,7 +65,7 @@ class FailureInjector:
 
     def install(self):
         self.dm_dir = distmon_dir()
-        sums = importlib.import_module("distmon.sums")
+        sums = importlib.import_module("distmon.step.sums")
         public = {
             id(obj)
             for name, obj in vars(sums).items()

@@ -356,11 +356,11 @@ def space_job(rank: int, world: int, todo: list[Case], log_dir: str, sabotage: b
     import json
 
     if sabotage:
-        import distmon.census
-        import distmon.tracker
+        import distmon.layout.census
+        import distmon.step.tracker
 
-        distmon.census.judge = lambda records: [(0, -1, 2)] * len(records)
-        distmon.tracker.agrees = lambda read, direct: True
+        distmon.layout.census.judge = lambda records: [(0, -1, 2)] * len(records)
+        distmon.step.tracker.agrees = lambda read, direct: True
     results = {}
     for case in todo:
         log = os.path.join(log_dir, f"{case.name.replace('/', '_')}.rank{rank}.jsonl")

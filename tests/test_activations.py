@@ -109,7 +109,7 @@ def test_a_nan_in_a_block_s_forward_is_attributed_to_that_block_and_hooks_go_at_
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
 def test_checkpointed_model_gives_the_same_figures(monkeypatch, mode):
-    import distmon.activations as act
+    import distmon.step.activations as act
 
     reads = []
     real = act.sq_sums

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from e2e_stack import require_binary, secure_scrape_job
 
-from distmon.prometheus_exporter import METRICS
+from distmon.serve.prometheus_exporter import METRICS
 
 yaml = pytest.importorskip("yaml")
 

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def _job(rank: int, world: int, groups, slack: int) -> dict:  # noqa: ANN001
-    from distmon.grouping import build_grouping
+    from distmon.layout.grouping import build_grouping
     from distmon.sources import ddp as source
-    from distmon.sums import LayerFold
+    from distmon.step.sums import LayerFold
 
     source.RUN_SLACK = slack  # this rank's process only
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """The job's reading of its layout at start-up (#27), in one process: the judgement of a parameter's
-holders (:func:`distmon.census.judge`) on every kind of disagreement between the reading of the
+holders (:func:`distmon.layout.census.judge`) on every kind of disagreement between the reading of the
 object passed and the values the ranks hold, and the value fingerprints it rests on. The
 protocol on real ranks is the property test's (``tests/test_layout_property.py``).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from distmon.census import (
+from distmon.layout.census import (
     COUNTED,
     DECLARED,
     DISTINCT,

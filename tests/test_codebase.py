@@ -67,15 +67,30 @@ def test_the_composition_root_is_wiring_only_and_files_stay_readable():
     loops = [n.lineno for n in statements if isinstance(n, (ast.For, ast.AsyncFor, ast.While))]
     assert loops == [], "a loop is logic: it belongs in the module that holds what it loops over"
     # source files; generated data (the dashboard JSON, benchmark results) is not read by people
-    for path in _sources("benchmarks") + _sources("deploy"):
+    for path in _sources("distmon") + _sources("benchmarks") + _sources("deploy"):
         with open(path, encoding="utf-8") as f:
             assert len(f.readlines()) <= 800, _rel(path)
+
+
+def test_the_folders_show_the_stages_and_each_maps_what_it_holds():
+    """At most 12 modules at the top of the package; every folder's ``__init__`` names each of its
+    modules (a short map a newcomer reads first)."""
+    top = [name for name in os.listdir(os.path.join(ROOT, "distmon")) if name.endswith(".py")]
+    assert len(top) <= 12, sorted(top)
+    folders = [e.path for e in os.scandir(os.path.join(ROOT, "distmon")) if e.is_dir() and e.name != "__pycache__"]
+    assert len(folders) >= 6, folders
+    for folder in folders:
+        with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
+            mapped = ast.get_docstring(ast.parse(f.read())) or ""
+        modules = [n for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py"]
+        missing = [m for m in modules if f"``{m}``" not in mapped]
+        assert not missing, f"{_rel(folder)}/__init__.py does not map {missing}"
 
 
 IMPORTS = [
     "import distmon",
     "import distmon; distmon.GradMonitor, distmon.Snapshot, distmon.DetectorConfig",
-    "import distmon.report, distmon.log_reader",
+    "import distmon.report, distmon.report.log_reader",
 ]
 
 

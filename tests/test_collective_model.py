@@ -49,8 +49,8 @@ def test_the_modelled_sizes_are_distmons_own():
     builds at defaults (DDP: one peer group, the export vote; no noise scale, no activations)."""
     import torch
 
-    from distmon.crossrank import CrossRank
-    from distmon.rows import RowPlan
+    from distmon.step.crossrank import CrossRank
+    from distmon.step.rows import RowPlan
 
     plan = RowPlan.build(n_layers=128, world=64, vote=True)
     extra = plan.rank.reduced.stop - plan.rank.reduced.start

@@ -12,9 +12,9 @@ import torch.nn as nn
 from ddp_harness import run_ranks
 
 import distmon
-from distmon.config import MonitorConfig
-from distmon.file_sd import TargetFile
-from distmon.grouping import OTHER, build_grouping
+from distmon.setup.config import MonitorConfig
+from distmon.serve.file_sd import TargetFile
+from distmon.layout.grouping import OTHER, build_grouping
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Exact on the CPU at any tensor size (#39): every figure within 1e-6 of float64 up to 50M elements.
 
 torch's fused fp32 sum of squares on the CPU drifts with the tensor's size (5e-3 relative at 40M
-elements); distmon sums large CPU tensors by rows (``distmon.sums.rows_sq_sum``). In process
+elements); distmon sums large CPU tensors by rows (``distmon.step.sums.rows_sq_sum``). In process
 (fast): sums of squares of generated tensors, 1 to 50M elements, fp32 and bf16, against float64.
 On 2 gloo ranks (slow): a DDP model with a 40M-element embedding; the global, per-layer and
 per-rank norms against float64 norms of the reduced gradients and of each rank's own (a
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ddp_harness import as_float64, reference_norms, run_ranks, snapshot_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distmon.sums import sq_sums
+from distmon.step.sums import sq_sums
 
 TOL = 1e-6
 

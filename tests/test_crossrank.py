@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 
-from distmon.crossrank import CrossRank, GroupStat
-from distmon.rows import Job, RowPlan, RowWriter
+from distmon.step.crossrank import CrossRank, GroupStat
+from distmon.step.rows import Job, RowPlan, RowWriter
 
 CPU = torch.device("cpu")
 

@@ -93,7 +93,7 @@ def test_one_nccl_rank_under_torchrun_serves_measured_figures():
 
 
 def test_gpu_uuid_is_nvidia_smi_s():
-    from distmon import hostinfo
+    from distmon.setup import hostinfo
 
     info = hostinfo.local_rank_info(None, torch.device("cuda", 0))
     listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from e2e_stack import commented_block, require_binary
 
-from distmon.prometheus_exporter import METRICS
+from distmon.serve.prometheus_exporter import METRICS
 
 yaml = pytest.importorskip("yaml")
 

@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from distmon.crossrank import CrossRank
-from distmon.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
-from distmon.rows import Head, RowPlan, RowWriter
+from distmon.step.crossrank import CrossRank
+from distmon.verdicts.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
+from distmon.step.rows import Head, RowPlan, RowWriter
 from distmon.snapshot import Snapshot
 
 DEFAULTS = DetectorConfig()
@@ -308,7 +308,7 @@ def test_the_rank_outlier_constant_is_monte_carlo_s_at_any_world_size():
     )
     from consistency_table import consistency
 
-    from distmon.detectors import _trimmed_consistency
+    from distmon.verdicts.detectors import _trimmed_consistency
 
     for world in (2, 3, 5, 17, 100, 128):  # the table (regenerated with another seed)
         assert abs(_trimmed_consistency(world) / consistency(world, 1_000_000, seed=7) - 1) < 0.01, world

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 import distmon
-from distmon.prometheus_exporter import METRICS
+from distmon.serve.prometheus_exporter import METRICS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -33,7 +33,7 @@ def _page(name: str) -> str:
 
 def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
     """GradMonitor's signature, MonitorConfig's fields and the docs' table all follow distmon.options."""
-    from distmon.config import MonitorConfig
+    from distmon.setup.config import MonitorConfig
     from distmon.options import OPTIONS, options_table
 
     declared = [o.name for o in OPTIONS]
@@ -45,7 +45,7 @@ def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
 
 
 def test_every_environment_variable_is_read_through_the_declaration(monkeypatch):
-    from distmon.config import MonitorConfig
+    from distmon.setup.config import MonitorConfig
     from distmon.options import OPTIONS
 
     for o in OPTIONS:
@@ -107,7 +107,7 @@ def test_the_metrics_table_renders_every_declaration():
 def test_the_sizing_table_is_what_series_count_prints():
     """docs/deployment.md's series counts are benchmarks/series_count.py's (real /metrics bodies), and
     a node's endpoint serves each per-rank family of METRICS once per rank of the node."""
-    from distmon.prometheus_exporter import RANK_LABELS
+    from distmon.serve.prometheus_exporter import RANK_LABELS
 
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "series_count.py")],
@@ -146,7 +146,7 @@ def test_the_hop_table_has_one_copy_and_names_code_that_exists():
                 markdown = f.endswith(".md") and "| hop | function | thread |" in text
                 if markdown or re.search(r"^\s*hop +function +thread", text, re.M):
                     copies.append(os.path.relpath(path, ROOT))
-    assert copies == [], "the hop table is rendered from distmon/tracker.py, not copied"
+    assert copies == [], "the hop table is rendered from distmon/step/tracker.py, not copied"
     classes = {}
     for mod in pkgutil.walk_packages(distmon.__path__, "distmon."):
         if mod.name.startswith("distmon.integrations") or mod.name.endswith("__main__"):
@@ -179,8 +179,8 @@ def test_help_gradmonitor_documents_every_option():
 
 def test_every_default_is_declared_once_with_its_option():
     """MonitorConfig's defaults are OPTIONS' (read from them: no field states a literal default)."""
-    from distmon import config
-    from distmon.config import MonitorConfig
+    from distmon.setup import config
+    from distmon.setup.config import MonitorConfig
     from distmon.options import BY_NAME
 
     for f in dataclasses.fields(MonitorConfig):

@@ -69,7 +69,7 @@ from e2e_stack import (
 )
 from secure_endpoint import Pki, make_pki, write_htpasswd
 
-from distmon.log_reader import read_log
+from distmon.report.log_reader import read_log
 
 pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
 

@@ -71,8 +71,8 @@ from test_e2e_deploy import (
     targets_of,
 )
 
-from distmon.log_reader import read_log
-from distmon.prometheus_exporter import METRICS, RANK_LABELS
+from distmon.report.log_reader import read_log
+from distmon.serve.prometheus_exporter import METRICS, RANK_LABELS
 
 pytestmark = pytest.mark.slow
 

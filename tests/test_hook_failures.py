@@ -37,13 +37,13 @@ REL = 1e-5
 FUSED = "_foreach_powsum" if hasattr(torch, "_foreach_powsum") else "_foreach_norm"
 WATCHED = ("blocks.0.fc", "blocks.1.fc", "head")  # activations=[nn.Linear] on TinyLM
 STEP_HOOKS = [{"StepTracker.before_step"}, {"StepTracker.after_step"}]
-ACTIVATIONS = [{"distmon.activations.sq_sums"}, {"ActivationWatch.close_step"}]
+ACTIVATIONS = [{"distmon.step.activations.sq_sums"}, {"ActivationWatch.close_step"}]
 # per configuration: its options, and the sites armed on each faulted step (every other step)
 CONFIGS = {
     "ddp": {
         "kind": "ddp",
         "plan": [
-            {"distmon.sources.local.sq_sums"},  # the fused reads (local at the last bucket, reduced)
+            {"distmon.sources.grad_sums.sq_sums"},  # the fused reads (local at the last bucket, reduced)
             {f"torch.{FUSED}"},
             {"GradSums.read"},
             {"BackwardSums.add_local"},  # in the comm hook
@@ -60,7 +60,7 @@ CONFIGS = {
         "hookless": True,
         "plan": [
             {"distmon.sources.ddp.find_tensors"},  # the forward hook
-            {"distmon.sources.local.sq_sums"},
+            {"distmon.sources.grad_sums.sq_sums"},
             {"GradSums.read"},
             {"BackwardSums.begin_backward"},
             {"BackwardSums.add_local"},
@@ -100,9 +100,9 @@ CONFIGS = {
         "accum": 2,
         "overflow": 14,
         "plan": [
-            {"distmon.sources.local.in_compiled_autograd"},  # the gradient-accumulation hook
+            {"distmon.sources.plain.in_compiled_autograd"},  # the gradient-accumulation hook
             {"GradSums.read"},  # the end-of-backward read
-            {"distmon.sources.local.sq_sums"},
+            {"distmon.sources.grad_sums.sq_sums"},
             {"BackwardSums.add_local"},
             {"BackwardSums.end_backward"},
             {"StepTracker.judge_now"},
@@ -114,12 +114,12 @@ CONFIGS = {
 
 
 def _sites(kind):
-    """Every (owner, attribute) a plan may arm, besides distmon.sums's functions."""
-    import distmon.sources.local as local
-    from distmon.activations import ActivationWatch
-    from distmon.backward import BackwardSums
+    """Every (owner, attribute) a plan may arm, besides distmon.step.sums's functions."""
+    import distmon.sources.plain as local
+    from distmon.step.activations import ActivationWatch
+    from distmon.step.backward import BackwardSums
     from distmon.sources.ddp import BucketLayouts
-    from distmon.tracker import StepTracker
+    from distmon.step.tracker import StepTracker
 
     sites = [(BackwardSums, m) for m in ("begin_backward", "add_local", "add_reduced", "end_backward")]
     sites += [(StepTracker, m) for m in ("before_step", "after_step", "judge_now")]

@@ -1,4 +1,4 @@
-"""The metrics endpoint (distmon/http_server.py, distmon/endpoint_security.py): TLS, mutual TLS,
+"""The metrics endpoint (distmon/serve/http_server.py, distmon/serve/endpoint_security.py): TLS, mutual TLS,
 basic auth, bounds, timeouts, and the attacks of issue #24.
 
 Real servers on 127.0.0.1 (ephemeral ports), real TLS with certificates made by the openssl
@@ -29,8 +29,8 @@ from ddp_harness import free_port
 from prometheus_client.core import GaugeMetricFamily
 from secure_endpoint import Pki, make_pki, run_openssl, write_htpasswd
 
-from distmon.config import MonitorConfig
-from distmon.http_server import MAX_CONNECTIONS, EndpointSecurity, MetricServer
+from distmon.setup.config import MonitorConfig
+from distmon.serve.http_server import MAX_CONNECTIONS, EndpointSecurity, MetricServer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import endpoint_attacks  # noqa: E402

@@ -12,7 +12,7 @@ from ddp_harness import close
 from torch import nn
 
 import distmon
-from distmon.verify import DirectNorm
+from distmon.layout.verify import DirectNorm
 
 
 def test_the_direct_norm_of_bf16_dtensor_gradients_is_float64(one_rank: None) -> None:

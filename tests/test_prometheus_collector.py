@@ -15,9 +15,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from distmon.hostinfo import RankInfo
-from distmon.http_server import MetricServer
-from distmon.prometheus_exporter import ANOMALY_KINDS, METRICS, GradCollector, MetricsAggregate
+from distmon.setup.hostinfo import RankInfo
+from distmon.serve.http_server import MetricServer
+from distmon.serve.prometheus_exporter import ANOMALY_KINDS, METRICS, GradCollector, MetricsAggregate
 from distmon.snapshot import AnomalyEvent, Snapshot
 
 RUN = {"run_id": "r1"}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import distmon
-from distmon.jsonl_log import JsonlLog
+from distmon.export.jsonl_log import JsonlLog
 from distmon.snapshot import AnomalyEvent, Snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -300,8 +300,9 @@ def test_thousands_of_layers_and_a_giant_line_take_bounded_time_and_memory(tmp_p
 
 
 def test_layers_past_the_cap_fold_into_other_as_the_exporter_folds_them(tmp_path):
-    from distmon.config import MonitorConfig
-    from distmon.log_reader import MAX_LAYERS, OTHER, read_log
+    from distmon.setup.config import MonitorConfig
+    from distmon.report.log_lines import MAX_LAYERS, OTHER
+    from distmon.report.log_reader import read_log
 
     assert MAX_LAYERS == MonitorConfig().max_layers
     snaps = _wide_log(tmp_path / "wide.jsonl", layers=300, ranks=2, steps=5)
@@ -523,7 +524,7 @@ def test_node_logs_read_together_are_the_whole_job_s_log_over_generated_jobs(tmp
     """Generated jobs (2-12 ranks), their log split into node logs at random (ranks in any order,
     a node of any size, the files given in any order): the merged run is the whole log's run; a
     node left out leaves its ranks NaN and named, everything else as in the whole log."""
-    from distmon.log_reader import read_log
+    from distmon.report.log_reader import read_log
 
     rng = random.Random(28)
     for case in range(40):
@@ -565,7 +566,7 @@ def test_mixed_old_and_new_lines_a_node_log_s_own_fields_and_disagreements(tmp_p
     """An appended log whose first run is an older distmon's (no "ranks": the whole job) and whose
     second run has node logs; a node's own fields differ without counting; a job-wide field that
     differs is counted and node 0's reported."""
-    from distmon.log_reader import read_log
+    from distmon.report.log_reader import read_log
 
     rng = random.Random(7)
     whole = tmp_path / "whole.jsonl"
@@ -624,7 +625,7 @@ def _without_logs_table(summary):
 def test_a_real_job_s_node_logs_report_as_its_whole_log(four_rank_log, tmp_path):
     """The real job's log split into two nodes' logs: the report of the node logs (given as files,
     or as their directory) is the report of the whole log; every rank is in it."""
-    from distmon.log_reader import read_log
+    from distmon.report.log_reader import read_log
 
     (tmp_path / "nodes").mkdir()
     paths = _split(_lines_of(four_rank_log), [[0, 1], [2, 3]], str(tmp_path / "nodes" / "run"))

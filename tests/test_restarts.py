@@ -28,7 +28,7 @@ import pytest
 from ddp_harness import free_port
 from e2e_stack import EndpointWatch, TorchrunJob, wait_for
 
-from distmon.log_reader import read_log
+from distmon.report.log_reader import read_log
 
 pytestmark = pytest.mark.slow
 

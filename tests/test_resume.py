@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import distmon
-from distmon.log_reader import read_log
+from distmon.report.log_reader import read_log
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, CKPT_AT, SPIKE_AT = 60, 30, 55

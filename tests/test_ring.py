@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distmon.ring import DeviceRing
-from distmon.rows import RowPlan
+from distmon.step.ring import DeviceRing
+from distmon.step.rows import RowPlan
 
 
 @pytest.mark.parametrize("first,last", [(1, 4), (3, 6), (4, 5), (6, 6), (5, 8)])

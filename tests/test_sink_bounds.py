@@ -94,7 +94,7 @@ def test_a_stuck_log_and_blocking_callbacks_add_no_time_to_training_steps(tmp_pa
 def test_a_sink_that_falls_behind_drops_beyond_its_capacity_counted_never_blocking():
     """In process: a sink blocked on its first batch takes no more than its capacity; the rest is counted."""
     from distmon.errors import ErrorCounter
-    from distmon.sinks import SinkWorker
+    from distmon.export.sinks import SinkWorker
 
     gate, seen, errors = threading.Event(), [], ErrorCounter()
     worker = SinkWorker("test sink", lambda snaps: (gate.wait(), seen.extend(snaps)), errors, capacity=10)

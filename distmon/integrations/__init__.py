@@ -1,8 +1,7 @@
 """distmon in the frameworks people train with: a few lines each, documented in docs/frameworks.md.
 
-- :mod:`distmon.integrations.lightning`: ``DistmonCallback(**options)``, a Lightning ``Callback``;
-- :mod:`distmon.integrations.transformers`: ``DistmonCallback(**options)``, a Hugging Face
-  ``TrainerCallback``;
+- ``lightning.py``: ``DistmonCallback(**options)``, a Lightning ``Callback``;
+- ``transformers.py``: ``DistmonCallback(**options)``, a Hugging Face ``TrainerCallback``;
 - accelerate needs none: ``GradMonitor(model, optimizer)`` on the objects ``accelerator.prepare``
   returned (its optimizer wrapper is unwrapped to the optimizer that steps).
 
@@ -13,7 +12,7 @@ The frameworks stay optional (``pip install 'distmon[lightning]'``, ``'distmon[t
 from __future__ import annotations
 
 from .. import compat  # noqa: F401  (first: an unsupported torch is refused before anything runs)
-from ..config import MonitorConfig
+from ..setup.config import MonitorConfig
 
 __all__ = ["checked_options"]
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import compiled_autograd_on, ddp_localized, in_compiled_autograd, queue_callback, uncompiled
-from ..sums import Runs
+from ..step.sums import Runs
 
 logger = logging.getLogger("distmon")
 
@@ -39,7 +39,7 @@ COMPILED_AUTOGRAD = (
 
 
 class Receiver(Protocol):
-    """What a source hands its measurements to (:class:`distmon.backward.BackwardSums`).
+    """What a source hands its measurements to (:class:`distmon.step.backward.BackwardSums`).
 
     Per backward: :meth:`begin_backward`, then any number of :meth:`add_local` and
     :meth:`add_reduced` (one per set of runs: a DDP bucket, an FSDP unit), then
@@ -79,7 +79,7 @@ class Source(Protocol):
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
     (None in one process: where the monitor's own collective runs), ``partial`` whether each
     rank holds only a part of the reduced gradient (shards, a pipeline stage: the job's figures
-    are the sum of every rank's counted parts, :mod:`distmon.layout`), ``local_figures`` whether it
+    are the sum of every rank's counted parts, :mod:`distmon.layout.placements`), ``local_figures`` whether it
     measures each rank's local gradient (not FSDP2 before torch 2.9), and ``divide_factor_set``
     whether the reduction is not the ranks' mean. Every source reads gradients in backward,
     before any loss scale was divided out or any clipping done.

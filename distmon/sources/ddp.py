@@ -47,10 +47,10 @@ from ..compat import (
     reduced_bucket,
 )
 from ..errors import logger
-from ..grouping import Grouping
-from ..sums import Runs, sparse_sq_sum, sq_sums
+from ..layout.grouping import Grouping
+from ..step.sums import Runs, sparse_sq_sum, sq_sums
 from .base import OrderLearner, Receiver, first_device
-from .local import GradSums
+from .grad_sums import GradSums
 
 __all__ = [
     "DDPSource",

@@ -57,10 +57,10 @@ from deepspeed.utils import groups as ds_groups
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import queue_callback
-from ..grouping import Grouping
-from ..sums import Runs, sq_sums
+from ..layout.grouping import Grouping
+from ..step.sums import Runs, sq_sums
 from .base import OrderLearner, Receiver, first_device
-from .local import GradSums
+from .grad_sums import GradSums
 
 __all__ = ["DeepSpeedSource", "EngineStep", "engine_counts"]
 
@@ -75,7 +75,7 @@ def _is_expert(p: torch.nn.Parameter) -> bool:
 def _refusal(engine: DeepSpeedEngine) -> str | None:
     """Why distmon cannot measure this engine exactly (None: it can)."""
     if type(engine.module).__name__ == "_LightningModuleWrapperBase":
-        from . import LIGHTNING_DEEPSPEED
+        from .models import LIGHTNING_DEEPSPEED
 
         return LIGHTNING_DEEPSPEED
     if engine.optimizer is None:

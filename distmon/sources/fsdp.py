@@ -45,10 +45,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import compat
 from ..errors import logger
-from ..grouping import Grouping
-from ..sums import Runs, sq_sums
+from ..layout.grouping import Grouping
+from ..step.sums import Runs, sq_sums
 from .base import COMPILED_AUTOGRAD, Receiver, backward_positions, in_compiled_autograd
-from .local import GradSums
+from .grad_sums import GradSums
 
 if TYPE_CHECKING:
     from ..compat import FSDPParamGroup

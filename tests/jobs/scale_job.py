@@ -4,7 +4,7 @@ agents that stand for nodes.
 ``python -m torch.distributed.run --nnodes N --nproc-per-node 2 ... tests/jobs/scale_job.py OUT``
 
 Records every collective distmon's exchange issues while the job trains (``torch.distributed``'s
-functions wrapped here, called from ``distmon/exchange.py``; DDP's own reduction never passes
+functions wrapped here, called from ``distmon/step/exchange.py``; DDP's own reduction never passes
 through them): its name and the bytes of the tensors it is handed and hands back. Each rank
 writes ``OUT/rank{r}.json`` with those and its last snapshot's view (the ranks its rows hold).
 """

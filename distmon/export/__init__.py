@@ -1,0 +1,9 @@
+"""From device rows to the exporters: the export thread, host snapshots, the JSONL log and slow sinks.
+
+===================  ============================================================================
+``export_thread.py``  turns exported host copies into snapshots and hands them to the sinks
+``decode.py``         one exported row -> a :class:`~distmon.snapshot.Snapshot`
+``sinks.py``          exporters that may be slow or stuck, each on a thread of its own
+``jsonl_log.py``      the JSONL log, one line per step (per node)
+===================  ============================================================================
+"""

@@ -1,0 +1,385 @@
+"""The monitor's options: defaults, ``DISTMON_*`` environment variables, validation.
+
+Everything is checked here, when the monitor is built, so a typo fails the job at start-up
+instead of an hour into training. Explicit keyword arguments win over environment variables,
+which win over defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Literal, NamedTuple, Protocol, get_args
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ErrorCounter
+from ..layout.grouping import Grouping, GroupSpec, validate_groups
+from ..options import AGREED, BY_NAME, OPTIONS
+from ..serve.endpoint_security import EndpointSecurity
+from ..sources import Source
+from ..sources.ddp import CommHook
+from ..step.activations import ActivationSpec, ActivationWatch, select_modules, validate_activations
+from ..step.update_ratio import UpdateRatio
+from ..verdicts.detectors import DetectorConfig
+
+ServeMode = Literal["rank0", "node", "all", "none"]
+GuardMode = Literal["skip", "raise"]
+SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
+GUARD_MODES: tuple[GuardMode | None, ...] = (None, *get_args(GuardMode))
+# every default is declared once, with its option (options.py); the fields below read them
+_DEFAULT: dict[str, object] = {o.name: o.default for o in OPTIONS}
+DEFAULT_PORT: int = BY_NAME["port"].default  # type: ignore[assignment]  # an int (options.py)
+
+__all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "ServeMode", "GuardMode", "Scheduler", "Features"]
+
+
+class Scheduler(Protocol):
+    """What ``lr_scheduler`` must be: something with a ``step()`` (a guard holds it back on skipped steps)."""
+
+    def step(self, *args: object, **kwargs: object) -> object: ...
+
+
+BatchSize = float | Callable[[], float]
+
+# The endpoint's security files: set but empty, their variables would turn TLS or basic auth off
+# without a word: an error, not "unset".
+_FILE_ENV = frozenset(BY_NAME[f.name].env for f in fields(EndpointSecurity))
+
+
+def _env(name: str) -> str | None:
+    """A variable's value; set but empty means unset, except for the endpoint's security files.
+
+    Example:
+        >>> os.environ["DISTMON_TLS_CERT"] = ""
+        >>> _env("DISTMON_TLS_CERT")
+        Traceback (most recent call last):
+        ...
+        ValueError: distmon: DISTMON_TLS_CERT is set but empty: give the file's path, or unset it
+        >>> del os.environ["DISTMON_TLS_CERT"]
+    """
+    value = os.environ.get(name)
+    if value is not None and not value.strip() and name in _FILE_ENV:
+        raise ValueError(f"distmon: {name} is set but empty: give the file's path, or unset it")
+    return value if value not in (None, "") else None
+
+
+def _is_regex(text: str) -> bool:
+    try:
+        re.compile(text)
+    except re.error:
+        return False
+    return True
+
+
+def _digest(names: tuple[str, ...]) -> str:
+    return f"{len(names)} [{hashlib.sha1(chr(10).join(names).encode()).hexdigest()[:10]}]"
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Validated options of :class:`distmon.GradMonitor` (see its docstring for each one)."""
+
+    comm_hook: CommHook | None = _DEFAULT["comm_hook"]
+    comm_state: object = _DEFAULT["comm_state"]
+    replicated_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["replicated_over"]
+    distinct_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["distinct_over"]
+    job_group: dist.ProcessGroup | None = _DEFAULT["job_group"]
+    export_every: int = _DEFAULT["export_every"]
+    export_interval_s: float = _DEFAULT["export_interval_s"]
+    groups: GroupSpec = _DEFAULT["groups"]
+    max_layers: int = _DEFAULT["max_layers"]
+    rank_layers: bool = _DEFAULT["rank_layers"]
+    serve: ServeMode = _DEFAULT["serve"]
+    port: int = _DEFAULT["port"]
+    addr: str = _DEFAULT["addr"]
+    port_fallback: bool = _DEFAULT["port_fallback"]
+    tls_cert: str | None = _DEFAULT["tls_cert"]
+    tls_key: str | None = _DEFAULT["tls_key"]
+    tls_client_ca: str | None = _DEFAULT["tls_client_ca"]
+    basic_auth_file: str | None = _DEFAULT["basic_auth_file"]
+    run_id: str | None = _DEFAULT["run_id"]
+    log_path: str | None = _DEFAULT["log_path"]
+    file_sd_dir: str | None = _DEFAULT["file_sd_dir"]
+    linger_s: float = _DEFAULT["linger_s"]
+    window_s: float = _DEFAULT["window_s"]
+    detect: bool | DetectorConfig = _DEFAULT["detect"]
+    guard: GuardMode | None = _DEFAULT["guard"]
+    lr_scheduler: Scheduler | Sequence[Scheduler] | None = _DEFAULT["lr_scheduler"]
+    scaler: torch.amp.GradScaler | None = _DEFAULT["scaler"]
+    loss_scale: float | None = _DEFAULT["loss_scale"]
+    batch_size: BatchSize | None = _DEFAULT["batch_size"]  # per rank per step, in the noise scale's unit
+    gns_alpha: float = _DEFAULT["gns_alpha"]
+    activations: ActivationSpec = _DEFAULT["activations"]
+    activation_every: int | None = _DEFAULT["activation_every"]  # default: export_every
+    update_ratio: bool = _DEFAULT["update_ratio"]
+
+    @classmethod
+    def from_options(cls, **options: object) -> MonitorConfig:
+        """Merge keyword options (``None`` = not given) with the environment and defaults, then validate.
+
+        Example:
+            >>> MonitorConfig.from_options(export_every=5, serve="none").export_every
+            5
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"distmon: unknown option(s) {unknown}; known: {sorted(known)}")
+        values: dict[str, object] = {}
+        for name, value in options.items():
+            env = BY_NAME[name].env
+            if value is None and env is not None:
+                text = _env(env)
+                if text is not None:
+                    try:
+                        value = BY_NAME[name].parse(text)
+                    except ValueError as e:
+                        raise ValueError(f"distmon: bad {env}={text!r}: {e}") from None
+            if value is not None:
+                values[name] = value
+        cfg = cls(**values)  # type: ignore[arg-type]  # checked by validate()
+        cfg.validate()
+        return cfg
+
+    def agreed(self, layers: tuple[str, ...], watched: tuple[str, ...]) -> dict[str, str]:
+        """The :data:`AGREED` options as every rank must have them, comparable across ranks.
+
+        ``layers`` (what ``groups`` and ``max_layers`` made of the model) and ``watched`` (the
+        modules ``activations`` selects) stand for those options: their names' count and digest.
+
+        Example:
+            >>> MonitorConfig(export_every=5).agreed(("fc1", "fc2"), ())["export_every"]
+            '5'
+        """
+        shown: dict[str, str] = {}
+        for name in AGREED:
+            value = getattr(self, name)
+            if name == "groups":
+                value = f"layer groups {_digest(layers)}"
+            elif name == "activations":
+                value = f"watched modules {_digest(watched)}" if watched else None
+            elif name == "batch_size":
+                value = "given" if value is not None else None
+            elif name == "scaler":
+                value = "a GradScaler" if value is not None else None
+            elif name == "activation_every":
+                value = value or self.export_every
+            elif name in ("replicated_over", "distinct_over"):
+                value = sorted(value) if value else None  # the patterns: each rank's groups differ
+            elif name == "job_group":
+                value = "given" if value is not None else None  # each job's group differs
+            shown[name] = repr(value) if not isinstance(value, str) else value
+        return shown
+
+    @property
+    def security(self) -> EndpointSecurity:
+        """The endpoint's TLS and basic-auth settings (raises on options that do not go together).
+
+        Example:
+            >>> MonitorConfig(tls_cert="server.pem", tls_key="server.key").security.tls_cert
+            'server.pem'
+        """
+        return EndpointSecurity(self.tls_cert, self.tls_key, self.tls_client_ca, self.basic_auth_file)
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the bad option."""
+
+        def need(cond: bool, msg: str, exc: type = ValueError) -> None:
+            if not cond:
+                raise exc(f"distmon: {msg}")
+
+        need(
+            self.comm_hook is None or callable(self.comm_hook),
+            f"comm_hook must be a DDP comm hook function (state, bucket) -> Future, got {self.comm_hook!r}",
+            TypeError,
+        )
+        for name in ("replicated_over", "distinct_over"):
+            declared = getattr(self, name)
+            need(
+                declared is None
+                or isinstance(declared, dict)
+                and all(isinstance(k, str) and _is_regex(k) for k in declared)
+                and all(isinstance(g, dist.ProcessGroup) for g in declared.values()),
+                f"{name} must be a dict of name regex -> torch.distributed ProcessGroup, got {declared!r}",
+                TypeError,
+            )
+        need(
+            self.job_group is None or isinstance(self.job_group, dist.ProcessGroup),
+            f"job_group must be a torch.distributed ProcessGroup, got {self.job_group!r}",
+            TypeError,
+        )
+        need(
+            isinstance(self.export_every, int)
+            and not isinstance(self.export_every, bool)
+            and self.export_every >= 1,
+            f"export_every must be an int >= 1, got {self.export_every!r}",
+        )
+        need(
+            isinstance(self.export_interval_s, (int, float))
+            and not isinstance(self.export_interval_s, bool)
+            and math.isfinite(self.export_interval_s)
+            and self.export_interval_s >= 0,
+            f"export_interval_s must be a number >= 0 (0: by step count only), "
+            f"got {self.export_interval_s!r}",
+        )
+        validate_groups(self.groups)
+        need(
+            isinstance(self.max_layers, int) and self.max_layers >= 1,
+            f"max_layers must be an int >= 1, got {self.max_layers!r}",
+        )
+        need(
+            isinstance(self.rank_layers, bool),
+            f"rank_layers must be a bool, got {self.rank_layers!r}",
+            TypeError,
+        )
+        need(self.serve in SERVE_MODES, f"serve must be one of {SERVE_MODES}, got {self.serve!r}")
+        need(
+            isinstance(self.port, int) and 0 <= self.port <= 65535,
+            f"port must be an int in 0..65535 (0 = ephemeral), got {self.port!r}",
+        )
+        need(
+            isinstance(self.addr, str) and bool(self.addr), f"addr must be a host address, got {self.addr!r}"
+        )
+        _ = self.security  # pairs and types of the TLS/auth options; their files are read at bind time
+        need(
+            self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
+            f"run_id must be a non-empty string, got {self.run_id!r}",
+        )
+        need(
+            isinstance(self.linger_s, (int, float)) and math.isfinite(self.linger_s) and self.linger_s >= 0,
+            f"linger_s must be a number >= 0, got {self.linger_s!r}",
+        )
+        need(
+            isinstance(self.window_s, (int, float)) and self.window_s > 0,
+            f"window_s must be a number > 0, got {self.window_s!r}",
+        )
+        need(self.guard in GUARD_MODES, f"guard must be one of {GUARD_MODES}, got {self.guard!r}")
+        schedulers = (
+            self.lr_scheduler if isinstance(self.lr_scheduler, (list, tuple)) else [self.lr_scheduler]
+        )
+        need(
+            all(s is None or hasattr(s, "step") for s in schedulers),
+            f"lr_scheduler must have a step() method (or be a list of such), got {self.lr_scheduler!r}",
+            TypeError,
+        )
+        need(
+            isinstance(self.detect, (bool, DetectorConfig)),
+            f"detect must be a bool or a distmon.DetectorConfig, got {self.detect!r}",
+            TypeError,
+        )
+        need(
+            self.guard is None or self.detect is not False,
+            "guard needs the detectors: pass detect=True or a DetectorConfig",
+        )
+        if self.file_sd_dir is not None:
+            need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")
+        need(
+            self.scaler is None or isinstance(self.scaler, torch.amp.GradScaler),
+            f"scaler must be a torch.amp.GradScaler (the one whose scale() the loss goes through), "
+            f"got {self.scaler!r}",
+            TypeError,
+        )
+        need(
+            self.loss_scale is None
+            or isinstance(self.loss_scale, (int, float))
+            and not isinstance(self.loss_scale, bool)
+            and math.isfinite(self.loss_scale)
+            and self.loss_scale > 0,
+            f"loss_scale must be a positive finite number (the factor your loss is multiplied by "
+            f"before backward), got {self.loss_scale!r}",
+        )
+        need(
+            self.scaler is None or self.loss_scale is None,
+            "pass scaler= (a GradScaler) or loss_scale= (a fixed scale), not both",
+        )
+        need(
+            self.batch_size is None
+            or callable(self.batch_size)
+            or isinstance(self.batch_size, (int, float))
+            and not isinstance(self.batch_size, bool)
+            and math.isfinite(self.batch_size)
+            and self.batch_size > 0,
+            f"batch_size must be a positive number (this rank's batch per optimizer step, in your "
+            f"units: sequences or tokens, accumulation included) or a callable returning it, "
+            f"got {self.batch_size!r}",
+        )
+        need(
+            isinstance(self.gns_alpha, (int, float)) and 0 < self.gns_alpha < 1,
+            f"gns_alpha must be in (0, 1), got {self.gns_alpha!r}",
+        )
+        validate_activations(self.activations)
+        need(
+            isinstance(self.update_ratio, bool),
+            f"update_ratio must be a bool, got {self.update_ratio!r}",
+            TypeError,
+        )
+        need(
+            self.activation_every is None
+            or isinstance(self.activation_every, int)
+            and not isinstance(self.activation_every, bool)
+            and self.activation_every >= 1,
+            f"activation_every must be an int >= 1, got {self.activation_every!r}",
+        )
+
+
+class Features(NamedTuple):
+    """The opt-in measurements of one monitor, once their options were checked against the source."""
+
+    batch_of_step: Callable[[], float] | None  # the noise scale: this rank's batch this step
+    watch: ActivationWatch | None
+    ratio: UpdateRatio | None
+
+
+def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: ErrorCounter) -> Features:
+    """The noise-scale, activation and update-ratio parts, or the error naming the option.
+
+    What each needs of the source: ``batch_size`` 2+ data-parallel ranks, each rank's local
+    figures and a reduction that is the ranks' mean;
+    ``activations`` modules to watch; ``update_ratio`` unsharded weights.
+    """
+    batch_of_step = None
+    if cfg.batch_size is not None:
+        if source.world_size < 2:
+            raise ValueError(
+                "distmon: batch_size= turns on the gradient noise scale, which compares one rank's "
+                "batch with the global one: it needs 2 or more data-parallel ranks"
+            )
+        if not source.local_figures:
+            raise ValueError(
+                "distmon: batch_size= turns on the gradient noise scale, which needs each rank's "
+                f"local gradient: FSDP2 hands it to distmon from torch 2.9 (this is torch "
+                f"{torch.__version__})"
+            )
+        if source.divide_factor_set:
+            raise ValueError(
+                "distmon: the gradient noise scale needs the reduced gradient to be the mean of "
+                "the ranks' gradients; an FSDP gradient divide factor changes that"
+            )
+        size = cfg.batch_size
+        batch_of_step = size if callable(size) else lambda: size
+    watch = None
+    if cfg.activations:
+        watched = select_modules(source.module, cfg.activations)
+        if not watched:
+            raise ValueError(f"distmon: activations={cfg.activations!r} selects no module of the model")
+        watch = ActivationWatch(watched, device=source.device, errors=errors)
+    ratio = None
+    if cfg.update_ratio:
+        if source.partial:
+            raise ValueError(
+                "distmon: update_ratio=True is not supported when ranks hold parts of the model "
+                "(FSDP, tensor or pipeline parallelism) yet: a layer's weights are spread over ranks"
+            )
+        ratio = UpdateRatio(
+            list(grouping.params),
+            layer_of=list(grouping.param_layer),
+            n_layers=len(grouping.layers),
+            device=source.device,
+        )
+    return Features(batch_of_step, watch, ratio)

@@ -1,0 +1,17 @@
+"""One optimizer step's life on the device: sums of squares, the step's row, its collective, the export.
+
+=======================  ========================================================================
+``sums.py``              pure tensor math: fused sums of squares, their fold into layers, EMAs
+``backward.py``          what the sources hand over in a step's backwards (:class:`BackwardSums`)
+``loss_scale.py``        the loss scale in force: figures in gradient units
+``optimizer_hooks.py``   where a step begins and ends (the optimizers' step hooks), the guard
+``tracker.py``           the per-step schedule: fold, keep the row, collective, judge, export
+``rows.py``              the row schema: where every figure of a step sits
+``ring.py``              the device ring of step rows and its non-blocking copy to the host
+``exchange.py``          the step's collectives: which ones, and where what they bring lands
+``crossrank.py``         the job's fixed-size reductions of every rank's figures
+``clip.py``              ``clip_grad_norm_`` with the norm already measured
+``activations.py``       forward activation statistics (opt-in)
+``update_ratio.py``      per-layer update-to-weight ratios (opt-in)
+=======================  ========================================================================
+"""

@@ -1,0 +1,93 @@
+"""Judging finished rows: totals, detector verdicts, the noise scale, batched over many steps.
+
+A row is *judged* once its figures are final: its reduced total and the detectors' verdicts
+on the reduced figures as soon as they are needed (at the export, in one batch over the steps
+since the last one; before the optimizer step when a guard or ``clip_grad_norm_`` needs the
+step's figures), and the verdicts that compare ranks (rank outliers, the noise scale) once
+the export brought every rank's rows. Only runs of valid steps are judged: an invalid row
+keeps the blank row's "no verdict".
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ErrorCounter
+from ..step.crossrank import CrossRank
+from ..step.rows import Head, StepRow
+from .detectors import DeviceDetector
+from .noise_scale import NoiseScale
+
+__all__ = ["Judge", "valid_runs"]
+
+
+def valid_runs(valid: Sequence[bool]) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` ranges of consecutive True entries, in order.
+
+    Example:
+        >>> valid_runs([True, True, False, True])
+        [(0, 2), (3, 4)]
+    """
+    runs, start = [], 0
+    for ok, run in itertools.groupby(valid):
+        n = len(list(run))
+        if ok:
+            runs.append((start, start + n))
+        start += n
+    return runs
+
+
+class Judge:
+    """The verdicts of finished step rows: reduced ones (:meth:`judge_reduced`), cross-rank ones
+    (:meth:`judge_ranks`).
+
+    Example:
+        >>> from distmon.step.rows import RowPlan
+        >>> plan = RowPlan.build(n_layers=2, world=1)
+        >>> rows = torch.tensor([[1.0, 0.0, 1.0, 4.0]])
+        >>> Judge(plan.step, detector=None, noise=None, errors=ErrorCounter()).judge_reduced(rows, [True])
+        >>> rows[0, Head.TOTAL_SQ].item()
+        5.0
+    """
+
+    def __init__(
+        self,
+        step_row: StepRow,
+        *,
+        detector: DeviceDetector | None,
+        noise: NoiseScale | None,
+        errors: ErrorCounter,
+        cross: CrossRank | None = None,
+    ) -> None:
+        self.step_row, self.detector, self.noise, self.errors = step_row, detector, noise, errors
+        self.cross = cross  # the job's cross-rank figures per ring slot (the rank outliers read them)
+
+    def judge_reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
+        """Write the totals of consecutive ``rows`` into them and update the reduced-figure detectors
+        (``valid``: which rows were measured)."""
+        try:
+            rows[:, Head.TOTAL_SQ] = rows[:, self.step_row.layers].sum(1)
+            if self.detector is not None:
+                for start, stop in valid_runs(valid):
+                    self.detector.update(rows[start:stop])
+        except Exception:
+            self.errors.record("detectors")
+
+    def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool], slot: int = 0) -> None:
+        """Update the verdicts that need every rank's figures (rank outliers, noise scale), once the
+        export's reductions landed (``slot``: the ring slot of ``rows[0]``)."""
+        if self.detector is not None and self.cross is not None:
+            try:
+                for start, stop in valid_runs(valid):
+                    stats = self.cross.stats[slot + start : slot + stop]
+                    self.detector.update_ranks(rows[start:stop], stats)
+            except Exception:
+                self.errors.record("detectors")
+        if self.noise is not None:
+            try:
+                self.noise.update(rows)
+            except Exception:
+                self.errors.record("gradient noise scale")
