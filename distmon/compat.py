@@ -61,7 +61,7 @@ __all__ = [
     "uncompiled",
     "WRAPPER_SEGMENTS",
     "spec_of",
-    "local_tensor",
+    "rank_part",
     "ddp_localized",
     "has_step_hooks",
     "scaler_optimizer_states",
@@ -356,8 +356,8 @@ def ddp_localized(param: torch.Tensor) -> bool:
 # DTensor._local_tensor: a DTensor's shard without to_local()'s autograd Function (~10 us a
 # tensor on the hot path); checked on 2.6-2.14. Without it: every tensor-parallel and FSDP2
 # gradient read fails (figures NaN).
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, else ``t`` itself."""
+def rank_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's shard, else ``t`` itself."""
     return getattr(t, "_local_tensor", t)
 
 

@@ -26,7 +26,7 @@ from .setup import hostinfo
 from .setup.build import Hooks, build_exports, build_rank, node_group, read_rank
 from .setup.config import GuardMode, MonitorConfig, Scheduler, ServeMode
 from .setup.hostinfo import RankInfo
-from .setup.lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
+from .setup.lifecycle import ExitGuard, Opened, agree, announce, prepare, shut_down
 from .snapshot import AnomalyEvent, Snapshot
 from .sources import CommHook, enclosing, first_device, process_group, trained_module
 from .step.activations import ActivationSpec
@@ -175,7 +175,7 @@ class GradMonitor:
         exports: queue.Queue[ExportBatch | None] = queue.Queue()
         # Everything that can fail, on this rank: read, then (once the job read its layout) built,
         # bound, hooked where it can be undone.
-        planned, built, hooks, proposal, prepared = None, None, None, None, Prepared()
+        planned, built, hooks, proposal, prepared = None, None, None, None, Opened()
         try:
             if cfg is not None:
                 planned = read_rank(model, optimizer, cfg)
@@ -358,7 +358,7 @@ class GradMonitor:
         judge, decoder = self._tracker.judge, self._export.decoder
         step, scaler_run = load_monitor_state(
             state,
-            counted=self._tracker.measured_steps,
+            measured_steps=self._tracker.measured_steps,
             layers=self.layers,
             world=self.world_size,
             detector=judge.detector,

@@ -351,7 +351,7 @@ def _train(case: Case, log: str | None) -> dict:
 
 def space_job(rank: int, world: int, todo: list[Case], log_dir: str, sabotage: bool = False) -> dict:
     """Every case in turn on this rank (one spawn, many cases). ``sabotage``: break distmon's
-    reading of the layout on purpose (no verdict of the job's reading, a first-step check that
+    reading of the layout on purpose (no ruling of the job's reading, a first-step check that
     always agrees), to show that the property catches a wrong figure served as valid."""
     import json
 
@@ -359,7 +359,7 @@ def space_job(rank: int, world: int, todo: list[Case], log_dir: str, sabotage: b
         import distmon.layout.census
         import distmon.step.tracker
 
-        distmon.layout.census.judge = lambda records: [(0, -1, 2)] * len(records)
+        distmon.layout.census.rule = lambda records: [(0, -1, 2)] * len(records)
         distmon.step.tracker.agrees = lambda read, direct: True
     results = {}
     for case in todo:

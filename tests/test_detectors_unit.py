@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distmon.step.crossrank import CrossRank
-from distmon.verdicts.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
+from distmon.verdicts.detectors import DetectorConfig, EventFinder, DeviceDetector
 from distmon.step.rows import Head, RowPlan, RowWriter
 from distmon.snapshot import Snapshot
 
@@ -35,7 +35,7 @@ class Feeder:
     def __init__(self, world: int = 4, cfg: DetectorConfig = DEFAULTS, block: int = 1) -> None:
         self.plan = RowPlan.build(n_layers=len(LAYERS), world=world, rank_layers=False, detector=True)
         self.det = DeviceDetector(cfg, self.plan, torch.device("cpu"))
-        self.dec = DetectorDecoder(cfg, LAYERS)
+        self.dec = EventFinder(cfg, LAYERS)
         self.world = world
         self.block = block
         self.step = 0

@@ -84,7 +84,7 @@ RUN, REFERENCE = "e2e-nodes4", "e2e-nodes4-ref"
 NODES, PER_NODE = 4, 2
 WORLD = NODES * PER_NODE
 BAD_RANK, BAD_SCALE = WORLD - 1, 8  # rank 7, on the last node: loss x8 from step 1
-NAN_RANK, NAN_STEP, NAN_LAYER = 2, 60, "blocks.0.attn.qkv"  # rank 2 on node 1; a count step (export_every 10)
+NAN_RANK, NAN_STEP, NAN_LAYER = 2, 60, "blocks.0.attn.qkv"  # rank 2 on node 1; a scheduled export step (export_every 10)
 DARK_NODE = 3
 SEEN_STEPS = NAN_STEP + 10  # Prometheus has scraped this many steps when node 3 goes dark
 # the families a node's serving rank serves for each of its ranks (labels rank, local_rank, node ...)

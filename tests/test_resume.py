@@ -105,7 +105,7 @@ def test_state_round_trips_and_is_plain_data():
             opt.step()
             opt.zero_grad()
         state = mon.state_dict()
-    assert state["step"] == 12 and state["version"] == 1
+    assert state["step"] == 12 and state["version"] == 2
     json.dumps(state)  # lists and numbers (NaN where the median window is not full)
     net2, opt2 = _model()
     with distmon.GradMonitor(net2, opt2, serve="none", export_every=5) as again:
@@ -113,6 +113,13 @@ def test_state_round_trips_and_is_plain_data():
         assert again.step == 12
         back = again.state_dict()
     assert json.dumps(back, sort_keys=True) == json.dumps(state, sort_keys=True)
+    # a state written before version 2 (the detector's "spiking" was "held") still loads
+    old = {**state, "version": 1, "detector": dict(state["detector"])}
+    old["detector"]["held"] = old["detector"].pop("spiking")
+    net3, opt3 = _model()
+    with distmon.GradMonitor(net3, opt3, serve="none", export_every=5) as third:
+        third.load_state_dict(old)
+        assert json.dumps(third.state_dict(), sort_keys=True) == json.dumps(state, sort_keys=True)
 
 
 def test_state_dict_at_any_step_issues_no_collective_and_changes_nothing(one_rank, tmp_path):

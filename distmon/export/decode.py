@@ -16,7 +16,7 @@ from ..snapshot import AnomalyEvent, Snapshot
 from ..step.backward import LayerOrder
 from ..step.ring import StepInfo
 from ..step.rows import Head, Job, Noise, RowPlan, earliest_nonfinite
-from ..verdicts.detectors import DetectorDecoder
+from ..verdicts.detectors import EventFinder
 
 __all__ = ["RowDecoder"]
 
@@ -29,7 +29,7 @@ class RowDecoder:
     """Decodes step rows of one monitor into snapshots (on the export thread).
 
     ``order`` holds each layer's position in backward order (known once the source saw a
-    backward); ``detector`` turns the detector columns into events and scores; ``held`` the
+    backward); ``detector`` turns the detector columns into events and scores; ``node_ranks`` the
     ranks whose rows a row holds (its node's) and ``node`` this rank's node. The job-wide
     figures (the first non-finite rank and layer, error and non-finite counts) come from the
     row's job columns, what the export's reductions brought from every rank. Without
@@ -54,16 +54,18 @@ class RowDecoder:
         layers: Sequence[str],
         run_id: str,
         order: LayerOrder,
-        detector: DetectorDecoder | None = None,
+        detector: EventFinder | None = None,
         watched: Sequence[str] = (),
         coords: Sequence[Coordinates | None] | None = None,
         local_figures: bool = True,
         restart: int = 0,
-        held: Sequence[int] | None = None,
+        node_ranks: Sequence[int] | None = None,
         node: int = 0,
     ) -> None:
         self.plan = plan
-        self.held = tuple(held) if held is not None else tuple(range(plan.step.held))  # the held rows' ranks
+        self.node_ranks = (
+            tuple(node_ranks) if node_ranks is not None else tuple(range(plan.step.node_size))
+        )  # the node's ranks
         self.node = node  # this rank's node (its index among the job's nodes)
         self.restart = restart  # the launcher's restart count, on every snapshot
         self.resumed_from: int | None = None  # set by a resume, put on the next snapshot only
@@ -81,14 +83,14 @@ class RowDecoder:
         gathered = row[step.ranks]
         job = row[step.job]
         order = self.order.host
-        ranks = [gathered[i * f.width : (i + 1) * f.width] for i in range(step.held)]
+        ranks = [gathered[i * f.width : (i + 1) * f.width] for i in range(step.node_size)]
         rank_norms: list[float] = []
         rank_layers: list[list[float]] = []
-        bad: list[tuple[int, int]] = []  # (rank, layer) of the held ranks
+        bad: list[tuple[int, int]] = []  # (rank, layer) of the node ranks
         rank_errors: list[int] = []
         measured = row[Head.VALID] == 1.0  # this rank measured the reduced gradient (what it reports)
         rank_valid: list[bool] = []
-        for r, vals, total in zip(self.held, ranks, f.totals(ranks)):
+        for r, vals, total in zip(self.node_ranks, ranks, f.totals(ranks)):
             rank_errors.append(int(vals[f.errors]))
             ok = vals[f.valid] == 1.0
             rank_valid.append(ok)
@@ -103,7 +105,7 @@ class RowDecoder:
             rank_norms, rank_valid = [], []
         grad_norm = _sqrt(row[Head.TOTAL_SQ]) if measured else math.nan
         # the job's figures came with the export's reductions; without them (they failed), the
-        # held ranks' own say what they can
+        # node ranks' own say what they can
         reduced = job[Job.REPORTED] == job[Job.REPORTED]
         first: tuple[int, str] | None = None
         if reduced and job[Job.FIRST_RANK] >= 0:
@@ -144,7 +146,7 @@ class RowDecoder:
             skip_reason=info.skip,
             restart=self.restart,
             resumed_from=self.resumed_from,
-            ranks=list(self.held),
+            ranks=list(self.node_ranks),
             node=self.node,
         )
         self.resumed_from = None
@@ -158,7 +160,7 @@ class RowDecoder:
             snap = self._activations(info.step, row[step.act], job, snap)
         if step.upd.stop > step.upd.start:
             ratios = row[step.upd]
-            if not all(math.isnan(v) for v in ratios):  # a count step (Exchange.counted)
+            if not all(math.isnan(v) for v in ratios):  # a scheduled export step (Exchange.scheduled)
                 snap = replace(snap, layer_update_ratio=dict(zip(self.layers, ratios)))
         return snap
 

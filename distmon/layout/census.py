@@ -13,7 +13,7 @@ holds, over the job's process group (the default group: the whole job):
   fingerprint of its values (:func:`fingerprint`). Copies are bit-identical at construction (DDP
   broadcasts them, FSDP2 and tensor parallelism shard or replicate identically seeded weights);
   different parts are not. Among the ranks that hold one position of a parameter, every distinct
-  value must be counted exactly once (:func:`judge`).
+  value must be counted exactly once (:func:`rule`).
 
 Where the reading and the values disagree, a value that no rank counts because the copy it was
 taken for exists nowhere is counted on the lowest rank holding it (unambiguous: a stage's own
@@ -25,7 +25,7 @@ gradients (:class:`JobNorm`).
 
 The cost is bounded whatever the world size: each parameter's record (ten integers) travels
 to one rank chosen by a hash of its name, which judges every holder of that name and sends the
-verdicts back: three all-to-alls (the first carries, next to the record counts, four integers
+rulings back: three all-to-alls (the first carries, next to the record counts, four integers
 per rank: whether it failed, its stage, a digest of its layers and their size), and one
 broadcast per distinct set of layers when the ranks hold different ones (a pipeline's stages).
 No rank ever holds every rank's list of parameters: a rank receives the records of the names it
@@ -48,16 +48,16 @@ import torch.distributed as dist
 from ..setup.hostinfo import _collective_device
 
 __all__ = [
-    "Parts",
-    "JobReading",
+    "RankParts",
+    "JobLayout",
     "read_job",
     "alone",
-    "judge",
+    "rule",
     "fingerprint",
     "fingerprints",
     "digest",
     "distinct_sq",
-    "Verdict",
+    "Ruling",
 ]
 
 _P = (1 << 61) - 1  # a prime: sums reduced modulo it stay exact in int64
@@ -175,7 +175,7 @@ def _large_print(bits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Parts:
+class RankParts:
     """What one rank tells the job about its tracked parameters (the grouping's order) at start-up.
 
     ``counted``/``why``: the reading of the object passed (counts here, or why it is a copy
@@ -204,7 +204,7 @@ class Parts:
 
 
 @dataclass(frozen=True)
-class JobReading:
+class JobLayout:
     """The job's layout as every rank confirmed it.
 
     ``layers``: the job's layers, every part's, in pipeline order; ``parts``: how many different
@@ -221,9 +221,9 @@ class JobReading:
     refusal: Exception | None = None
 
 
-def alone(parts: Parts) -> JobReading:
+def alone(parts: RankParts) -> JobLayout:
     """The reading of a job of one rank: nothing to confirm."""
-    return JobReading(layers=parts.layers, counted=tuple(parts.counted))
+    return JobLayout(layers=parts.layers, counted=tuple(parts.counted))
 
 
 # -- the judgement of one parameter name's holders ------------------------------------------------
@@ -234,7 +234,7 @@ NAME, SLOT, FP0, FP1, COUNTED, DECLARED, LAYER, UNDECLARED, RANK, DISTINCT = ran
 N_FIELDS = 10
 
 
-class Verdict:
+class Ruling:
     """What the owner of a parameter name says of one rank's record (with ``other``, a rank
     concerned, and ``holders``, how many ranks hold the name)."""
 
@@ -247,8 +247,8 @@ class Verdict:
     LAYER = 6  # another rank puts the parameter in another layer (groups= differs)
 
 
-def judge(records: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
-    """Per record, ``(verdict, other rank, holders)``: every holder of a parameter name at once.
+def rule(records: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+    """Per record, ``(ruling, other rank, holders)``: every holder of a parameter name at once.
 
     Among the records of one position (``SLOT``), each distinct value (``FP0``, ``FP1``) must be
     counted by exactly one rank: none (a value taken for a copy of another) is counted on its
@@ -260,37 +260,37 @@ def judge(records: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
 
     Example:
         >>> r = lambda rank, fp, counted: (7, 1, fp, 0, counted, 0, 5, 0, rank, 0)
-        >>> judge([r(0, 11, 1), r(1, 11, 0)])                 # a copy and the one that counts
+        >>> rule([r(0, 11, 1), r(1, 11, 0)])                 # a copy and the one that counts
         [(0, -1, 2), (0, -1, 2)]
-        >>> judge([r(0, 11, 1), r(1, 12, 0)])[1][0] == Verdict.COPIES_DIFFER
+        >>> rule([r(0, 11, 1), r(1, 12, 0)])[1][0] == Ruling.COPIES_DIFFER
         True
     """
-    out = [(Verdict.OK, -1, 0)] * len(records)
+    out = [(Ruling.OK, -1, 0)] * len(records)
     by_name: dict[int, list[int]] = {}
     for i, rec in enumerate(records):
         by_name.setdefault(rec[NAME], []).append(i)
     for idx in by_name.values():
         holders = len({records[i][RANK] for i in idx})
-        verdict = {i: (Verdict.OK, -1) for i in idx}
+        ruling = {i: (Ruling.OK, -1) for i in idx}
         first = min(idx, key=lambda i: records[i][RANK])
         for i in idx:
             if records[i][LAYER] != records[first][LAYER]:
-                verdict[i] = (Verdict.LAYER, records[first][RANK])
+                ruling[i] = (Ruling.LAYER, records[first][RANK])
             elif records[i][UNDECLARED] and holders > 1:
                 other = next(records[j][RANK] for j in idx if records[j][RANK] != records[i][RANK])
-                verdict[i] = (Verdict.UNDECLARED, other)
+                ruling[i] = (Ruling.UNDECLARED, other)
         slots: dict[int, list[int]] = {}
         for i in idx:
             slots.setdefault(records[i][SLOT], []).append(i)
         for members in slots.values():
-            _judge_slot(records, members, verdict)
+            _rule_slot(records, members, ruling)
         for i in idx:
-            out[i] = (*verdict[i], holders)
+            out[i] = (*ruling[i], holders)
     return out
 
 
-def _judge_slot(records: Sequence[Sequence[int]], members: list[int], verdict: dict) -> None:
-    """The verdicts on the holders of one position of one parameter (see :func:`judge`)."""
+def _rule_slot(records: Sequence[Sequence[int]], members: list[int], ruling: dict) -> None:
+    """The rulings on the holders of one position of one parameter (see :func:`rule`)."""
     values: dict[tuple[int, int], list[int]] = {}
     for i in sorted(members, key=lambda i: records[i][RANK]):
         values.setdefault((records[i][FP0], records[i][FP1]), []).append(i)
@@ -298,33 +298,31 @@ def _judge_slot(records: Sequence[Sequence[int]], members: list[int], verdict: d
     anyone = [c[0] for c in counting.values() if c]
 
     def say(i: int, code: int, other: int) -> None:
-        if verdict[i][0] == Verdict.OK:  # the first thing wrong with a record is the one said
-            verdict[i] = (code, records[other][RANK])
+        if ruling[i][0] == Ruling.OK:  # the first thing wrong with a record is the one said
+            ruling[i] = (code, records[other][RANK])
 
     for v, held in values.items():
         count = counting[v]
         if not count:
             if not anyone and len(values) == 1:
-                verdict[held[0]] = (
-                    (Verdict.COUNT, -1) if verdict[held[0]][0] == Verdict.OK else verdict[held[0]]
-                )
+                ruling[held[0]] = (Ruling.COUNT, -1) if ruling[held[0]][0] == Ruling.OK else ruling[held[0]]
             else:
                 other = anyone[0] if anyone else next(i for i in members if i not in held)
                 for i in held:
-                    say(i, Verdict.COPIES_DIFFER if anyone else Verdict.AMBIGUOUS, other)
+                    say(i, Ruling.COPIES_DIFFER if anyone else Ruling.AMBIGUOUS, other)
         elif len(count) > 1 and not all(records[i][DECLARED] for i in count):
             for i in count[1:]:
-                say(i, Verdict.COUNTED_TWICE, count[0])
+                say(i, Ruling.COUNTED_TWICE, count[0])
         elif len(count) > 1 and all(records[i][DISTINCT] for i in count):
             # declared distinct, but over different groups: nothing says these two differ (copies
             # over a group left undeclared: the expert-data-parallel group of plain experts)
             for i in count[1:]:
                 if records[i][DISTINCT] != records[count[0]][DISTINCT]:
-                    say(i, Verdict.COUNTED_TWICE, count[0])
+                    say(i, Ruling.COUNTED_TWICE, count[0])
     if len(anyone) > 1:
         for i in anyone[1:]:
             if not (records[i][DECLARED] and records[anyone[0]][DECLARED]):
-                say(i, Verdict.AMBIGUOUS, anyone[0])
+                say(i, Ruling.AMBIGUOUS, anyone[0])
 
 
 # -- routing records to the owner of their key, and the answers back --------------------------------
@@ -383,7 +381,7 @@ def _answer(
 # -- the start-up reading ---------------------------------------------------------------------------
 
 
-def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None:
+def read_job(parts: RankParts | None, group: dist.ProcessGroup) -> JobLayout | None:
     """Every rank's reading of the layout, checked against what the job holds (collectives on every
     rank of ``group``, whatever happened locally: ``parts`` None when this rank failed before).
 
@@ -407,9 +405,9 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
         raise failure
     if got is None or parts is None:
         return None
-    # 2. the owners' verdicts back (one all-to-all)
-    answers = torch.tensor(judge(got.tolist()), dtype=torch.int64).reshape(-1, 3)
-    verdicts = _answer(answers, came=came, sent=sent, order=order, group=group).tolist()
+    # 2. the owners' rulings back (one all-to-all)
+    answers = torch.tensor(rule(got.tolist()), dtype=torch.int64).reshape(-1, 3)
+    rulings = _answer(answers, came=came, sent=sent, order=order, group=group).tolist()
     # 3. the job's layers: every distinct set once, stages first to last (a broadcast each)
     kinds: dict[int, list[int]] = {}
     for r in range(world):
@@ -421,19 +419,17 @@ def read_job(parts: Parts | None, group: dist.ProcessGroup) -> JobReading | None
     for ranks in ordered if len(ordered) > 1 else ():
         told = _broadcast_layers(parts.layers, blob, src=ranks[0], size=int(heads[ranks[0], 3]), group=group)
         layers.update(dict.fromkeys(told))
-    counted = tuple(
-        bool(parts.counted[i]) or code == Verdict.COUNT for i, (code, _, _) in enumerate(verdicts)
-    )
-    return JobReading(
+    counted = tuple(bool(parts.counted[i]) or code == Ruling.COUNT for i, (code, _, _) in enumerate(rulings))
+    return JobLayout(
         layers=tuple(layers),
         counted=counted,
         parts=len(ordered),
         part=next(k for k, ranks in enumerate(ordered) if me in ranks),
-        refusal=_refusal(parts, verdicts, world, stages=heads[:, 1].tolist()),
+        refusal=_refusal(parts, rulings, world, stages=heads[:, 1].tolist()),
     )
 
 
-def _records(parts: Parts, rank: int) -> torch.Tensor:
+def _records(parts: RankParts, rank: int) -> torch.Tensor:
     """Per parameter: its name, position, value and reading, for the owner of its name to judge."""
     p = parts
     rows = [
@@ -474,17 +470,17 @@ def _broadcast_layers(
 
 
 def _refusal(
-    parts: Parts, verdicts: list[list[int]], world: int, stages: Sequence[int] = ()
+    parts: RankParts, rulings: list[list[int]], world: int, stages: Sequence[int] = ()
 ) -> Exception | None:
     """What this rank refuses, naming the parameters (at most three) and the fix (``stages``: every
     rank's pipeline stage, -1 where none is known)."""
-    if parts.plain is not None and any(holders > 1 for _, _, holders in verdicts):
+    if parts.plain is not None and any(holders > 1 for _, _, holders in rulings):
         return TypeError(parts.plain)
-    if parts.unstaged is not None and any(holders < world for _, _, holders in verdicts):
+    if parts.unstaged is not None and any(holders < world for _, _, holders in rulings):
         return ValueError(parts.unstaged)
     wrong: dict[int, list[int]] = {}
-    for i, (code, _, _) in enumerate(verdicts):
-        if code not in (Verdict.OK, Verdict.COUNT):
+    for i, (code, _, _) in enumerate(rulings):
+        if code not in (Ruling.OK, Ruling.COUNT):
             wrong.setdefault(code, []).append(i)
     if not wrong:
         return None
@@ -492,7 +488,7 @@ def _refusal(
     names = [parts.names[i] for i in idx]
     shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     i = idx[0]
-    holders, other = verdicts[i][2], verdicts[i][1]
+    holders, other = rulings[i][2], rulings[i][1]
     if parts.stage is not None and 0 <= other < len(stages) and stages[other] not in (-1, parts.stage):
         return ValueError(
             f"distmon: pipeline stages {parts.stage} and {stages[other]} (ranks here and {other}) both "
@@ -501,15 +497,15 @@ def _refusal(
             "torchtitan's way (a copy of the whole model with the other stages' modules deleted, "
             "names kept), not as re-indexed slices (nn.Sequential(*layers[a:b]) numbers them from 0)"
         )
-    if code == Verdict.LAYER:
+    if code == Ruling.LAYER:
         return ValueError(
             f"distmon: options differ between ranks: groups puts parameter {shown} in layer "
-            f"{parts.layer_of[i]!r} here and in another layer on rank {verdicts[i][1]}: every rank "
+            f"{parts.layer_of[i]!r} here and in another layer on rank {rulings[i][1]}: every rank "
             "must group its parameters alike"
         )
     distinct = "distinct_over={r'<name pattern>': process_group}"
     replicated = "replicated_over={r'<name pattern>': process_group}"
-    if code == Verdict.UNDECLARED:
+    if code == Ruling.UNDECLARED:
         return ValueError(
             f"distmon: parameter {shown} is reduced by no DDP or FSDP wrapper and is no DTensor, and "
             f"{holders} ranks of the {world}-rank job hold it: distmon cannot tell which of them hold "
@@ -519,7 +515,7 @@ def _refusal(
             f"{distinct}) says each rank of that group holds a different part of it (experts over "
             "their expert-parallel group)"
         )
-    if code == Verdict.COPIES_DIFFER:
+    if code == Ruling.COPIES_DIFFER:
         return ValueError(
             f"distmon: parameter {shown} holds other values here than on the rank whose copy counts "
             f"(distmon reads it as a copy: {parts.why[i]}). If each of these ranks holds a "
@@ -528,7 +524,7 @@ def _refusal(
             "are copies, make them identical before building GradMonitor (the same seed on every "
             "rank, or a broadcast)"
         )
-    if code == Verdict.COUNTED_TWICE:
+    if code == Ruling.COUNTED_TWICE:
         return ValueError(
             f"distmon: parameter {shown} holds the same values here as on another rank, and both "
             "count it as a part of their own: nothing says whether they hold copies of "

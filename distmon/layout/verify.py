@@ -27,7 +27,7 @@ from collections.abc import Collection, Sequence
 import torch
 import torch.distributed as dist
 
-from ..compat import local_tensor, spec_of
+from ..compat import rank_part, spec_of
 from .census import digest, distinct_sq
 from .placements import declared_group, part_position
 
@@ -109,7 +109,7 @@ class JobNorm:
         self._slots = [digest(name, part_position(p)) for name, p in named]
 
     def __call__(self) -> float:
-        grads = [None if p.grad is None else local_tensor(p.grad) for p in self.params]
+        grads = [None if p.grad is None else rank_part(p.grad) for p in self.params]
         return distinct_sq(self._slots, grads, self.group)
 
 
@@ -133,7 +133,7 @@ class LayoutCheck:
         read = torch.zeros((), dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
         for p, counts in zip(self.params, self.counted):
             if counts and p.grad is not None:
-                read += _sq(local_tensor(p.grad))  # this rank's part
+                read += _sq(rank_part(p.grad))  # this rank's part
         dist.all_reduce(read, group=self.group)
         return float(read), self.reference()
 

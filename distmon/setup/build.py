@@ -21,20 +21,20 @@ import torch
 import torch.distributed as dist
 
 from .._version import __version__
-from ..compat import has_step_hooks, local_tensor
+from ..compat import has_step_hooks, rank_part
 from ..errors import ErrorCounter
 from ..export.decode import RowDecoder
 from ..export.export_thread import ExportThread
 from ..export.sinks import NonfiniteNotice, Sink, SinkWorker
-from ..layout.census import JobReading, Parts, digest
+from ..layout.census import JobLayout, RankParts, digest
 from ..layout.grouping import Grouping, build_grouping
 from ..layout.placements import Coordinates, coordinates, declared_group, part_position
 from ..layout.verify import DirectNorm, LayoutCheck
 from ..serve.prometheus_exporter import GradCollector, MetricsAggregate
 from ..snapshot import Snapshot
 from ..sources import (
+    LayoutReading,
     PipelineSource,
-    Reading,
     Source,
     first_device,
     pipeline_stage,
@@ -48,15 +48,15 @@ from ..step.optimizer_hooks import StepHooks
 from ..step.ring import ExportBatch
 from ..step.rows import RowPlan
 from ..step.tracker import StepTracker
-from ..verdicts.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
+from ..verdicts.detectors import DetectorConfig, DeviceDetector, EventFinder
 from ..verdicts.noise_scale import NoiseScale
 from .config import MonitorConfig, features
 from .hostinfo import Nodes, RankInfo, restart_count
-from .lifecycle import Prepared, served_ranks
+from .lifecycle import Opened, served_ranks
 
 __all__ = [
     "Built",
-    "Planned",
+    "Inputs",
     "Hooks",
     "read_rank",
     "build_rank",
@@ -126,10 +126,10 @@ class Built(NamedTuple):
     agreed: dict[str, str]
     coords: Coordinates | None  # this rank's place in each parallel dimension (several of them)
     direct: DirectNorm  # the job's global norm from placements alone (checks; clipping an invalid step)
-    held: tuple[int, ...]  # the ranks (of the source's group) whose rows this rank holds: its node's
+    node_ranks: tuple[int, ...]  # the ranks (of the source's group) whose rows this rank holds: its node's
 
 
-class Planned(NamedTuple):
+class Inputs(NamedTuple):
     """What one rank reads of itself before the job's layout is read: what can fail on one rank
     alone (options, optimizers, the model's reading of the layout), nothing built."""
 
@@ -138,11 +138,11 @@ class Planned(NamedTuple):
     model: object  # what is measured: a PipelineStage, a DDP or FSDP2 model, a module
     stage: object | None  # the pipeline stage, if the model is one
     module: torch.nn.Module  # the module the optimizer steps
-    reading: Reading  # how the model reads the layout (sources.read_layout)
-    parts: Parts  # what this rank tells the job at start-up (census.read_job)
+    reading: LayoutReading  # how the model reads the layout (sources.read_layout)
+    parts: RankParts  # what this rank tells the job at start-up (census.read_job)
 
 
-def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> Planned:
+def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> Inputs:
     """The optimizers and the model's reading of the layout on this rank, with its validated options
     ``cfg`` (raises what is wrong, naming the option)."""
     stage = pipeline_stage(model)
@@ -161,8 +161,8 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
             )
     optimizers = _optimizers(optimizer)
     module = trained_module(model)
-    local = build_grouping(module, cfg.groups, max_layers=1 << 30)  # the job's cap applies to the union
-    meta = [name for name, p in zip(local.param_names, local.params) if p.is_meta]
+    own = build_grouping(module, cfg.groups, max_layers=1 << 30)  # the job's cap applies to the union
+    meta = [name for name, p in zip(own.param_names, own.params) if p.is_meta]
     if meta:
         raise ValueError(
             f"distmon: parameters {meta[:3]} are on the meta device (no values yet): build GradMonitor "
@@ -170,7 +170,7 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
         )
     reading = read_layout(
         model,
-        grouping=local,
+        grouping=own,
         replicated_over=cfg.replicated_over,
         distinct_over=cfg.distinct_over,
         stage=stage,
@@ -185,12 +185,12 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
             "not follow. Pass the PipelineStage, or build GradMonitor after it (distmon finds the "
             "stage that holds the module passed, plain, DDP- or FSDP2-wrapped)"
         )
-    parts = Parts(
-        names=local.param_names,
-        tensors=[local_tensor(p) for p in local.params],
-        positions=[part_position(p) for p in local.params],
-        layer_of=[local.layers[i] for i in local.param_layer],
-        layers=local.layers,
+    parts = RankParts(
+        names=own.param_names,
+        tensors=[rank_part(p) for p in own.params],
+        positions=[part_position(p) for p in own.params],
+        layer_of=[own.layers[i] for i in own.param_layer],
+        layers=own.layers,
         counted=reading.counted,
         why=reading.why,
         declared=reading.declared,
@@ -198,9 +198,9 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
         plain=reading.plain,
         unstaged=unstaged,
         stage=stage.stage_index if stage is not None else None,
-        distinct=_distinct_groups(local.param_names, cfg.distinct_over),
+        distinct=_distinct_groups(own.param_names, cfg.distinct_over),
     )
-    return Planned(
+    return Inputs(
         cfg=cfg, optimizers=optimizers, model=model, stage=stage, module=module, reading=reading, parts=parts
     )
 
@@ -215,8 +215,8 @@ def _distinct_groups(names: Sequence[str], distinct_over: dict | None) -> tuple[
 
 
 def build_rank(
-    planned: Planned,
-    job: JobReading,
+    planned: Inputs,
+    job: JobLayout,
     *,
     errors: ErrorCounter,
     exports: ExportQueue,
@@ -255,13 +255,13 @@ def build_rank(
         optimizers = source.steps(optimizers)
     extra = features(cfg, source, grouping, errors)
     watched = tuple(extra.watch.names) if extra.watch else ()
-    held = held_ranks(nodes, source)
+    node_ranks = ranks_on_node(nodes, source)
     plan = RowPlan.build(
         n_layers=n_layers,
         world=source.world_size,
-        held=len(held),
+        node_size=len(node_ranks),
         rank_layers=cfg.rank_layers and source.local_figures,
-        partial=source.partial,
+        in_parts=source.in_parts,
         vote=source.group is not None and cfg.export_interval_s > 0,
         batch=extra.batch_of_step is not None,
         watched=len(watched),
@@ -284,15 +284,15 @@ def build_rank(
         export_interval_s=cfg.export_interval_s,
         errors=errors,
         export=exports.put,
-        partial=source.partial,
-        detector=DeviceDetector(det_cfg, plan, device, held) if cfg.detect is not False else None,
+        in_parts=source.in_parts,
+        detector=DeviceDetector(det_cfg, plan, device, node_ranks) if cfg.detect is not False else None,
         noise=NoiseScale(plan, alpha=cfg.gns_alpha, device=device) if extra.batch_of_step else None,
         batch_size=extra.batch_of_step,
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
         check=LayoutCheck(named, source.counted, source.group) if source.counted is not None else None,
-        held=held,
+        node_ranks=node_ranks,
     )
     agreed = cfg.agreed(grouping.layers, watched)
     coords = coordinates(
@@ -311,11 +311,11 @@ def build_rank(
         loss_scale=loss_scale,
         agreed=agreed,
         direct=direct,
-        held=held,
+        node_ranks=node_ranks,
     )
 
 
-def held_ranks(nodes: Nodes | None, source: Source) -> tuple[int, ...]:
+def ranks_on_node(nodes: Nodes | None, source: Source) -> tuple[int, ...]:
     """The ranks of the source's group on this rank's node (all of them when the group is not the
     job's, whose nodes ``nodes`` describes)."""
     world = source.world_size
@@ -333,19 +333,19 @@ def node_group(built: Built) -> dist.ProcessGroup | None:
     Created once every rank started (``agree``), so that no rank waits for a node peer that
     failed before: only the node's ranks take part (``use_local_synchronization``).
     """
-    group, held = built.tracker.source.group, built.held
-    if group is None or len(held) == 1:
+    group, node_ranks = built.tracker.source.group, built.node_ranks
+    if group is None or len(node_ranks) == 1:
         return None
-    if len(held) == dist.get_world_size(group):
+    if len(node_ranks) == dist.get_world_size(group):
         return group
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group([ranks[r] for r in held], use_local_synchronization=True)
+    return dist.new_group([ranks[r] for r in node_ranks], use_local_synchronization=True)
 
 
 def build_exports(
     built: Built,
     *,
-    prepared: Prepared,
+    prepared: Opened,
     me: RankInfo,
     peers_info: tuple[RankInfo, ...],
     run_id: str,
@@ -392,12 +392,12 @@ def build_exports(
         layers=built.grouping.layers,
         run_id=run_id,
         order=tracker.sums.order,
-        detector=DetectorDecoder(detect, built.grouping.layers) if cfg.detect is not False else None,
+        detector=EventFinder(detect, built.grouping.layers) if cfg.detect is not False else None,
         watched=tracker.activations.names if tracker.activations else (),
         coords=coords if any(coords) else None,
         local_figures=tracker.source.local_figures,
         restart=restart_count(),
-        held=built.held,
+        node_ranks=built.node_ranks,
         node=me.node_index,
     )
     thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)

@@ -371,7 +371,7 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
         watch = ActivationWatch(watched, device=source.device, errors=errors)
     ratio = None
     if cfg.update_ratio:
-        if source.partial:
+        if source.in_parts:
             raise ValueError(
                 "distmon: update_ratio=True is not supported when ranks hold parts of the model "
                 "(FSDP, tensor or pipeline parallelism) yet: a layer's weights are spread over ranks"

@@ -16,7 +16,15 @@ import torch.distributed as dist
 from ..compat import all_gather
 from ..layout.placements import Coordinates
 
-__all__ = ["RankInfo", "Nodes", "resolve_run_id", "restart_count", "local_rank_info", "exchange", "nodes_of"]
+__all__ = [
+    "RankInfo",
+    "Nodes",
+    "resolve_run_id",
+    "restart_count",
+    "local_rank_info",
+    "gather_objects",
+    "nodes_of",
+]
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,7 @@ def nodes_of(me: RankInfo, group: dist.ProcessGroup | None) -> tuple[RankInfo, N
     """Every rank's node (one small exchange at construction, on every rank); ``me`` with its node
     index, whether it leads its node in the job and, without ``LOCAL_RANK``, its place on its node as
     its local rank."""
-    keys = exchange(me.node, group)
+    keys = gather_objects(me.node, group)
     first: dict[str, int] = {}
     for key in keys:
         first.setdefault(key, len(first))
@@ -146,7 +154,7 @@ def nodes_of(me: RankInfo, group: dist.ProcessGroup | None) -> tuple[RankInfo, N
     return replace(me, node_index=nodes.index[me.rank], local_rank=local, lead=nodes.lead(me.rank)), nodes
 
 
-def exchange(payload: object, group: dist.ProcessGroup | None) -> list:
+def gather_objects(payload: object, group: dist.ProcessGroup | None) -> list:
     """All ranks' ``payload`` (picklable) in rank order: at construction only (nothing without a group).
 
     ``dist.all_gather_object`` would do, but it turns bytes back into objects through numpy,

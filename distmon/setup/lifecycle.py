@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 __all__ = [
     "Peer",
-    "Prepared",
+    "Opened",
     "prepare",
     "agree",
     "differences",
@@ -85,7 +85,7 @@ def served_ranks(serve: str, me: RankInfo, everyone: Sequence[RankInfo]) -> tupl
 
 
 @dataclass
-class Prepared:
+class Opened:
     """What a rank opened at start-up, released again if the start-up does not complete."""
 
     server: MetricServer | None = None
@@ -110,13 +110,13 @@ def _usable(option: str, path: str, make: Callable[[str], T]) -> T:
         raise OSError(e.errno, f"distmon: {option} {path!r} is not usable: {e.strerror or e}") from e
 
 
-def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Prepared:
+def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Opened:
     """Open this rank's endpoint, log and target file; on failure release them and raise.
 
     Example:
         >>> prepared = prepare(cfg, me, "run-1")   # every rank, before agree()  # doctest: +SKIP
     """
-    out = Prepared()
+    out = Opened()
     try:
         if serves(cfg.serve, me.rank, me.lead):
             port = cfg.port + me.local_rank if cfg.serve == "all" and cfg.port else cfg.port
@@ -203,7 +203,7 @@ def agree(
     set alike (:meth:`MonitorConfig.agreed`); a difference is a failure of every rank, named
     with each value's ranks. The caller releases what it prepared before the error propagates.
     """
-    everyone: list[Peer] = hostinfo.exchange(
+    everyone: list[Peer] = hostinfo.gather_objects(
         Peer(me, run_id, endpoint, failure=failure and _describe(failure), agreed=agreed), group
     )
     _raise_failures(everyone, failure)
@@ -254,7 +254,7 @@ LINGER_SCRAPES = 2  # scrapes of the final state a clean finish waits for (at mo
 
 
 def announce(
-    prepared: Prepared, *, peers: Sequence[Peer], run_id: str, url: str | None, errors: ErrorCounter
+    prepared: Opened, *, peers: Sequence[Peer], run_id: str, url: str | None, errors: ErrorCounter
 ) -> None:
     """Started: write the file_sd target file (rank 0), say where metrics are served (if this rank serves)."""
     if prepared.target is not None:
@@ -273,7 +273,7 @@ def announce(
 
 
 def shut_down(
-    prepared: Prepared,
+    prepared: Opened,
     *,
     export: ExportThread,
     aggregate: MetricsAggregate | None,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from .base import Source, first_device
 from .ddp import CommHook
 from .models import enclosing, is_deepspeed, is_fsdp, pipeline_stage, process_group, trained_module
-from .reading import Reading, read_layout
+from .reading import LayoutReading, read_layout
 from .select import PipelineSource, source_for
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "CommHook",
     "source_for",
     "read_layout",
-    "Reading",
+    "LayoutReading",
     "process_group",
     "enclosing",
     "trained_module",

@@ -77,7 +77,7 @@ class Source(Protocol):
     Built with its :class:`Receiver` and checked by its constructor (which raises for a model
     it cannot measure) before anything is installed; :meth:`install` registers its hooks,
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
-    (None in one process: where the monitor's own collective runs), ``partial`` whether each
+    (None in one process: where the monitor's own collective runs), ``in_parts`` whether each
     rank holds only a part of the reduced gradient (shards, a pipeline stage: the job's figures
     are the sum of every rank's counted parts, :mod:`distmon.layout.placements`), ``local_figures`` whether it
     measures each rank's local gradient (not FSDP2 before torch 2.9), and ``divide_factor_set``
@@ -89,9 +89,9 @@ class Source(Protocol):
     group: dist.ProcessGroup | None
     world_size: int
     device: torch.device
-    partial: bool
+    in_parts: bool
     # per tracked parameter (the grouping's order): whether this rank's part of its reduced
-    # gradient counts in the job's figures (None: the source is not partial, every part does)
+    # gradient counts in the job's figures (None: the layout is not in parts, every part does)
     counted: Sequence[bool] | None
     dp_rank: int  # this rank's place among the data-parallel ranks (a label: dp_rank)
     meshes: tuple[object, ...]  # the device meshes its wrappers use (coordinates come from them)

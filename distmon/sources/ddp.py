@@ -410,8 +410,8 @@ class DDPSource:
         # counted: DDP is one dimension of a larger job (tensor parallelism, a pipeline stage):
         # every rank adds the parts it counts, over the job's default group; else the job is
         # DDP's group, on whose every rank the reduced gradient is whole
-        self.partial, self.counted = counted is not None, counted
-        self.group: dist.ProcessGroup = dist.group.WORLD if self.partial else model.process_group
+        self.in_parts, self.counted = counted is not None, counted
+        self.group: dist.ProcessGroup = dist.group.WORLD if self.in_parts else model.process_group
         self.world_size = self.group.size()
         self.device = first_device(model.module)
         self.receiver = receiver
@@ -427,7 +427,7 @@ class DDPSource:
         self.hookless = (
             comm_hook is None
             and self._existing is None
-            and not (self.partial or bucket_view or sparse or compiled)
+            and not (self.in_parts or bucket_view or sparse or compiled)
             and not ddp_delays_all_reduce(model)
             # Lightning's manual optimization runs the backward inside DDP's forward (and prepares
             # DDP for it itself): no forward has ended when that backward begins
@@ -458,7 +458,7 @@ class DDPSource:
     def _reader(self, grouping: Grouping, slots: list[int], seqs: Iterator[int]) -> GradSums:
         """One fused read of the ``p.grad`` of the parameters in ``slots`` (DDP's are plain tensors)."""
         params = [grouping.params[i] for i in slots]
-        return GradSums(params, [grouping.param_layer[i] for i in slots], self.device, local=None, seqs=seqs)
+        return GradSums(params, [grouping.param_layer[i] for i in slots], self.device, part=None, seqs=seqs)
 
     def install(self) -> None:
         self._order.install()

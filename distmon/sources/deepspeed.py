@@ -328,15 +328,15 @@ class DeepSpeedSource:
         seqs = itertools.count()  # the run sets of one fold (local and reduced alike): distinct seqs
         self._reduced: _Fragments | _Partitions | GradSums
         if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-            self.partial = True
+            self.in_parts = True
             self._reduced = _Partitions(opt, params, layer_of, device=self.device, seqs=seqs)
         elif isinstance(opt, DeepSpeedZeroOptimizer):
-            self.partial = True
+            self.in_parts = True
             self._reduced = _Fragments(params, layer_of, device=self.device, seqs=seqs)
         else:  # stage 0, or BF16_Optimizer (ZeRO-1 in bf16 with fp32 accumulation): every rank holds it all
             attr = "_hp_grad" if isinstance(opt, BF16_Optimizer) else "grad"
-            self.partial = experts  # experts: each expert-data-parallel group holds its own
-            kept = [i for i, p in enumerate(params) if not self.partial or self._first_holder(p)]
+            self.in_parts = experts  # experts: each expert-data-parallel group holds its own
+            kept = [i for i, p in enumerate(params) if not self.in_parts or self._first_holder(p)]
             self._reduced = GradSums(
                 [params[i] for i in kept], [layer_of[i] for i in kept], self.device, seqs=seqs, attr=attr
             )

@@ -151,7 +151,7 @@ class FSDPSource:
         >>> source.install(); ...; source.remove()                         # doctest: +SKIP
     """
 
-    partial = True  # each rank holds shards: the job's figures are the sum of every rank's counted ones
+    in_parts = True  # each rank holds shards: the job's figures are the sum of every rank's counted ones
 
     def __init__(
         self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping, counted: Sequence[bool]
@@ -198,7 +198,7 @@ class FSDPSource:
         self._seqs = itertools.count()  # the run sets' seq numbers, local and reduced alike
         self._layouts: list[_UnitLayout] = []
         # (unit, present parameters) -> layout, for a reduce-scatter without every parameter
-        self._partial: dict[tuple[int, tuple[bool, ...]], _UnitLayout] = {}
+        self._subsets: dict[tuple[int, tuple[bool, ...]], _UnitLayout] = {}
         self._present: dict[int, tuple[bool, ...]] = {}  # per unit, noted as its post_backward began
         self._repeated = False  # a unit reduce-scattered twice this step: no local figures
         self._queued = False  # this backward's end is awaited
@@ -340,9 +340,9 @@ class FSDPSource:
             layout = self._layouts[unit]
             if flat.numel() != layout.per_rank * self._shard_world[unit]:  # some parameters had no gradient
                 present = self._present.get(unit)
-                layout = self._partial.get((unit, present)) if present is not None else None
+                layout = self._subsets.get((unit, present)) if present is not None else None
                 if layout is None and present is not None:
-                    layout = self._partial[(unit, present)] = self._layout(unit, present)
+                    layout = self._subsets[(unit, present)] = self._layout(unit, present)
                 if layout is None or flat.numel() != layout.per_rank * self._shard_world[unit]:
                     raise RuntimeError(
                         "distmon: an FSDP unit's reduce-scatter input does not match its parameters "

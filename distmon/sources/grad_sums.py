@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compat import local_tensor
+from ..compat import rank_part
 from ..step.sums import Runs, sparse_sq_sum, sq_sums
 
 __all__ = ["GradSums"]
@@ -45,8 +45,8 @@ class GradSums:
     present gradients needs (its run set, which gradients are sparse or complex) is planned once
     and cached, so an ordinary read is the list of gradients and one fused call: nothing per
     parameter but fetching its ``.grad``. A read that raises drops its plan (the next read
-    plans afresh, looking at every gradient again). ``local`` maps a gradient to the tensor to
-    read (a DTensor's local shard, say; None: the gradient itself); ``attr`` is the attribute
+    plans afresh, looking at every gradient again). ``part`` maps a gradient to the tensor to
+    read (the part this rank holds: a DTensor's shard, say; None: the gradient itself); ``attr`` is the attribute
     that holds it (``grad``; DeepSpeed's ``BF16_Optimizer`` accumulates in ``_hp_grad``).
 
     Example:
@@ -61,7 +61,7 @@ class GradSums:
         params: list[torch.nn.Parameter],
         layer_of: list[int],
         device: torch.device,
-        local: Callable[[torch.Tensor], torch.Tensor] | None = local_tensor,
+        part: Callable[[torch.Tensor], torch.Tensor] | None = rank_part,
         seqs: Iterator[int] | None = None,
         attr: str = "grad",
     ) -> None:
@@ -69,7 +69,7 @@ class GradSums:
         self.attr = attr
         self.layer_of = layer_of
         self.device = device
-        self.local = local
+        self.part = part
         self._complex = [p.is_complex() for p in params]  # a gradient has its parameter's dtype
         self._plans: dict[tuple[int, ...] | None, _ReadPlan] = {}  # None: every parameter present
         self._placements_checked = False
@@ -87,8 +87,8 @@ class GradSums:
         if not present:
             return None
         key = None if len(present) == len(grads) else tuple(i for i, g in enumerate(grads) if g is not None)
-        if self.local is not None:
-            present = [self.local(g) for g in present]
+        if self.part is not None:
+            present = [self.part(g) for g in present]
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(key, present)

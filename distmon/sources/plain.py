@@ -51,7 +51,7 @@ class PlainSource:
         >>> from distmon.layout.grouping import build_grouping
         >>> net = torch.nn.Linear(2, 2)
         >>> source = PlainSource(net, receiver=None, grouping=build_grouping(net, None, 8))
-        >>> source.world_size, source.group, source.partial
+        >>> source.world_size, source.group, source.in_parts
         (1, None, False)
     """
 
@@ -69,10 +69,10 @@ class PlainSource:
         alongside: bool = False,
     ) -> None:
         self.module = module
-        self.partial, self.counted = counted is not None, counted
+        self.in_parts, self.counted = counted is not None, counted
         # one process: no collective; several: the job's default group, where every rank is
-        self.group = dist.group.WORLD if self.partial else None
-        self.world_size = dist.get_world_size() if self.partial else 1
+        self.group = dist.group.WORLD if self.in_parts else None
+        self.world_size = dist.get_world_size() if self.in_parts else 1
         self.device = first_device(module)
         self.receiver = receiver
         self.alongside = alongside

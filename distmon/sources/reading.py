@@ -18,7 +18,7 @@ from .base import COMPILED_AUTOGRAD
 from .ddp import ddp_parameters
 from .models import LIGHTNING_DEEPSPEED, is_deepspeed, is_fsdp, trained_module, unwrapped
 
-__all__ = ["Reading", "read_layout"]
+__all__ = ["LayoutReading", "read_layout"]
 
 
 def _ddp_is_the_job(ddp: DistributedDataParallel, *, declared: bool, job_size: int) -> bool:
@@ -34,7 +34,7 @@ def _ddp_is_the_job(ddp: DistributedDataParallel, *, declared: bool, job_size: i
 
 
 @dataclass(frozen=True)
-class Reading:
+class LayoutReading:
     """How the object passed reads the layout: per tracked parameter (the grouping's order), whether
     this rank's part of its reduced gradient counts in the job's figures, before the job confirms
     it (:mod:`distmon.layout.census`).
@@ -107,7 +107,7 @@ def _parts(
 
 def _engine_reading(
     engine: object, grouping: Grouping, *, fabric: bool, declared: bool, job: dist.ProcessGroup | None
-) -> Reading:
+) -> LayoutReading:
     """A DeepSpeed engine's reading: its data-parallel group is the job (DeepSpeed's tensor and
     pipeline parallelism are refused), so every rank holds each dense parameter, counted on rank
     0, and DeepSpeed MoE declares its experts distinct over their expert-parallel group itself."""
@@ -122,7 +122,7 @@ def _engine_reading(
     from .deepspeed import engine_counts
 
     counted, why, experts = (tuple(c) for c in zip(*engine_counts(engine, grouping.params)))
-    return Reading(counted, why, experts, (False,) * len(counted))
+    return LayoutReading(counted, why, experts, (False,) * len(counted))
 
 
 def read_layout(
@@ -133,7 +133,7 @@ def read_layout(
     distinct_over: dict[str, dist.ProcessGroup] | None = None,
     stage: object | None = None,
     job: dist.ProcessGroup | None = None,
-) -> Reading:
+) -> LayoutReading:
     """What ``model`` (or the pipeline ``stage``'s module) says about where each of its gradients
     lives, or an error saying what cannot be measured and the way out (``job``: the job's group,
     ``job_group=``; None: the default group).
@@ -178,14 +178,14 @@ def read_layout(
         if stage is None and inside and _ddp_is_the_job(ddp, declared=declared, job_size=job_size):
             rank = ddp.process_group.rank()
             why = f"rank {rank} of DDP's process group (its rank 0 counts it)" if rank else ""
-            return Reading((not why,) * n, (why,) * n, (False,) * n, (False,) * n, whole=True)
+            return LayoutReading((not why,) * n, (why,) * n, (False,) * n, (False,) * n, whole=True)
         parts = _parts(
             grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=ddp, covered=covered
         )
     else:
         trained_module(model)  # a TypeError for what is no module
         if world == 1 and not is_fsdp(model):
-            return Reading((True,) * n, ("",) * n, (False,) * n, (False,) * n)
+            return LayoutReading((True,) * n, ("",) * n, (False,) * n, (False,) * n)
         parts = _parts(
             grouping, replicated_over=replicated_over, distinct_over=distinct_over, ddp=None, covered=set()
         )
@@ -199,4 +199,4 @@ def read_layout(
     ):
         plain = _plain_module(model, world)
     counted, why, decl, undeclared = (tuple(column) for column in zip(*parts)) if parts else ((),) * 4
-    return Reading(counted, why, decl, undeclared, plain=plain)
+    return LayoutReading(counted, why, decl, undeclared, plain=plain)

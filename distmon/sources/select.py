@@ -17,7 +17,7 @@ from .base import Receiver, Source
 from .ddp import CommHook, DDPSource, ddp_parameters
 from .models import is_deepspeed, is_fsdp, peeled
 from .plain import PlainSource
-from .reading import Reading, read_layout
+from .reading import LayoutReading, read_layout
 
 __all__ = ["source_for", "CompositeSource", "PipelineSource"]
 
@@ -29,7 +29,7 @@ class _Wrapping:
     def __init__(self, inner: Source) -> None:
         self.inner = inner
         self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
-        self.device, self.partial, self.counted = inner.device, inner.partial, inner.counted
+        self.device, self.in_parts, self.counted = inner.device, inner.in_parts, inner.counted
         self.divide_factor_set, self.local_figures = inner.divide_factor_set, inner.local_figures
         self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
 
@@ -116,7 +116,7 @@ def source_for(
     replicated_over: dict[str, dist.ProcessGroup] | None = None,
     distinct_over: dict[str, dist.ProcessGroup] | None = None,
     stage: object | None = None,
-    reading: Reading | None = None,
+    reading: LayoutReading | None = None,
     counted: tuple[bool, ...] | None = None,
 ) -> Source:
     """The source that measures ``model``, or an error saying what is supported and the way out.
@@ -129,7 +129,7 @@ def source_for(
     ``replicated_over`` or ``distinct_over`` a group. Which parts count are the model's
     ``reading`` (:func:`read_layout`), or ``counted``, the job's (:mod:`distmon.layout.census`). Where a
     rank holds a part of the reduced gradient (shards, a stage, a copy counted elsewhere) the
-    source is *partial*. A pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by
+    source measures a layout *in parts*. A pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by
     the caller.
 
     Example:

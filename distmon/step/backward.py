@@ -22,25 +22,35 @@ from ..errors import ErrorCounter
 from .loss_scale import LossScale
 from .sums import LayerFold, Runs
 
-__all__ = ["BackwardSums", "StepPhase"]
+__all__ = ["BackwardSums", "StepState", "LayerOrder", "Pending"]
 
 
-class StepPhase(enum.Enum):
-    """Where this rank's training step stands, as the sources see it (cf. FSDP2's ``TrainingState``).
+class StepState(enum.Flag):
+    """Where this rank's training step stands (cf. FSDP2's ``TrainingState``): one value, held by
+    :class:`BackwardSums`, which the sources read and the step tracker advances.
 
-    ``IDLE`` -> ``BACKWARD`` (a backward hands over its sums) -> ``IDLE`` (more backwards may come:
-    gradient accumulation) ... -> ``STEP`` (the optimizer step began: the step's figures are taken,
-    backwards until it ends are not measured) -> ``IDLE`` (the next step); ``CLOSED`` for good once
-    the monitor closed.
+    No flag: between steps. ``BACKWARD``: a backward is handing over its sums (cleared when it
+    ends; more may come: gradient accumulation). ``READ``: the step's figures were first needed (the
+    optimizer step began, or a guard or ``clip_grad_norm_`` asked): a source that reads the
+    gradients at the step has read them. ``FROZEN``: the optimizer step began: backwards until it
+    ends (a closure's later calls, LBFGS's line search) are no new step and are not measured.
+    ``BEGUN``: the step's collective started. ``ROW``: its reduced sums are in its row. ``READ``,
+    ``BEGUN`` and ``ROW`` come in no fixed order (a guard finishes the row before the step begins);
+    the step's end clears every flag but ``CLOSED``, set for good once the monitor closed.
+
+    Example:
+        >>> state = StepState.BACKWARD | StepState.READ
+        >>> StepState.FROZEN in state, bool(state & (StepState.FROZEN | StepState.CLOSED))
+        (False, False)
     """
 
-    IDLE = "idle"
-    BACKWARD = "backward"
-    STEP = "optimizer step"
-    CLOSED = "closed"
+    BACKWARD = enum.auto()
+    READ = enum.auto()
+    FROZEN = enum.auto()
+    BEGUN = enum.auto()
+    ROW = enum.auto()
+    CLOSED = enum.auto()
 
-
-__all__ = ["BackwardSums", "LayerOrder", "Pending"]
 
 Pending = list[tuple[Runs, list[torch.Tensor]]]
 
@@ -96,7 +106,7 @@ class BackwardSums:
         self.errors = errors
         self.loss_scale = loss_scale
         self.fold = LayerFold(n_layers, device)
-        self.phase = StepPhase.IDLE
+        self.state = StepState(0)
         self.order = LayerOrder(n_layers, device)
         self._fixed = fixed_order is not None  # the sources' backward orders are not the job's
         if fixed_order is not None:
@@ -109,26 +119,26 @@ class BackwardSums:
     def active(self) -> bool:
         """Whether the sources measure now: not once the monitor closed, nor between the step's
         start and its end (a closure's later calls, LBFGS's line search, are no new step)."""
-        return self.phase in (StepPhase.IDLE, StepPhase.BACKWARD)
+        return not self.state & (StepState.FROZEN | StepState.CLOSED)
 
     @property
     def closed(self) -> bool:
         """Whether the monitor closed: nothing is measured any more."""
-        return self.phase is StepPhase.CLOSED
+        return StepState.CLOSED in self.state
 
     def close(self) -> None:
         """The monitor closed: nothing is measured from now on."""
-        self.phase = StepPhase.CLOSED
+        self.state |= StepState.CLOSED
 
     def freeze(self) -> None:
         """The step began: its figures are taken; backwards until it ends are not measured."""
-        if self.phase is not StepPhase.CLOSED:
-            self.phase = StepPhase.STEP
+        if StepState.CLOSED not in self.state:
+            self.state = (self.state & ~StepState.BACKWARD) | StepState.FROZEN
 
     def new_step(self) -> None:
         """Forget the finished step's flags (its sums were folded or dropped)."""
-        if self.phase is StepPhase.STEP:
-            self.phase = StepPhase.IDLE
+        # the step's flags go; CLOSED stays (and BACKWARD, never set between steps)
+        self.state &= StepState.BACKWARD | StepState.CLOSED
         self.measured = False  # a backward handed this step its sums
         self.local_ok = True  # no failure where the local figures are measured
         self.local_exact = True  # one reduction input held the step's whole local gradient
@@ -144,9 +154,9 @@ class BackwardSums:
         Per backward, not per step: a second backward before the step replaces the first one's
         figures, as DDP's buckets do.
         """
-        if self.phase is not StepPhase.BACKWARD:
-            if self.phase is StepPhase.IDLE:
-                self.phase = StepPhase.BACKWARD
+        if StepState.BACKWARD not in self.state:
+            if self.active:
+                self.state |= StepState.BACKWARD
             self._local.clear()
             self._reduced.clear()
 
@@ -162,8 +172,7 @@ class BackwardSums:
         ``scaled``: they were read before the loss scale was divided out (``reduced_scaled``: the
         same for the reduced ones, when they were read at another time).
         """
-        if self.phase is StepPhase.BACKWARD:
-            self.phase = StepPhase.IDLE
+        self.state &= ~StepState.BACKWARD
         self.measured = True
         self._scaled = scaled
         self._reduced_scaled = scaled if reduced_scaled is None else reduced_scaled

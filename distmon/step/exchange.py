@@ -5,7 +5,7 @@ per-rank (pre-reduction) figures do, and they are needed only when rows are expo
 collective's size grows with the number of ranks:
 
 - an ordinary step sends a SUM all-reduce of a few floats (rank 0's vote for a time-bounded
-  export; a partial layout's per-layer sums of every rank's counted shards, each distinct shard
+  export; a layout in parts' per-layer sums of every rank's counted shards, each distinct shard
   counted on one replica), or nothing at all when there is nothing to add up;
 - an export step, in its place, sends three, over the rows of every step since the last export
   (kept in a ring of ``export_every`` rows): an all-gather of those rows over the ranks of this
@@ -49,7 +49,7 @@ __all__ = ["Exchange", "InFlight", "RankBuffers", "LaggedVote"]
 class RankBuffers:
     """This rank's row of each step, kept until an export, and the collectives that carry rows.
 
-    ``held``: the ranks (of ``group``) whose rows the export gathers here, this rank's node's,
+    ``node_ranks``: the ranks (of ``group``) whose rows the export gathers here, this rank's node's,
     over ``node_group`` (None: this rank alone on its node, or one process).
 
     :meth:`pack` fills the send row when the step begins (the tracker folds the local per-layer
@@ -75,22 +75,22 @@ class RankBuffers:
         group: dist.ProcessGroup | None,
         device: torch.device,
         node_group: dist.ProcessGroup | None = None,
-        held: tuple[int, ...] | None = None,
+        node_ranks: tuple[int, ...] | None = None,
     ) -> None:
         self.fields = f = plan.rank
         self.group, self.node_group = group, node_group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.held = held if held is not None else tuple(range(self.world))
-        self.held_index = self.held.index(self.rank)
+        self.node_ranks = node_ranks if node_ranks is not None else tuple(range(self.world))
+        self.node_place = self.node_ranks.index(self.rank)
         f32 = dict(dtype=torch.float32, device=device)
         n_layers = plan.step.n_layers
         self.send = torch.zeros(f.width, **f32)
         self.layer_sq = self.send[f.layers] if f.n_layer_cols else torch.zeros(n_layers, **f32)
-        self.partial_sq = self.send[f.partial]  # the reduced sums of the parts this rank counts
+        self.parts_sq = self.send[f.in_parts]  # the reduced sums of the parts this rank counts
         self.rows = torch.zeros(n_rows, f.width, **f32)  # kept rows, by ring slot
         self.summed = torch.zeros(f.reduced.stop - f.reduced.start, **f32)  # the all-reduce's buffer
-        self._gathered = torch.zeros(len(self.held) * n_rows * f.width, **f32)
+        self._gathered = torch.zeros(len(self.node_ranks) * n_rows * f.width, **f32)
         # (errors, valid, reduced_ok, batch) as written in the send row
         self._sent_meta: tuple[int, float, bool, float] | None = None
         self._works: list[dist.Work] = []
@@ -142,16 +142,16 @@ class RankBuffers:
         self._start(dist.all_reduce(self.summed, group=self.group, async_op=True))
 
     def gather(self, first: int, last: int) -> torch.Tensor:
-        """Start the all-gather of kept rows ``first..last`` (ring slots) over the node: ``(held, k, width)``
+        """Start the all-gather of kept rows ``first..last`` (ring slots) over the node: ``(node_size, k, width)``
         out (this rank's own rows when it is alone on its node)."""
         self.wait()
         k, width = last - first + 1, self.fields.width
         rows = self.rows[first : last + 1]
         if self.node_group is None:
             return rows.unsqueeze(0)
-        out = self._gathered[: len(self.held) * k * width]
+        out = self._gathered[: len(self.node_ranks) * k * width]
         self._start(all_gather(out, rows.reshape(-1), group=self.node_group, async_op=True))
-        return out.view(len(self.held), k, width)
+        return out.view(len(self.node_ranks), k, width)
 
     def summarize(self, sums: torch.Tensor, keys: torch.Tensor) -> None:
         """Start the job's SUM of ``sums`` and MAX of ``keys`` (``crossrank.py``), after the node's gather."""
@@ -233,16 +233,16 @@ class InFlight:
     kind: Literal["reduce", "export", "flush"]
     first: int  # the steps whose rows (a gather) or sums (the all-reduce) it carries
     last: int
-    out: torch.Tensor | None = None  # a gather's ``(held, k, width)`` output
+    out: torch.Tensor | None = None  # a gather's ``(node_size, k, width)`` output
 
 
 class Exchange:
     """The per-step collective's schedule: export votes, issue, completion, where every rank's rows land.
 
-    ``partial``: each rank holds a part of the reduced gradient (shards, a pipeline stage): the
+    ``in_parts``: each rank holds a part of the reduced gradient (shards, a pipeline stage): the
     step's all-reduce adds up the per-layer sums of every rank's counted parts (``layout.py``);
     otherwise every rank holds the whole reduced gradient and measures it alone. ``node_group``
-    and ``held``: the ranks whose rows an export gathers here (:class:`RankBuffers`); ``order``
+    and ``node_ranks``: the ranks whose rows an export gathers here (:class:`RankBuffers`); ``order``
     the layers' backward order, for the first non-finite layer's key.
 
     Example:
@@ -264,9 +264,9 @@ class Exchange:
         export_interval_s: float,
         errors: ErrorCounter,
         order: LayerOrder,
-        partial: bool = False,
+        in_parts: bool = False,
         node_group: dist.ProcessGroup | None = None,
-        held: tuple[int, ...] | None = None,
+        node_ranks: tuple[int, ...] | None = None,
     ) -> None:
         self.plan, self.ring, self.errors, self.order = plan, ring, errors, order
         self.export_every, self.export_interval_s = export_every, export_interval_s
@@ -274,14 +274,19 @@ class Exchange:
         self.collective = group is not None
         device = ring.data.device
         self.buffers = RankBuffers(
-            plan, n_rows=export_every, group=group, device=device, node_group=node_group, held=held
+            plan,
+            n_rows=export_every,
+            group=group,
+            device=device,
+            node_group=node_group,
+            node_ranks=node_ranks,
         )
         self.rank = self.buffers.rank
         f = plan.rank
         self.cross = CrossRank(
             plan, rank=self.rank, n_rows=export_every, device=device, n_extra=f.reduced.stop - f.reduced.start
         )
-        self.partial = partial
+        self.in_parts = in_parts
         self.votes = LaggedVote(ring.data.device) if f.vote is not None else None
         self._voter = self.votes is not None and self.rank == 0
         self._vote_sent = 0.0  # rank 0's vote as written in its send row
@@ -294,7 +299,7 @@ class Exchange:
         self.last_export = time.monotonic()
 
     def join_node(self, group: dist.ProcessGroup | None) -> None:
-        """Gather the held ranks' rows over ``group``, their node's (set once every rank started)."""
+        """Gather the node ranks' rows over ``group``, their node's (set once every rank started)."""
         self.buffers.node_group = group
 
     def resume_at(self, step: int) -> None:
@@ -310,7 +315,7 @@ class Exchange:
         if not self.collective:
             return
         voted = self.votes is not None and self.votes.read(step)  # the same on every rank
-        if self.counted(step) or voted:
+        if self.scheduled(step) or voted:
             first = self.gathered_through + 1
             self.gathered_through = self._export_at = step
             self._in_flight = self._gather("export", first, step)
@@ -340,7 +345,7 @@ class Exchange:
         if not self._voter:
             return
         due = time.monotonic() - self.last_export >= self.export_interval_s
-        vote = 1.0 if due and step > self._quiet_until and not self.counted(step) else 0.0
+        vote = 1.0 if due and step > self._quiet_until and not self.scheduled(step) else 0.0
         if vote:
             assert self.votes is not None
             self._quiet_until = step + self.votes.lag  # the step whose export this asks for
@@ -353,7 +358,7 @@ class Exchange:
         """Wait for the collective in flight and put what it brought where it belongs.
 
         The node's rows into the ring rows of their steps, the job's reductions into their job
-        columns; a partial layout's reduced sums into the step's row and rank 0's vote on its way
+        columns; a layout in parts' reduced sums into the step's row and rank 0's vote on its way
         to the host (from the ordinary step's all-reduce, or the floats an export's SUM carried
         for its last step). ``timeout_s``: give up waiting (counted as a monitor error, what it
         would have brought stays "not measured").
@@ -371,34 +376,35 @@ class Exchange:
                 self.cross.land(self.ring.span(flight.first, flight.last), self.ring.slot(flight.first))
                 summed = self.cross.extra(k).float()
             if flight.kind != "flush":
-                if self.partial:  # the regions by name: rows.py may order them as it likes
+                if self.in_parts:  # the regions by name: rows.py may order them as it likes
                     ok = f.summed("reduced_ok").start
-                    self._land_partial(flight.last, summed[f.summed("partial")], summed[ok])
+                    self._land_parts(flight.last, summed[f.summed("parts")], summed[ok])
                 if f.vote is not None and self.votes is not None:
                     self.votes.post(flight.last, summed[f.summed("vote")])
         except Exception:
             self.errors.record("rank exchange (wait)")
 
-    def _land_partial(self, step: int, layer_sq: torch.Tensor, measured: torch.Tensor) -> None:
-        """A partial layout's reduced figures of ``step``: the job's sums, valid only if every rank
+    def _land_parts(self, step: int, layer_sq: torch.Tensor, measured: torch.Tensor) -> None:
+        """A layout in parts' reduced figures of ``step``: the job's sums, valid only if every rank
         measured its parts (``measured``, the sum of the ranks' ``reduced_ok``, is the world)."""
         self.ring.layers(step).copy_(layer_sq)
         self.ring.row(step)[Head.VALID].mul_(measured == self.buffers.world)
 
     def _store(self, first: int, last: int, out: torch.Tensor, ranks: slice = slice(None)) -> None:
-        """Write ``out`` (``(held, k, width)``: each held rank's rows of steps ``first..last``) into the
+        """Write ``out`` (``(node_size, k, width)``: each node rank's rows of steps ``first..last``) into the
         ring."""
         self.plan.step.rank_rows(self.ring.span(first, last))[:, ranks].copy_(out.transpose(0, 1))
 
     # -- exports ----------------------------------------------------------------------------
-    def counted(self, step: int) -> bool:
-        """Whether ``step`` is a *count step*, a multiple of ``export_every``: it exports, and every
-        rank knows so before it begins (what the update ratio needs). An *export step* is a count
-        step or one that rank 0's ``export_interval_s`` vote chose, known only once the vote landed.
+    def scheduled(self, step: int) -> bool:
+        """Whether ``step`` is a *scheduled export step*, a multiple of ``export_every``: it exports,
+        and every rank knows so before it begins (what the update ratio needs). An *export step* is
+        a scheduled one or one that rank 0's ``export_interval_s`` vote chose, known only once the
+        vote landed.
 
         Example:
             >>> ex = Exchange.__new__(Exchange); ex.export_every = 10
-            >>> ex.counted(20), ex.counted(25)
+            >>> ex.scheduled(20), ex.scheduled(25)
             (True, False)
         """
         return step % self.export_every == 0
@@ -407,12 +413,12 @@ class Exchange:
         """Whether the finished ``step`` is an export step (the same answer on every rank)."""
         if self.collective:
             return self._export_at == step
-        return self.counted(step) or bool(
+        return self.scheduled(step) or bool(
             self.export_interval_s and time.monotonic() - self.last_export >= self.export_interval_s
         )
 
     def gather_rest(self, last: int, gather: bool, timeout_s: float | None = None) -> None:
-        """The held ranks' rows and the job's reductions of the steps up to ``last`` not gathered
+        """The node ranks' rows and the job's reductions of the steps up to ``last`` not gathered
         yet, into the ring (collectives).
 
         ``gather=False`` (a rank closing on an exception, which the others may not share) stores
@@ -429,7 +435,7 @@ class Exchange:
                 self._in_flight = self._gather("flush", first, last)
                 self.complete(timeout_s)
             else:
-                s, r = self.ring.slot(first), self.buffers.held_index
+                s, r = self.ring.slot(first), self.buffers.node_place
                 own = self.buffers.rows[s : s + last - first + 1]
                 self._store(first, last, own.unsqueeze(0), slice(r, r + 1))
                 self.cross.alone(self.ring.span(first, last), s, own, self.order.device)

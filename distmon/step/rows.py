@@ -5,19 +5,19 @@ the host), and each rank sends its own part of it in the step's collective (a *r
 Both are laid out here, by name, from the options of one monitor; every other module reads
 and writes them through these names:
 
-    step row   head (valid, total_sq) | layers | ranks (held x rank row) | job | detector | noise | act | upd
+    step row   head (valid, total_sq) | layers | ranks (node_size x rank row) | job | detector | noise | act | upd
     rank row   layers, or total_sq + first_nonfinite | errors | valid | reduced_ok | batch | act_first
-               | vote | partial      (the last two: what the ordinary step's all-reduce adds up)
+               | vote | parts      (the last two: what the ordinary step's all-reduce adds up)
 
 A region of size 0 is absent (its slice is empty, its index None): ``noise`` without
-``batch_size``, ``partial`` when every rank holds the whole reduced gradient, and so on.
+``batch_size``, ``in_parts`` when every rank holds the whole reduced gradient, and so on.
 
 Example:
     >>> plan = RowPlan.build(n_layers=3, world=2, rank_layers=True)
     >>> plan.rank.width, plan.rank.layers, plan.step.layers, plan.step.ranks
     (5, slice(0, 3, None), slice(2, 5, None), slice(5, 15, None))
 
-The ranks region holds the rows of the ranks this rank *holds*: its node's (``held``, the
+The ranks region holds the rows of the ranks this rank *holds*: its node's (``node_size`` of them, the
 world on one node); the ``job`` columns what the whole job's ranks add up to
 (``crossrank.py``), whatever the number of ranks.
 """
@@ -76,7 +76,7 @@ class Job(IntEnum):
 
 
 class Verdict(IntEnum):
-    """The detector columns of a step row (then one rank-outlier score per held rank)."""
+    """The detector columns of a step row (then one rank-outlier score per node rank)."""
 
     ZSCORE = 0  # z-score of the log global norm
     MEDIAN_RATIO = 1  # global norm / running median
@@ -173,8 +173,8 @@ class RankRow:
     ``batch`` (the noise scale: its batch this step), ``act_first`` (activations: its first
     non-finite module, -1 if none). The row ends with :attr:`reduced`, what an ordinary step's
     all-reduce adds up: ``vote`` (rank 0's "export now", with a time-bounded export) and, in a
-    partial layout, ``reduced_ok`` (its counted parts of the reduced gradient were measured: the
-    sum is the world when every rank's were) and ``partial`` (the per-layer sums of squares of
+    layout in parts, ``reduced_ok`` (its counted parts of the reduced gradient were measured: the
+    sum is the world when every rank's were) and ``in_parts`` (the per-layer sums of squares of
     the parts it counts).
 
     Example:
@@ -184,20 +184,20 @@ class RankRow:
     """
 
     # the regions an ordinary step's all-reduce adds up (consecutive: one slice of the send row)
-    REDUCED = ("vote", "reduced_ok", "partial")
+    REDUCED = ("vote", "reduced_ok", "parts")
 
     def __init__(
         self,
         *,
         n_layers: int,
         rank_layers: bool,
-        partial: bool = False,
+        in_parts: bool = False,
         batch: bool = False,
         activations: bool = False,
         vote: bool = False,
     ) -> None:
         self.n_layer_cols = n_layers if rank_layers else 0
-        self.n_partial = n_layers if partial else 0
+        self.n_parts = n_layers if in_parts else 0
         self.schema = s = Schema(
             [
                 ("layers", self.n_layer_cols),
@@ -208,12 +208,12 @@ class RankRow:
                 ("batch", 1 if batch else 0),
                 ("act_first", 1 if activations else 0),
                 ("vote", 1 if vote else 0),
-                ("reduced_ok", 1 if partial else 0),
-                ("partial", self.n_partial),
+                ("reduced_ok", 1 if in_parts else 0),
+                ("parts", self.n_parts),
             ]
         )
         self.width = s.width
-        self.layers, self.partial = s["layers"], s["partial"]
+        self.layers, self.in_parts = s["layers"], s["parts"]
         self.total_sq, self.first_nonfinite = s.index("total_sq"), s.index("first_nonfinite")
         self.errors, self.valid = s["errors"].start, s["valid"].start
         self.reduced_ok, self.batch = s.index("reduced_ok"), s.index("batch")
@@ -226,8 +226,8 @@ class RankRow:
         """Where region ``name`` (one of :attr:`REDUCED`) sits in the all-reduce's buffer, by name.
 
         Example:
-            >>> r = RankRow(n_layers=2, rank_layers=True, partial=True, vote=True)
-            >>> r.summed("vote"), r.summed("reduced_ok"), r.summed("partial")
+            >>> r = RankRow(n_layers=2, rank_layers=True, in_parts=True, vote=True)
+            >>> r.summed("vote"), r.summed("reduced_ok"), r.summed("parts")
             (slice(0, 1, None), slice(1, 2, None), slice(2, 4, None))
         """
         return self._summed[name]
@@ -252,13 +252,13 @@ class RankRow:
 
 
 class StepRow:
-    """One step's row in the device ring: its head, reduced layers, the held ranks' rows, the job's
+    """One step's row in the device ring: its head, reduced layers, the node ranks' rows, the job's
     cross-rank figures, derived figures.
 
-    ``world``: the job's ranks; ``held``: the ranks whose rows this rank holds (its node's);
+    ``world``: the job's ranks; ``node_size``: how many ranks' rows this rank holds (its node's);
     ``job``: :class:`Job` columns, then with the noise scale the ranks' mean
     local sum of squares per layer; ``detector``: :class:`Verdict` columns then one outlier score
-    per held rank; ``noise``:
+    per node rank; ``noise``:
     :class:`Noise` columns then B_simple and EMA |G_l|^2 per layer; ``act``: RMS per watched
     module, max-abs per module, the first non-finite module; ``upd``: the update ratio per layer.
     """
@@ -269,22 +269,22 @@ class StepRow:
         n_layers: int,
         world: int,
         rank: RankRow,
-        held: int | None = None,
+        node_size: int | None = None,
         detector: bool = False,
         noise: bool = False,
         watched: int = 0,
         update_ratio: bool = False,
     ) -> None:
         self.n_layers, self.world, self.rank = n_layers, world, rank
-        self.held = world if held is None else held
+        self.node_size = world if node_size is None else node_size
         self.n_watched = watched
         self.schema = s = Schema(
             [
                 ("head", len(Head)),
                 ("layers", n_layers),
-                ("ranks", self.held * rank.width),
+                ("ranks", self.node_size * rank.width),
                 ("job", len(Job) + (n_layers if noise else 0)),
-                ("detector", len(Verdict) + self.held if detector else 0),
+                ("detector", len(Verdict) + self.node_size if detector else 0),
                 ("noise", len(Noise) + 2 * n_layers if noise else 0),
                 ("act", 2 * watched + 1 if watched else 0),
                 ("upd", n_layers if update_ratio else 0),
@@ -297,9 +297,9 @@ class StepRow:
         self.total_and_layers = slice(Head.TOTAL_SQ, self.layers.stop)
 
     def rank_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The ranks region of ``rows`` ``(k, width)`` as ``(k, held, rank.width)``: each held rank's
+        """The ranks region of ``rows`` ``(k, width)`` as ``(k, node_size, rank.width)``: each node rank's
         floats."""
-        return rows[:, self.ranks].view(len(rows), self.held, self.rank.width)
+        return rows[:, self.ranks].view(len(rows), self.node_size, self.rank.width)
 
     def blank(self, device: torch.device) -> torch.Tensor:
         """A step's row before it is measured: valid, zero sums, no verdict, NaN derived figures.
@@ -315,7 +315,7 @@ class StepRow:
         row[self.job] = math.nan  # no job-wide figure until the export's reductions landed
         row[self.noise] = math.nan  # no noise-scale figure until a row is judged
         row[self.act] = math.nan  # a step whose forwards were not watched
-        row[self.upd] = math.nan  # not a count step (Exchange.counted)
+        row[self.upd] = math.nan  # not a scheduled export step (Exchange.scheduled)
         return row
 
 
@@ -332,9 +332,9 @@ class RowPlan:
         *,
         n_layers: int,
         world: int,
-        held: int | None = None,
+        node_size: int | None = None,
         rank_layers: bool = True,
-        partial: bool = False,
+        in_parts: bool = False,
         vote: bool = False,
         batch: bool = False,
         watched: int = 0,
@@ -342,11 +342,11 @@ class RowPlan:
         update_ratio: bool = False,
     ) -> RowPlan:
         """The plan for these options; ``watched`` is the number of modules whose activations are
-        watched, ``held`` the ranks whose rows this rank holds (its node's; the world by default)."""
+        watched, ``node_size`` how many ranks' rows this rank holds (its node's; the world by default)."""
         rank = RankRow(
             n_layers=n_layers,
             rank_layers=rank_layers,
-            partial=partial,
+            in_parts=in_parts,
             batch=batch,
             activations=watched > 0,
             vote=vote,
@@ -354,7 +354,7 @@ class RowPlan:
         step = StepRow(
             n_layers=n_layers,
             world=world,
-            held=held,
+            node_size=node_size,
             rank=rank,
             detector=detector,
             noise=batch,

@@ -44,7 +44,6 @@ With a guard (or ``clip_grad_norm_``) hops 4 and 6 happen at once, before the op
 from __future__ import annotations
 
 import copy
-import enum
 import math
 import time
 from collections.abc import Callable
@@ -60,23 +59,13 @@ from ..verdicts.detectors import DeviceDetector
 from ..verdicts.judge import Judge
 from ..verdicts.noise_scale import NoiseScale
 from .activations import ActivationWatch
-from .backward import BackwardSums
+from .backward import BackwardSums, StepState
 from .exchange import Exchange
 from .ring import DeviceRing, ExportBatch, StepInfo
 from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .update_ratio import UpdateRatio
 
-__all__ = ["StepTracker", "StepDone"]
-
-
-class StepDone(enum.Flag):
-    """What of the step in progress's once-per-step work is done (the sources' side is
-    :class:`~distmon.step.backward.StepPhase`). Not in a fixed order: a guard or ``clip_grad_norm_``
-    may finish the row before the step begins."""
-
-    READ = enum.auto()  # a source that reads the gradients at the step has read them
-    BEGUN = enum.auto()  # before_step: local sums packed, the step's collective started
-    ROW = enum.auto()  # finish_row: the reduced sums folded into the step's row
+__all__ = ["StepTracker"]
 
 
 class StepTracker:
@@ -86,7 +75,7 @@ class StepTracker:
     ``step + 1``. An ordinary step costs the source's two fused passes over the gradients
     (local and reduced), one fold of each into per-layer sums, the copy of this rank's row
     into the rows kept for the next export and a fixed-size all-reduce (rank 0's export vote, a
-    partial layout's shard sums; none when there is neither), whose wait is left to the next
+    layout in parts's shard sums; none when there is neither), whose wait is left to the next
     step. Judging a row waits for the export, batched over the steps since the last one,
     unless a step's figures are needed before its ``optimizer.step()`` (guard,
     ``clip_grad_norm_``). In one process (no group) nothing is issued.
@@ -118,7 +107,7 @@ class StepTracker:
         errors: ErrorCounter,
         export: Callable[[ExportBatch], None],
         export_interval_s: float = 0.0,
-        partial: bool = False,
+        in_parts: bool = False,
         detector: DeviceDetector | None = None,
         noise: NoiseScale | None = None,
         batch_size: Callable[[], float] | None = None,
@@ -127,7 +116,7 @@ class StepTracker:
         update_ratio: UpdateRatio | None = None,
         check: Callable[[], tuple[float, float]] | None = None,
         node_group: dist.ProcessGroup | None = None,
-        held: tuple[int, ...] | None = None,
+        node_ranks: tuple[int, ...] | None = None,
     ) -> None:
         self.plan, self.sums, self.source, self.errors = plan, sums, source, errors
         self.export_every = export_every
@@ -140,9 +129,9 @@ class StepTracker:
             export_interval_s=export_interval_s,
             errors=errors,
             order=sums.order,
-            partial=partial,
+            in_parts=in_parts,
             node_group=node_group,
-            held=held,
+            node_ranks=node_ranks,
         )
         self.judge = Judge(
             plan.step, detector=detector, noise=noise, errors=errors, cross=self.exchange.cross
@@ -151,7 +140,7 @@ class StepTracker:
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
         self._export = export  # hands an export's host copy to the export thread
-        # a partial layout's first-step check (verify.py): the job's squared norm as distmon reads
+        # a layout in parts' first-step check (verify.py): the job's squared norm as distmon reads
         # the layout and computed another way, from the same gradients
         self._check = check
         self.misread: str | None = None  # why the check refused every figure (None: it did not)
@@ -196,13 +185,12 @@ class StepTracker:
         self.sums.close()
 
     def _new_step(self) -> None:
-        self._done = StepDone(0)
         self.sums.new_step()
 
     def _read_gradients(self) -> None:
         """A source that reads the gradients when the step's figures are first needed reads them now."""
-        if StepDone.READ not in self._done:
-            self._done |= StepDone.READ
+        if StepState.READ not in self.sums.state:
+            self.sums.state |= StepState.READ
             self.source.read_at_step()
 
     def fail(self, site: str, local: bool = True, reduced: bool = True) -> None:
@@ -217,16 +205,16 @@ class StepTracker:
         reduction has completed by then, so the collective cannot interleave with its
         collectives.
         """
-        if not self.active or StepDone.BEGUN in self._done:
+        if not self.active or StepState.BEGUN in self.sums.state:
             return
-        self._done |= StepDone.BEGUN
+        self.sums.state |= StepState.BEGUN
         self._read_gradients()
         self.sums.freeze()
         step = self.step + 1
         ratio = self.update_ratio
-        if ratio is not None and self.exchange.counted(step):
+        if ratio is not None and self.exchange.scheduled(step):
             try:
-                ratio.begin()  # the parameters before this count step's update (known in advance)
+                ratio.begin()  # the parameters before this scheduled export step's update (known in advance)
             except Exception:
                 self.errors.record("update ratio")
         ex, sums = self.exchange, self.sums
@@ -273,8 +261,8 @@ class StepTracker:
         """This rank's row of the step: its local sums, its shard's reduced sums, its flags."""
         buf = ex.buffers
         sums.fold_local(buf.layer_sq)
-        if ex.partial:  # the reduced sums of the parts this rank counts
-            sums.fold_reduced(buf.partial_sq)
+        if ex.in_parts:  # the reduced sums of the parts this rank counts
+            sums.fold_reduced(buf.parts_sq)
         buf.pack(
             sums.order.device,
             errors=self.errors.count,
@@ -301,13 +289,13 @@ class StepTracker:
         """
         step = self.step + 1
         row = self.ring.row(step)
-        if StepDone.ROW in self._done:
+        if StepState.ROW in self.sums.state:
             return row
-        self._done |= StepDone.ROW
+        self.sums.state |= StepState.ROW
         self._read_gradients()
         sums = self.sums
         try:
-            if not self.exchange.partial:  # a partial layout's come with the step's collective
+            if not self.exchange.in_parts:  # a layout in parts' come with the step's collective
                 sums.fold_reduced(self.ring.layers(step))
             valid = sums.reduced_ok and sums.measured and self.misread is None
         except Exception:
@@ -319,8 +307,8 @@ class StepTracker:
         return row
 
     def _reduced_now(self) -> torch.Tensor:
-        """The step in progress's row with its reduced sums in (a partial layout's need its collective)."""
-        if self.exchange.partial:
+        """The step in progress's row with its reduced sums in (a layout in parts' need its collective)."""
+        if self.exchange.in_parts:
             self.before_step()
             self.exchange.complete()  # a stream wait on NCCL; the shards' sums are needed now
         return self.finish_row()
@@ -393,7 +381,7 @@ class StepTracker:
         """
         if not self.active:
             return
-        self._done |= StepDone.BEGUN
+        self.sums.state |= StepState.BEGUN
         try:
             self._read_gradients()  # and the source's own start of a step (FSDP: the units seen)
         except Exception:
@@ -420,7 +408,7 @@ class StepTracker:
         try:
             if self.step < step:
                 self.begin_anyway()
-                self._done |= StepDone.ROW
+                self.sums.state |= StepState.ROW
                 self.ring.row(step)[Head.VALID].fill_(0.0)
                 self._valid[self.ring.slot(step)] = False
                 if self.activations is not None:
@@ -441,7 +429,7 @@ class StepTracker:
         The reduced-figure verdicts of the steps not judged yet are judged on copies (the
         detector's and the rows'), as the next export will judge them; the verdicts that need
         every rank's figures (rank outliers, the noise scale) are as of the latest export: the
-        other ranks' figures of the steps since are theirs until then. A partial layout's last
+        other ranks' figures of the steps since are theirs until then. A layout in parts' last
         reduced sums come with its step's collective, already issued on every rank: waited here.
         """
         self.exchange.complete()

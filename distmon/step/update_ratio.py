@@ -1,7 +1,7 @@
-"""Per-layer update-to-weight ratio ||delta theta|| / ||theta||, on count steps only.
+"""Per-layer update-to-weight ratio ||delta theta|| / ||theta||, on scheduled export steps only.
 
-Updates that grow relative to the weights precede loss spikes. On a count step (every
-``export_every``-th step, :meth:`distmon.step.exchange.Exchange.counted`: known before it begins,
+Updates that grow relative to the weights precede loss spikes. On a scheduled export step (every
+``export_every``-th step, :meth:`distmon.step.exchange.Exchange.scheduled`: known before it begins,
 unlike an export that ``export_interval_s`` adds, which therefore reports NaN ratios) the
 parameters are copied (one fused copy into a buffer kept for the purpose) when the optimizer
 step begins, and when it ends the copy becomes ``before - after`` in place: one fused pass

@@ -44,7 +44,7 @@ from ..step.rows import RowPlan, Verdict
 from ..step.sums import prefix_ema, run_lengths, stable_run
 from .resume import load_tensors, save_tensors
 
-__all__ = ["DetectorConfig", "DeviceDetector", "DetectorDecoder"]
+__all__ = ["DetectorConfig", "DeviceDetector", "EventFinder"]
 
 
 @dataclass(frozen=True)
@@ -281,12 +281,17 @@ class DeviceDetector:
     """
 
     def __init__(
-        self, cfg: DetectorConfig, plan: RowPlan, device: torch.device, held: Sequence[int] | None = None
+        self,
+        cfg: DetectorConfig,
+        plan: RowPlan,
+        device: torch.device,
+        node_ranks: Sequence[int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.step_row, self.fields = plan.step, plan.rank
         world = plan.step.world
-        self.held_ranks = tuple(held) if held is not None else tuple(range(plan.step.held))  # the held rows'
+        # the ranks whose rows (and outlier scores) this rank holds: its node's
+        self.node_ranks = tuple(node_ranks) if node_ranks is not None else tuple(range(plan.step.node_size))
         n = plan.step.n_layers + 1  # global norm first, then layers
         f32 = dict(dtype=torch.float32, device=device)
         self.mean = torch.zeros(n, **f32)
@@ -294,7 +299,7 @@ class DeviceDetector:
         self.seeded = torch.zeros(n, dtype=torch.bool, device=device)
         self.history = torch.full((cfg.median_window,), math.nan, **f32)
         self.below = torch.zeros((), **f32)
-        self.held = torch.zeros(n, **f32)  # consecutive spiking steps per column, kept out of the state
+        self.spiking = torch.zeros(n, **f32)  # consecutive spiking steps per column, kept out of the state
         self._device = device
         self.compare_within([list(range(world))])
         self.updates = 0  # host count of rows seen: the warm-up and history slots need no device read
@@ -304,7 +309,7 @@ class DeviceDetector:
         # longest run at once: history slots must not collide, (1 - alpha)^-k must stay < ~1e6
         self._max_run = min(cfg.median_window, stable_run(cfg.ema_alpha))
 
-    _STATE = ("mean", "var", "seeded", "history", "below", "held")  # what it learned, as tensors
+    _STATE = ("mean", "var", "seeded", "history", "below", "spiking")  # what it learned, as tensors
 
     def state_dict(self) -> dict[str, object]:
         """What the detector has learned, as plain lists and numbers (``distmon.verdicts.resume``)."""
@@ -318,6 +323,8 @@ class DeviceDetector:
 
     def load_state_dict(self, state: Mapping[str, object], same_ranks: bool = True) -> None:
         """Go on from ``state``; the rank-outlier scales only when the ranks are grouped alike."""
+        if "spiking" not in state:  # state version 1 called it "held"
+            state = {**state, "spiking": state["held"]}
         load_tensors(self, state, self._STATE, "detector", why={"history": "DetectorConfig.median_window"})
         self.updates, self.rank_updates = int(state["updates"]), int(state["rank_updates"])
         if same_ranks and state["groups"] == self._groups:
@@ -340,10 +347,10 @@ class DeviceDetector:
         # the groups' ranks, as plain lists: the state_dict's (nothing indexes by them on the device)
         self._groups = [list(g) for g in groups]
         self._sizes = [len(g) for g in groups]
-        # per group, the positions of its held ranks in the held rows
-        self._held_in = [
+        # per group, the positions of its ranks among the node's rows
+        self._group_rows = [
             torch.tensor(
-                [i for i, r in enumerate(self.held_ranks) if r in g], dtype=torch.long, device=self._device
+                [i for i, r in enumerate(self.node_ranks) if r in g], dtype=torch.long, device=self._device
             )
             for g in groups
         ]
@@ -375,8 +382,8 @@ class DeviceDetector:
         ref0 = torch.cat([(x[:, :1] - median).nan_to_num(0.0), (x - mean0)[:, 1:]], 1)
         anomalous = live & (z0 > cfg.spike_zscore) & (ref0 > self._log_ratio)
         anomalous[:armed_from] = False
-        lasted = run_lengths(anomalous, self.held)
-        self.held.copy_(lasted[-1])
+        lasted = run_lengths(anomalous, self.spiking)
+        self.spiking.copy_(lasted[-1])
         learn = live & ~(anomalous & (lasted <= cfg.spike_adapt_steps))  # rows the state learns from
         bound = cfg.spike_zscore * torch.sqrt(self.var + 1e-4)
         # winsorized, so one spike does not poison the baseline
@@ -428,7 +435,7 @@ class DeviceDetector:
         reductions landed: ``stats`` ``(k, groups, GroupStat)`` are the job's peer-group figures of
         the same steps (``crossrank.py``).
 
-        Writes the outlier columns (the job's worst rank and score) and every held rank's score;
+        Writes the outlier columns (the job's worst rank and score) and every node rank's score;
         device ops only.
         """
         if len(rows) > self._max_run:
@@ -444,7 +451,7 @@ class DeviceDetector:
         out[:, len(Verdict) :] = score
 
     def _rank_outliers(self, rows: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per row: the held ranks' outlier scores, the job's worst rank and its score; advances the scales.
+        """Per row: the node ranks' outlier scores, the job's worst rank and its score; advances the scales.
 
         A group's worst rank is its largest or its smallest log-norm, the farthest from the
         center: the job learns it from the reductions, with no rank's row leaving its node.
@@ -456,13 +463,13 @@ class DeviceDetector:
         score = torch.full_like(x, math.nan)  # NaN: a rank of a group of 2 or fewer has no score
         best_score = torch.zeros(len(rows), dtype=torch.float32, device=rows.device)
         best = torch.zeros_like(best_score)
-        for g, held in enumerate(self._held_in):
+        for g, rows_of_g in enumerate(self._group_rows):
             if self._sizes[g] < 3:  # with two, each is as far from their median as the other
                 continue
             st = stats[:, g]
             scale = self._scale(g, st[:, GroupStat.SPREAD])
             center = st[:, GroupStat.CENTER, None]
-            score[:, held] = ((x[:, held] - center).abs() / scale[:, None]).nan_to_num(0.0)
+            score[:, rows_of_g] = ((x[:, rows_of_g] - center).abs() / scale[:, None]).nan_to_num(0.0)
             worst = (st[:, GroupStat.WORST] / scale).nan_to_num(0.0)
             rank = st[:, GroupStat.WORST_RANK]
             take = (worst > best_score) | ((worst == best_score) & (rank >= 0) & (rank < best))
@@ -485,7 +492,7 @@ class DeviceDetector:
         return torch.sqrt(var.nan_to_num(0.0)).clamp(min=self.cfg.outlier_min_scale)
 
 
-class DetectorDecoder:
+class EventFinder:
     """Host side: detector columns of a row -> events and scores added to the Snapshot.
 
     Also counts consecutive steps the ``GradScaler`` skipped (host facts, in step order on the

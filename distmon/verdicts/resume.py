@@ -38,7 +38,9 @@ if TYPE_CHECKING:  # they import this module for their own state
 
 __all__ = ["STATE_VERSION", "save_tensors", "load_tensors", "monitor_state", "load_monitor_state"]
 
-STATE_VERSION = 1  # raise it when a field changes meaning; load_monitor_state reads every version up to it
+# raise it when a field changes meaning or name; load_monitor_state reads every version up to it
+# (2: the detector's "held" is "spiking")
+STATE_VERSION = 2
 
 
 def save_tensors(owner: object, names: Sequence[str]) -> dict[str, list]:
@@ -99,21 +101,21 @@ def monitor_state(
 def load_monitor_state(
     state: Mapping[str, object],
     *,
-    counted: int,
+    measured_steps: int,
     layers: Sequence[str],
     world: int,
     detector: DeviceDetector | None,
     noise: NoiseScale | None,
 ) -> tuple[int, int]:
-    """Check ``state`` against this monitor (which measured ``counted`` steps) and load its detector
+    """Check ``state`` against this monitor (which measured ``measured_steps`` steps) and load its detector
     and noise scale. Returns ``(step, scaler_run)`` for the tracker and the decoder.
 
     Raises ``ValueError`` for what cannot be mapped (another model or grouping, a newer state
     version, not a state at all) and ``RuntimeError`` once the monitor measured a step.
     """
-    if counted:
+    if measured_steps:
         raise RuntimeError(
-            f"distmon: load_state_dict after this monitor measured {counted} training steps; load "
+            f"distmon: load_state_dict after this monitor measured {measured_steps} training steps; load "
             "the state right after building the monitor, before the first training step"
         )
     if not isinstance(state, Mapping) or not isinstance(state.get("version"), int):
