@@ -46,8 +46,9 @@ class GradSums:
     and cached, so an ordinary read is the list of gradients and one fused call: nothing per
     parameter but fetching its ``.grad``. A read that raises drops its plan (the next read
     plans afresh, looking at every gradient again). ``part`` maps a gradient to the tensor to
-    read (the part this rank holds: a DTensor's shard, say; None: the gradient itself); ``attr`` is the attribute
-    that holds it (``grad``; DeepSpeed's ``BF16_Optimizer`` accumulates in ``_hp_grad``).
+    read (the part this rank holds: a DTensor's shard, say; None: the gradient itself);
+    ``attr`` is the attribute that holds it (``grad``; DeepSpeed's ``BF16_Optimizer``
+    accumulates in ``_hp_grad``).
 
     Example:
         >>> net = torch.nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward()

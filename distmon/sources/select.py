@@ -127,10 +127,10 @@ def source_for(
     nothing there and hands each gradient whole to its post-accumulate-grad hooks); on several
     ranks, tensor-parallel DTensors, a pipeline ``stage``'s module, parameters declared
     ``replicated_over`` or ``distinct_over`` a group. Which parts count are the model's
-    ``reading`` (:func:`read_layout`), or ``counted``, the job's (:mod:`distmon.layout.census`). Where a
-    rank holds a part of the reduced gradient (shards, a stage, a copy counted elsewhere) the
-    source measures a layout *in parts*. A pipeline ``stage``'s source is wrapped in :class:`PipelineSource` by
-    the caller.
+    ``reading`` (:func:`read_layout`), or ``counted``, the job's (:mod:`distmon.layout.census`).
+    Where a rank holds a part of the reduced gradient (shards, a stage, a copy counted elsewhere)
+    the source measures a layout *in parts*. A pipeline ``stage``'s source is wrapped in
+    :class:`PipelineSource` by the caller.
 
     Example:
         >>> net = torch.nn.Linear(2, 2)

@@ -142,8 +142,8 @@ class RankBuffers:
         self._start(dist.all_reduce(self.summed, group=self.group, async_op=True))
 
     def gather(self, first: int, last: int) -> torch.Tensor:
-        """Start the all-gather of kept rows ``first..last`` (ring slots) over the node: ``(node_size, k, width)``
-        out (this rank's own rows when it is alone on its node)."""
+        """Start the all-gather of kept rows ``first..last`` (ring slots) over the node:
+        ``(node_size, k, width)`` out (this rank's own rows when it is alone on its node)."""
         self.wait()
         k, width = last - first + 1, self.fields.width
         rows = self.rows[first : last + 1]

@@ -5,7 +5,8 @@ the host), and each rank sends its own part of it in the step's collective (a *r
 Both are laid out here, by name, from the options of one monitor; every other module reads
 and writes them through these names:
 
-    step row   head (valid, total_sq) | layers | ranks (node_size x rank row) | job | detector | noise | act | upd
+    step row   head (valid, total_sq) | layers | ranks (node_size x rank row) | job | detector | noise
+               | act | upd
     rank row   layers, or total_sq + first_nonfinite | errors | valid | reduced_ok | batch | act_first
                | vote | parts      (the last two: what the ordinary step's all-reduce adds up)
 
