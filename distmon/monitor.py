@@ -1,38 +1,31 @@
-"""GradMonitor: the composition root. Wires the parts together; starts on every rank or on none.
+"""GradMonitor: the public face of a monitor; its parts are built and wired in ``setup/start.py``.
 
-Each rank builds everything that can fail (``build.py``: options, source, row plan, tracker),
-the ranks agree (``lifecycle.py``), then every rank builds its exporters and installs its hooks;
-or every rank releases what it prepared and raises the same error. Clipping is ``clip.py``'s,
-the shutdown ``lifecycle.py``'s.
+The constructor starts the monitor on every rank or on none (``setup/start.py``: each rank
+builds what can fail, the ranks agree, then the exporters are wired), the methods delegate:
+clipping to ``step/clip.py``, the state across restarts to ``verdicts/resume.py``, the shutdown
+to ``setup/lifecycle.py``.
 """
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 
 import torch
 from torch.distributed import ProcessGroup
 
 from . import options
-from .errors import ErrorCounter
 from .export.export_thread import SINK_WAIT_S
-from .export.sinks import AnomalyCallbacks
-from .layout.census import alone, read_job
 from .layout.grouping import GroupSpec
+from .options import BY_NAME
 from .serve.file_sd import target_host
-from .setup import hostinfo
-from .setup.build import Hooks, build_exports, build_rank, node_group, read_rank
 from .setup.config import GuardMode, MonitorConfig, Scheduler, ServeMode
 from .setup.hostinfo import RankInfo
-from .setup.lifecycle import ExitGuard, Opened, agree, announce, prepare, shut_down
+from .setup.lifecycle import ExitGuard, announce, shut_down
+from .setup.start import start
 from .snapshot import AnomalyEvent, Snapshot
-from .sources import CommHook, enclosing, first_device, process_group, trained_module
+from .sources import CommHook
 from .step.activations import ActivationSpec
-from .step.clip import Clipper
-from .step.optimizer_hooks import GradientAnomalyError, warn_uncovered
-from .step.ring import ExportBatch
+from .step.optimizer_hooks import GradientAnomalyError
 from .verdicts.detectors import DetectorConfig
 from .verdicts.resume import load_monitor_state, monitor_state
 
@@ -82,6 +75,13 @@ class GradMonitor:
         (3, 4.472)
     """
 
+    config: MonitorConfig  # the options, validated
+    run_id: str  # rank 0's: every series' run_id label
+    rank: int  # this process's rank in the job
+    world_size: int  # the job's ranks
+    rank_infos: tuple[RankInfo, ...]  # who each rank is, in rank order
+    layers: tuple[str, ...]  # the layer groups reported, in model order
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -122,133 +122,17 @@ class GradMonitor:
         update_ratio: bool | None = None,
     ) -> None:
         self._closed = True  # until every rank has started
-        # The options, validated once (an environment variable may fail on one rank only: the
-        # error is raised on every rank once they meet, below).
-        cfg: MonitorConfig | None = None
-        failure: Exception | None = None
-        try:
-            cfg = MonitorConfig.from_options(
-                comm_hook=comm_hook,
-                comm_state=comm_state,
-                replicated_over=replicated_over,
-                distinct_over=distinct_over,
-                job_group=job_group,
-                export_every=export_every,
-                export_interval_s=export_interval_s,
-                groups=groups,
-                max_layers=max_layers,
-                rank_layers=rank_layers,
-                serve=serve,
-                port=port,
-                addr=addr,
-                port_fallback=port_fallback,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                tls_client_ca=tls_client_ca,
-                basic_auth_file=basic_auth_file,
-                run_id=run_id,
-                log_path=log_path,
-                file_sd_dir=file_sd_dir,
-                linger_s=linger_s,
-                window_s=window_s,
-                detect=detect,
-                guard=guard,
-                lr_scheduler=lr_scheduler,
-                scaler=scaler,
-                loss_scale=loss_scale,
-                batch_size=batch_size,
-                gns_alpha=gns_alpha,
-                activations=activations,
-                activation_every=activation_every,
-                update_ratio=update_ratio,
-            )
-        except Exception as e:
-            failure = e
-        # the object that holds what was passed (a stage's module: its PipelineStage), measured as if passed
-        model = enclosing(model)
-        # the job: where its ranks read the layout and agree (a rank whose options failed meets the
-        # others over the group it was given)
-        group = process_group(cfg.job_group if cfg is not None else job_group)
-        me = hostinfo.local_rank_info(group, first_device(trained_module(model)))
-        me, nodes = hostinfo.nodes_of(me, group)  # every rank, whatever happened: a collective
-        self._errors = ErrorCounter()
-        exports: queue.Queue[ExportBatch | None] = queue.Queue()
-        # Everything that can fail, on this rank: read, then (once the job read its layout) built,
-        # bound, hooked where it can be undone.
-        planned, built, hooks, proposal, prepared = None, None, None, None, Opened()
-        try:
-            if cfg is not None:
-                planned = read_rank(model, optimizer, cfg)
-        except Exception as e:
-            failure = e
-        # every rank, whatever happened to it: the layout read from the whole job (collectives)
-        parts, job = (planned.parts if planned is not None else None), None
-        try:
-            job = read_job(parts, group) if group is not None else parts and alone(parts)
-        except Exception as e:
-            failure = e
-        try:
-            if failure is None and job is not None:  # None: another rank failed (agree() raises its error)
-                if job.refusal is not None:
-                    raise job.refusal
-                built = build_rank(planned, job, errors=self._errors, exports=exports, nodes=nodes)
-                proposal = hostinfo.resolve_run_id(built.cfg.run_id)  # rank 0's run id wins
-                prepared = prepare(built.cfg, me, proposal)
-                hooks = Hooks(built)
-                hooks.install()  # all or nothing
-        except Exception as e:
-            failure = e
-            hooks = None
-        try:
-            peers = agree(
-                replace(me, coords=built and built.coords),
-                proposal,
-                endpoint=prepared.endpoint,
-                failure=failure,
-                group=group,
-                agreed=built and built.agreed,
-            )
-        except BaseException:
-            if hooks is not None:
-                hooks.remove()
-            prepared.release()
-            raise
-        assert built is not None and hooks is not None  # agree() raised on every rank if any failed
-        try:
-            built.tracker.exchange.join_node(node_group(built))
-        except BaseException:
-            hooks.remove()
-            prepared.release()
-            raise
-
-        # Every rank is ready: the exporters, the export thread, the hooks. Nothing below raises.
-        self.config, tracker = built.cfg, built.tracker
-        self.run_id: str = peers[0].run_id or ""
-        self.rank: int = me.rank
-        self.world_size: int = len(peers)
-        self.rank_infos: tuple[RankInfo, ...] = tuple(p.info for p in peers)
-        self.layers: tuple[str, ...] = built.grouping.layers
-        self._tracker, self._prepared = tracker, prepared
-        self._clip = Clipper(
-            tracker, params=built.grouping.params, loss_scale=built.loss_scale, direct=built.direct
-        )
-        self._callbacks = AnomalyCallbacks(self._errors)
-        self._export, self._aggregate = build_exports(
-            built,
-            prepared=prepared,
-            me=me,
-            peers_info=self.rank_infos,
-            run_id=self.run_id,
-            exports=exports,
-            callbacks=self._callbacks,
-            errors=self._errors,
-        )
-        self._hooks = hooks
-        hooks.commit()
+        # the options as given (None: not given), named in the signature only: options.py has the rest
+        # (the comprehension's first iterable, locals(), is evaluated here, in __init__'s scope)
+        run = start(model, optimizer, {name: value for name, value in locals().items() if name in BY_NAME})
+        self.config, self.run_id, self.rank = run.built.cfg, run.run_id, run.me.rank
+        self.world_size, self.rank_infos = len(run.peers), tuple(p.info for p in run.peers)
+        self.layers = run.built.grouping.layers
+        self._run, self._tracker, self._export = run, run.built.tracker, run.export
         self._closed = False
-        self._exit = ExitGuard(self._close, rank=me.rank, world=len(peers))  # if close() is never called
-        warn_uncovered(list(zip(built.grouping.param_names, built.grouping.params)), built.optimizers)
-        announce(prepared, peers=peers, run_id=self.run_id, url=self.metrics_url, errors=self._errors)
+        # closes the monitor at exit if close() is never called
+        self._exit = ExitGuard(self._close, rank=self.rank, world=self.world_size)
+        announce(run.opened, peers=run.peers, run_id=self.run_id, url=self.metrics_url, errors=run.errors)
 
     # -- public API -------------------------------------------------------------------------
     def on_anomaly(
@@ -265,7 +149,7 @@ class GradMonitor:
             ... def page(event, snap):
             ...     print(event.kind, event.step, event.rank, event.layer)
         """
-        self._callbacks.add(fn)
+        self._run.callbacks.add(fn)
         return fn
 
     def clip_grad_norm_(
@@ -292,18 +176,18 @@ class GradMonitor:
                 "distmon: clip_grad_norm_ on a closed GradMonitor (it no longer measures "
                 "gradients); use torch.nn.utils.clip_grad_norm_"
             )
-        return self._clip(max_norm, norm_type, error_if_nonfinite, foreach)
+        return self._run.clip(max_norm, norm_type, error_if_nonfinite, foreach)
 
     @property
     def port(self) -> int | None:
         """The port this process serves metrics on, or None if it does not serve (or is closed)."""
-        server = self._prepared.server
+        server = self._run.opened.server
         return server.port if server and not self._closed else None
 
     @property
     def metrics_url(self) -> str | None:
         """Where this process serves its metrics (``http(s)://host:port/metrics``), or None."""
-        server = self._prepared.server
+        server = self._run.opened.server
         return server.url(target_host(self.config.addr)) if server and self.port is not None else None
 
     @property
@@ -406,14 +290,14 @@ class GradMonitor:
         finally:
             self._closed = True
             self._tracker.close()
-            self._hooks.remove()
+            self._run.hooks.remove()
             shut_down(
-                self._prepared,
+                self._run.opened,
                 export=self._export,
-                aggregate=self._aggregate,
+                aggregate=self._run.aggregate,
                 cfg=self.config,
                 finished=finished,
-                errors=self._errors,
+                errors=self._run.errors,
             )
 
     def __enter__(self) -> GradMonitor:

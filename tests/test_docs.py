@@ -177,23 +177,23 @@ def test_help_gradmonitor_documents_every_option():
         assert o.env is None or f"``{o.env}``" in entry, o.name
 
 
-def test_every_default_is_declared_once_with_its_option():
-    """MonitorConfig's defaults are OPTIONS' (read from them: no field states a literal default)."""
-    from distmon.setup import config
-    from distmon.setup.config import MonitorConfig
+def test_an_option_is_written_in_options_py_and_the_signature_only():
+    """MonitorConfig's fields are generated from OPTIONS (their defaults too), and GradMonitor's
+    constructor names each option once, in its signature (no forwarding call restates them)."""
+    from distmon import monitor
     from distmon.options import BY_NAME
+    from distmon.setup.config import MonitorConfig
 
     for f in dataclasses.fields(MonitorConfig):
         assert f.default == BY_NAME[f.name].default, f.name
-    with open(config.__file__, encoding="utf-8") as fh:
+    with open(monitor.__file__, encoding="utf-8") as fh:
         tree = ast.parse(fh.read())
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MonitorConfig").body
-    literal = [
-        ast.unparse(n)
-        for n in body
-        if isinstance(n, ast.AnnAssign) and ast.unparse(n.value) != f"_DEFAULT[{n.target.id!r}]"
-    ]
-    assert literal == [], "declare the default in distmon/options.py"
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GradMonitor")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    named = [n.id for n in ast.walk(init) if isinstance(n, ast.Name)]  # an option's parameter, read
+    restated = sorted({name for name in named if name in BY_NAME})
+    assert restated == [], f"GradMonitor.__init__ restates options {restated}: they come from locals()"
+    assert init.end_lineno - init.lineno + 1 <= 60, "GradMonitor.__init__ is wiring: at most 60 lines"
 
 
 def test_the_docs_site_builds_strictly(tmp_path):

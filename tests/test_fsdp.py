@@ -341,7 +341,7 @@ def _guard_job(rank, world, log_path):
         with open(log_path) as f:
             snaps = [json.loads(line) for line in f]
     finite = all(bool(p.full_tensor().isfinite().all()) for p in net.parameters())
-    return {"finite": finite, "errors": mon._errors.count, "snaps": snaps}
+    return {"finite": finite, "errors": mon._run.errors.count, "snaps": snaps}
 
 
 def test_the_guard_refuses_a_nan_step_when_fsdp_reduce_scatters_every_micro_batch(tmp_path):

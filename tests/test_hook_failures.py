@@ -242,7 +242,7 @@ def _train(rank, name, monitored):
         if inj is not None:
             inj.uninstall()
     if mon is not None:
-        out["errors"], out["step"] = mon._errors.count, mon.step
+        out["errors"], out["step"] = mon._run.errors.count, mon.step
         mon.close()
     out["params"] = [_full(p.detach()) for p in net.parameters()]
     return out

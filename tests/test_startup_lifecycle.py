@@ -173,7 +173,7 @@ def _job(rank: int, world: int, workdir: str) -> dict:
     _train(model, opt, rank, 5)  # steps 6-10: published at step 10, the sink fails again
     mon.flush()
     out["served"] = _scrape(mon.port) if rank == 0 else None
-    out["errors_counted"] = mon._errors.count
+    out["errors_counted"] = mon._run.errors.count
     mon.close()
     return out
 

@@ -7,15 +7,15 @@ all happen here, or on the sinks' own threads (``sinks.py``).
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
 from ..errors import ErrorCounter, logger
+from ..serve.prometheus_exporter import MetricsAggregate
 from ..snapshot import Snapshot
-from ..step.ring import ExportBatch
+from ..step.ring import ExportBatch, ExportQueue
 from .decode import RowDecoder
-from .sinks import Sink, SinkWorker
+from .sinks import NonfiniteNotice, SinkWorker
 
 __all__ = ["ExportThread", "SINK_WAIT_S"]
 
@@ -27,14 +27,15 @@ SINK_WAIT_S = 10.0
 class ExportThread:
     """The background thread that decodes exports into snapshots and feeds every sink, in order.
 
-    It reads the export ``queue`` the step tracker puts into. ``inline`` sinks (the Prometheus
-    aggregate: in-memory, bounded work) run on this thread; ``workers`` (the JSONL log,
-    callbacks: file systems and user code) get the snapshots through their own bounded queues,
-    so nothing they do can hold this thread, the host buffers it releases, or the training step
-    that waits for one.
+    It reads the export ``queue`` the step tracker puts into. The ``aggregate`` this rank's
+    endpoint serves (in-memory, bounded work) and the job's one-line ``notice`` of a non-finite
+    step (rank 0's) are fed on this thread; ``workers`` (the JSONL log, callbacks: file systems
+    and user code) get the snapshots through their own bounded queues, so nothing they do can
+    hold this thread, the host buffers it releases, or the training step that waits for one.
 
     Example:
-        >>> thread = ExportThread(decoder, inline=[agg.add], workers=[log], errors=errors)  # doctest: +SKIP
+        >>> thread = ExportThread(decoder, queue=exports, aggregate=agg, notice=None,  # doctest: +SKIP
+        ...                       workers=[log], errors=errors)
         >>> exports.put(batch); thread.drain(10.0); thread.stop(5.0)                   # doctest: +SKIP
     """
 
@@ -42,13 +43,14 @@ class ExportThread:
         self,
         decoder: RowDecoder,
         *,
-        queue: queue.Queue[ExportBatch | None],
-        inline: list[Sink],
+        queue: ExportQueue,
+        aggregate: MetricsAggregate | None,
+        notice: NonfiniteNotice | None,
         workers: list[SinkWorker],
         errors: ErrorCounter,
     ) -> None:
         self.decoder = decoder
-        self.inline = inline
+        self.aggregate, self.notice = aggregate, notice
         self.workers = workers
         self.errors = errors
         self.latest: Snapshot | None = None
@@ -106,10 +108,15 @@ class ExportThread:
         if not snaps:
             return
         self.latest = snaps[-1]
-        for sink in self.inline:
+        if self.aggregate is not None:
             try:
-                sink(snaps)
+                self.aggregate.add(snaps)
             except Exception:
-                self.errors.record(f"sink {getattr(sink, '__qualname__', type(sink).__name__)}")
+                self.errors.record("sink MetricsAggregate.add")
+        if self.notice is not None:
+            try:
+                self.notice(snaps)
+            except Exception:
+                self.errors.record("sink NonfiniteNotice")
         for worker in self.workers:
             worker.offer(snaps)

@@ -12,9 +12,8 @@ noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
 
 from __future__ import annotations
 
-import queue
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -25,7 +24,7 @@ from ..compat import has_step_hooks, rank_part
 from ..errors import ErrorCounter
 from ..export.decode import RowDecoder
 from ..export.export_thread import ExportThread
-from ..export.sinks import NonfiniteNotice, Sink, SinkWorker
+from ..export.sinks import AnomalyCallbacks, NonfiniteNotice, SinkWorker
 from ..layout.census import JobLayout, RankParts, digest
 from ..layout.grouping import Grouping, build_grouping
 from ..layout.placements import Coordinates, coordinates, declared_group, part_position
@@ -45,7 +44,7 @@ from ..sources import (
 from ..step.backward import BackwardSums
 from ..step.loss_scale import LossScale
 from ..step.optimizer_hooks import StepHooks
-from ..step.ring import ExportBatch
+from ..step.ring import ExportQueue
 from ..step.rows import RowPlan
 from ..step.tracker import StepTracker
 from ..verdicts.detectors import DetectorConfig, DeviceDetector, EventFinder
@@ -64,8 +63,6 @@ __all__ = [
     "as_tuple",
     "unwrap_optimizer",
 ]
-
-ExportQueue = queue.Queue[ExportBatch | None]
 
 
 def as_tuple(value: object) -> tuple:
@@ -221,11 +218,12 @@ def build_rank(
     errors: ErrorCounter,
     exports: ExportQueue,
     nodes: Nodes | None = None,
+    node_group: dist.ProcessGroup | None = None,
 ) -> Built:
     """The source and the step tracker of one rank, on the layout the job confirmed (raises what is
     wrong, naming the option). The tracker hands its exports to ``exports``; the export thread
     that reads it is built later. ``nodes``: where the job's ranks run (its rows hold its node's
-    ranks'; None: every rank's).
+    ranks'; None: every rank's), ``node_group`` their group (``hostinfo.node_group``).
     """
     cfg, optimizers, module, stage = planned.cfg, planned.optimizers, planned.module, planned.stage
     # a pipeline stage, or any job whose ranks hold different layers: the rows hold every part's
@@ -283,7 +281,7 @@ def build_rank(
         export_every=cfg.export_every,
         export_interval_s=cfg.export_interval_s,
         errors=errors,
-        export=exports.put,
+        exports=exports,
         in_parts=source.in_parts,
         detector=DeviceDetector(det_cfg, plan, device, node_ranks) if cfg.detect is not False else None,
         noise=NoiseScale(plan, alpha=cfg.gns_alpha, device=device) if extra.batch_of_step else None,
@@ -293,6 +291,7 @@ def build_rank(
         update_ratio=extra.ratio,
         check=LayoutCheck(named, source.counted, source.group) if source.counted is not None else None,
         node_ranks=node_ranks,
+        node_group=gather_group(source.group, node_ranks, node_group),
     )
     agreed = cfg.agreed(grouping.layers, watched)
     coords = coordinates(
@@ -327,42 +326,40 @@ def ranks_on_node(nodes: Nodes | None, source: Source) -> tuple[int, ...]:
     return nodes.ranks_of(nodes.index[rank])
 
 
-def node_group(built: Built) -> dist.ProcessGroup | None:
-    """The process group of this rank's node within the source's group (None: alone on its node).
-
-    Created once every rank started (``agree``), so that no rank waits for a node peer that
-    failed before: only the node's ranks take part (``use_local_synchronization``).
-    """
-    group, node_ranks = built.tracker.source.group, built.node_ranks
+def gather_group(
+    group: dist.ProcessGroup | None, node_ranks: tuple[int, ...], node_group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """Over which group an export gathers the rows of ``node_ranks``: none when the rank is alone on
+    its node, the source's ``group`` when all its ranks are on this node, else the job's
+    ``node_group`` (``hostinfo.node_group``: the same ranks, the source's group having the job's)."""
     if group is None or len(node_ranks) == 1:
         return None
     if len(node_ranks) == dist.get_world_size(group):
         return group
-    ranks = dist.get_process_group_ranks(group)
-    return dist.new_group([ranks[r] for r in node_ranks], use_local_synchronization=True)
+    return node_group
 
 
 def build_exports(
     built: Built,
     *,
-    prepared: Opened,
+    opened: Opened,
     me: RankInfo,
-    peers_info: tuple[RankInfo, ...],
+    peers: tuple[RankInfo, ...],
     run_id: str,
     exports: ExportQueue,
-    callbacks: Callable[[Sequence[Snapshot]], None],
+    callbacks: AnomalyCallbacks,
     errors: ErrorCounter,
 ) -> tuple[ExportThread, MetricsAggregate | None]:
     """The exporters of this rank (its endpoint's collector, its JSONL log, the ``on_anomaly``
-    ``callbacks``) and the export thread that decodes rows for them; the aggregate, if it serves."""
+    ``callbacks``) and the export thread that decodes rows for them; the aggregate, if it serves.
+    ``peers``: every rank of the job, in rank order."""
     cfg, tracker = built.cfg, built.tracker
-    inline: list[Sink] = []
     aggregate = None
-    if prepared.server is not None:
-        cluster, served = served_ranks(cfg.serve, me, peers_info)
+    if opened.server is not None:
+        cluster, served = served_ranks(cfg.serve, me, peers)
         aggregate = MetricsAggregate(
             run_id=run_id,
-            world_size=len(peers_info),
+            world_size=len(peers),
             version=__version__,
             serve=cfg.serve,
             cluster=cluster,
@@ -372,18 +369,15 @@ def build_exports(
             restart=restart_count(),
             own_errors=errors.value,
         )
-        prepared.server.attach(GradCollector(aggregate))
-        inline.append(aggregate.add)
-    if me.rank == 0:  # one line for the job, from the rank that writes its log
-        inline.append(NonfiniteNotice())
+        opened.server.attach(GradCollector(aggregate))
     workers = [SinkWorker("on_anomaly callbacks", callbacks, errors, want=_has_events)]
-    if prepared.log is not None:
-        workers.append(SinkWorker("JSONL log", prepared.log, errors, close=prepared.log.close))
+    if opened.log is not None:
+        workers.append(SinkWorker("JSONL log", opened.log, errors, close=opened.log.close))
     detect = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
-    coords = [info.coords for info in peers_info]
+    coords = [info.coords for info in peers]
     if tracker.judge.detector is not None and any(coords):  # rank outliers: like against like
         groups: dict[tuple[int | None, ...], list[int]] = {}
-        for info in peers_info:
+        for info in peers:
             groups.setdefault(info.coords.peers() if info.coords else (), []).append(info.rank)
         tracker.judge.detector.compare_within(list(groups.values()))
         tracker.exchange.cross.compare_within(list(groups.values()))
@@ -400,7 +394,11 @@ def build_exports(
         node_ranks=built.node_ranks,
         node=me.node_index,
     )
-    thread = ExportThread(decoder, queue=exports, inline=inline, workers=workers, errors=errors)
+    # the job's one line on stderr for a non-finite step: from rank 0, which writes its log
+    notice = NonfiniteNotice() if me.rank == 0 else None
+    thread = ExportThread(
+        decoder, queue=exports, aggregate=aggregate, notice=notice, workers=workers, errors=errors
+    )
     return thread, aggregate
 
 

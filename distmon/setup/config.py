@@ -11,20 +11,19 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import field, fields, make_dataclass
 from typing import Literal, NamedTuple, Protocol, get_args
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ErrorCounter
-from ..layout.grouping import Grouping, GroupSpec, validate_groups
+from ..layout.grouping import Grouping, validate_groups
 from ..options import AGREED, BY_NAME, OPTIONS
 from ..serve.endpoint_security import EndpointSecurity
 from ..sources import Source
-from ..sources.ddp import CommHook
-from ..step.activations import ActivationSpec, ActivationWatch, select_modules, validate_activations
+from ..step.activations import ActivationWatch, select_modules, validate_activations
 from ..step.update_ratio import UpdateRatio
 from ..verdicts.detectors import DetectorConfig
 
@@ -32,8 +31,6 @@ ServeMode = Literal["rank0", "node", "all", "none"]
 GuardMode = Literal["skip", "raise"]
 SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
 GUARD_MODES: tuple[GuardMode | None, ...] = (None, *get_args(GuardMode))
-# every default is declared once, with its option (options.py); the fields below read them
-_DEFAULT: dict[str, object] = {o.name: o.default for o in OPTIONS}
 DEFAULT_PORT: int = BY_NAME["port"].default  # type: ignore[assignment]  # an int (options.py)
 
 __all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "ServeMode", "GuardMode", "Scheduler", "Features"]
@@ -44,8 +41,6 @@ class Scheduler(Protocol):
 
     def step(self, *args: object, **kwargs: object) -> object: ...
 
-
-BatchSize = float | Callable[[], float]
 
 # The endpoint's security files: set but empty, their variables would turn TLS or basic auth off
 # without a word: an error, not "unset".
@@ -81,43 +76,8 @@ def _digest(names: tuple[str, ...]) -> str:
     return f"{len(names)} [{hashlib.sha1(chr(10).join(names).encode()).hexdigest()[:10]}]"
 
 
-@dataclass(frozen=True)
-class MonitorConfig:
-    """Validated options of :class:`distmon.GradMonitor` (see its docstring for each one)."""
-
-    comm_hook: CommHook | None = _DEFAULT["comm_hook"]
-    comm_state: object = _DEFAULT["comm_state"]
-    replicated_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["replicated_over"]
-    distinct_over: dict[str, dist.ProcessGroup] | None = _DEFAULT["distinct_over"]
-    job_group: dist.ProcessGroup | None = _DEFAULT["job_group"]
-    export_every: int = _DEFAULT["export_every"]
-    export_interval_s: float = _DEFAULT["export_interval_s"]
-    groups: GroupSpec = _DEFAULT["groups"]
-    max_layers: int = _DEFAULT["max_layers"]
-    rank_layers: bool = _DEFAULT["rank_layers"]
-    serve: ServeMode = _DEFAULT["serve"]
-    port: int = _DEFAULT["port"]
-    addr: str = _DEFAULT["addr"]
-    port_fallback: bool = _DEFAULT["port_fallback"]
-    tls_cert: str | None = _DEFAULT["tls_cert"]
-    tls_key: str | None = _DEFAULT["tls_key"]
-    tls_client_ca: str | None = _DEFAULT["tls_client_ca"]
-    basic_auth_file: str | None = _DEFAULT["basic_auth_file"]
-    run_id: str | None = _DEFAULT["run_id"]
-    log_path: str | None = _DEFAULT["log_path"]
-    file_sd_dir: str | None = _DEFAULT["file_sd_dir"]
-    linger_s: float = _DEFAULT["linger_s"]
-    window_s: float = _DEFAULT["window_s"]
-    detect: bool | DetectorConfig = _DEFAULT["detect"]
-    guard: GuardMode | None = _DEFAULT["guard"]
-    lr_scheduler: Scheduler | Sequence[Scheduler] | None = _DEFAULT["lr_scheduler"]
-    scaler: torch.amp.GradScaler | None = _DEFAULT["scaler"]
-    loss_scale: float | None = _DEFAULT["loss_scale"]
-    batch_size: BatchSize | None = _DEFAULT["batch_size"]  # per rank per step, in the noise scale's unit
-    gns_alpha: float = _DEFAULT["gns_alpha"]
-    activations: ActivationSpec = _DEFAULT["activations"]
-    activation_every: int | None = _DEFAULT["activation_every"]  # default: export_every
-    update_ratio: bool = _DEFAULT["update_ratio"]
+class _Checked:
+    """What a monitor's options can do, once validated: the methods of :class:`MonitorConfig`."""
 
     @classmethod
     def from_options(cls, **options: object) -> MonitorConfig:
@@ -326,6 +286,25 @@ class MonitorConfig:
             and self.activation_every >= 1,
             f"activation_every must be an int >= 1, got {self.activation_every!r}",
         )
+
+
+# One field per option, with its default, generated from OPTIONS: an option is declared in
+# distmon/options.py and in GradMonitor's signature (its type), nowhere else.
+MonitorConfig = make_dataclass(
+    "MonitorConfig",
+    [(o.name, object, field(default=o.default)) for o in OPTIONS],
+    bases=(_Checked,),
+    frozen=True,
+)
+MonitorConfig.__module__ = __name__  # make_dataclass's module= is Python 3.12's
+MonitorConfig.__doc__ = """Validated options of :class:`distmon.GradMonitor`: one field per option of
+:data:`distmon.options.OPTIONS` (its default, its ``DISTMON_*`` variable; its type is the one
+``GradMonitor``'s signature states).
+
+Example:
+    >>> MonitorConfig(export_every=5).export_every, MonitorConfig().serve
+    (5, 'node')
+"""
 
 
 class Features(NamedTuple):

@@ -24,6 +24,7 @@ __all__ = [
     "local_rank_info",
     "gather_objects",
     "nodes_of",
+    "node_group",
 ]
 
 
@@ -152,6 +153,22 @@ def nodes_of(me: RankInfo, group: dist.ProcessGroup | None) -> tuple[RankInfo, N
     nodes = Nodes(tuple(first[k] for k in keys))
     local = me.local_rank if me.local_rank >= 0 else nodes.ranks_of(nodes.index[me.rank]).index(me.rank)
     return replace(me, node_index=nodes.index[me.rank], local_rank=local, lead=nodes.lead(me.rank)), nodes
+
+
+def node_group(nodes: Nodes, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The process group of this rank's node within ``group`` (the job's), over which an export
+    gathers the node's rows; None when the rank is alone on its node or the job is one node.
+
+    Made at start-up, on the node's ranks only (``use_local_synchronization``: the other nodes'
+    ranks take no part), right after :func:`nodes_of`, which every rank reaches.
+    """
+    if group is None:
+        return None
+    mine = nodes.ranks_of(nodes.index[dist.get_rank(group)])
+    if len(mine) == 1 or len(mine) == dist.get_world_size(group):
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group([ranks[r] for r in mine], use_local_synchronization=True)
 
 
 def gather_objects(payload: object, group: dist.ProcessGroup | None) -> list:

@@ -298,10 +298,6 @@ class Exchange:
         self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()
 
-    def join_node(self, group: dist.ProcessGroup | None) -> None:
-        """Gather the node ranks' rows over ``group``, their node's (set once every rank started)."""
-        self.buffers.node_group = group
-
     def resume_at(self, step: int) -> None:
         """Go on after ``step`` (a resumed run): its rows and collectives were an earlier process's."""
         self.gathered_through = self._export_at = self.started = step

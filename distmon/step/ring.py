@@ -8,6 +8,7 @@ can be read while the next copy lands.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 from ..snapshot import SkipReason
 from .rows import StepRow
 
-__all__ = ["DeviceRing", "HostCopy", "StepInfo", "ExportBatch", "HOST_WAIT_S"]
+__all__ = ["DeviceRing", "HostCopy", "StepInfo", "ExportBatch", "ExportQueue", "HOST_WAIT_S"]
 
 # The longest an export step waits for a host buffer. The export thread frees one as soon
 # as it has read it (sinks that write files or run callbacks have threads of their own), so
@@ -59,6 +60,11 @@ class ExportBatch:
 
     copy: HostCopy
     steps: tuple[StepInfo, ...]
+
+
+class ExportQueue(queue.Queue["ExportBatch | None"]):
+    """Where the step tracker hands its exports to the export thread, which reads them in order
+    (``None``: stop). Unbounded: the ring's two host copies bound what is ever in it."""
 
 
 class DeviceRing:

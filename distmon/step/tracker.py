@@ -61,7 +61,7 @@ from ..verdicts.noise_scale import NoiseScale
 from .activations import ActivationWatch
 from .backward import BackwardSums, StepState
 from .exchange import Exchange
-from .ring import DeviceRing, ExportBatch, StepInfo
+from .ring import DeviceRing, ExportBatch, ExportQueue, StepInfo
 from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .update_ratio import UpdateRatio
 
@@ -89,7 +89,7 @@ class StepTracker:
         >>> sums = BackwardSums(n_layers=1, device=cpu, loss_scale=LossScale(), errors=errors)
         >>> source = PlainSource(net, receiver=sums, grouping=build_grouping(net, None, 8))
         >>> tracker = StepTracker(plan, sums=sums, source=source, group=None, export_every=10,
-        ...                       errors=errors, export=print)
+        ...                       errors=errors, exports=ExportQueue())
         >>> tracker.before_step(); tracker.finish_row_valid()   # an optimizer step with no backward before it
         False
         >>> tracker.after_step(); tracker.step
@@ -105,7 +105,7 @@ class StepTracker:
         group: dist.ProcessGroup | None,
         export_every: int,
         errors: ErrorCounter,
-        export: Callable[[ExportBatch], None],
+        exports: ExportQueue,
         export_interval_s: float = 0.0,
         in_parts: bool = False,
         detector: DeviceDetector | None = None,
@@ -139,7 +139,7 @@ class StepTracker:
         self.batch_size = batch_size  # this rank's batch this step, for the gradient noise scale
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
-        self._export = export  # hands an export's host copy to the export thread
+        self.exports = exports  # where the export thread reads each export's host copy
         # a layout in parts' first-step check (verify.py): the job's squared norm as distmon reads
         # the layout and computed another way, from the same gradients
         self._check = check
@@ -491,6 +491,6 @@ class StepTracker:
                     "dropped (counted in distmon_monitor_errors_total) rather than hold training",
                 )
             else:
-                self._export(ExportBatch(copy, steps))
+                self.exports.put(ExportBatch(copy, steps))
         except Exception:
             self.errors.record("export")
