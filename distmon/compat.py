@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # FSDP2's parameter group, for annotations only (FSDP2 is imported where used)
+if TYPE_CHECKING:  # FSDP2's and DTensor's types, for annotations only (imported where used)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
     "FLOOR",
@@ -171,7 +174,7 @@ def real_flat(flat: torch.Tensor) -> torch.Tensor:
 # --- device meshes -------------------------------------------------------------------------------
 # DeviceMesh._get_root_mesh(): torch 2.10. Before it, _mesh_resources.get_root_mesh(mesh).
 # Without it: every model with DTensor parameters or an FSDP2 mesh fails at construction.
-def root_mesh(mesh: object) -> object:
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (itself when it was not sliced)."""
     method = getattr(mesh, "_get_root_mesh", None)
     if method is not None:
@@ -199,7 +202,7 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[object]:
 # FSDPParamGroup.gradient_divide_factor (set_gradient_divide_factor): torch 2.8. Before it,
 # set_reduce_scatter_divide_factor kept a PREMUL_SUM op in reduce_scatter_reduce_op.
 # Without the fallback: every FSDP2 model fails at construction on torch 2.6-2.7.
-def fsdp_divide_factor_set(pgroup: object) -> bool:
+def fsdp_divide_factor_set(pgroup: FSDPParamGroup) -> bool:
     """Whether a divide factor was set on an FSDP2 parameter group: its reduction is not the mean."""
     if hasattr(pgroup, "gradient_divide_factor"):
         return pgroup.gradient_divide_factor is not None
@@ -229,7 +232,9 @@ def fsdp_reduce_scatter_base() -> type:
 # since torch 2.8 (2.7: no factor keywords; 2.6: no device_type either), checked on 2.9-2.14.
 # Only the per-rank local figures use it, which need 2.9: no fallback. Without it: fp16 FSDP2
 # local figures cannot undo FSDP2's pre-division (refused).
-def fsdp_pre_divide_factor(pgroup: object, reduce_dtype: torch.dtype, device_type: str) -> float | None:
+def fsdp_pre_divide_factor(
+    pgroup: FSDPParamGroup, reduce_dtype: torch.dtype, device_type: str
+) -> float | None:
     """The factor FSDP2 divides a unit's reduce-scatter input by before reducing it (fp16), or None."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
@@ -339,7 +344,7 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_mo
 # DTensor._spec (its placements and mesh, without DTensor's import) and _st_info, the spec DDP's
 # tensor-parallel support (_pre_dp_module_transform) keeps on a parameter it localized; checked on
 # 2.6-2.14. Without them: tensor-parallel parameters are not recognised (refused or counted whole).
-def spec_of(param: torch.Tensor) -> object | None:
+def spec_of(param: torch.Tensor) -> DTensorSpec | None:
     """The DTensor spec of a parameter: its own, or the one DDP's tensor-parallel support
     (``_pre_dp_module_transform``) kept on a parameter it localized (``_st_info``)."""
     spec = getattr(param, "_spec", None)
@@ -439,6 +444,6 @@ def fsdp_reduce_scatter_group(pgroup: FSDPParamGroup) -> dist.ProcessGroup:
     return pgroup._reduce_scatter_process_group
 
 
-def fsdp_param_unsharded(fsdp_param: object) -> bool:
+def fsdp_param_unsharded(fsdp_param: FSDPParam) -> bool:
     """Whether an ``FSDPParam`` was unsharded (has its unsharded parameter)."""
     return hasattr(fsdp_param, "_unsharded_param")

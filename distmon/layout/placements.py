@@ -22,11 +22,15 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..compat import root_mesh, spec_of
+
+if TYPE_CHECKING:  # for annotations only: imported where used
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "Coordinates",
@@ -104,7 +108,7 @@ def copy_reason(
     param: torch.Tensor,
     *,
     replicated: tuple[int, str] | None = None,
-    mesh: object | None = None,
+    mesh: DeviceMesh | None = None,
     distinct: Collection[int] = (),
 ) -> str:
     """Why this rank's part of ``param``'s reduced gradient is a copy counted on another rank, or ""
@@ -147,7 +151,7 @@ def counts(
     param: torch.Tensor,
     *,
     replicated_rank: int | None = None,
-    mesh: object | None = None,
+    mesh: DeviceMesh | None = None,
     distinct: Collection[int] = (),
 ) -> bool:
     """Whether this rank's part of ``param``'s reduced gradient counts in the job's figures:

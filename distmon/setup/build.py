@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,9 @@ from ..verdicts.noise_scale import NoiseScale
 from .config import MonitorConfig, features
 from .hostinfo import Nodes, RankInfo, restart_count
 from .lifecycle import Opened, served_ranks
+
+if TYPE_CHECKING:  # for annotations only: imported where used
+    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
 
 __all__ = [
     "Built",
@@ -132,8 +135,8 @@ class Inputs(NamedTuple):
 
     cfg: MonitorConfig
     optimizers: tuple[torch.optim.Optimizer, ...]
-    model: object  # what is measured: a PipelineStage, a DDP or FSDP2 model, a module
-    stage: object | None  # the pipeline stage, if the model is one
+    model: torch.nn.Module | PipelineStage  # what is measured: a stage, a DDP or FSDP2 model, a module
+    stage: PipelineStage | None  # the pipeline stage, if the model is one
     module: torch.nn.Module  # the module the optimizer steps
     reading: LayoutReading  # how the model reads the layout (sources.read_layout)
     parts: RankParts  # what this rank tells the job at start-up (census.read_job)

@@ -134,7 +134,18 @@ def start(model: torch.nn.Module, optimizer: object, options: Mapping[str, objec
     grouping = built.grouping
     warn_uncovered(list(zip(grouping.param_names, grouping.params)), built.optimizers)
     clip = Clipper(built.tracker, params=grouping.params, loss_scale=built.loss_scale, direct=built.direct)
-    return Started(built, me, tuple(peers), opened, hooks, export, aggregate, callbacks, clip, errors)
+    return Started(
+        built=built,
+        me=me,
+        peers=tuple(peers),
+        opened=opened,
+        hooks=hooks,
+        export=export,
+        aggregate=aggregate,
+        callbacks=callbacks,
+        clip=clip,
+        errors=errors,
+    )
 
 
 def _infos(peers: Sequence[Peer]) -> tuple[hostinfo.RankInfo, ...]:

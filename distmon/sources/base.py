@@ -11,13 +11,11 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import compiled_autograd_on, ddp_localized, in_compiled_autograd, queue_callback, uncompiled
-from ..step.sums import Runs
 
 logger = logging.getLogger("distmon")
 
 __all__ = [
     "Source",
-    "Receiver",
     "backward_positions",
     "OrderLearner",
     "first_device",
@@ -38,43 +36,11 @@ COMPILED_AUTOGRAD = (
 )
 
 
-class Receiver(Protocol):
-    """What a source hands its measurements to (:class:`distmon.step.backward.BackwardSums`).
-
-    Per backward: :meth:`begin_backward`, then any number of :meth:`add_local` and
-    :meth:`add_reduced` (one per set of runs: a DDP bucket, an FSDP unit), then
-    :meth:`end_backward`. A failure in the source's own code is :meth:`fail`\\ ed (counted,
-    logged once; the side it concerns is not measured this step).
-    """
-
-    @property
-    def active(self) -> bool:
-        """False once the monitor closed, and while a step is under way: hooks pass through."""
-        ...
-
-    def begin_backward(self) -> None: ...
-
-    def add_local(self, runs: Runs, sums: list[torch.Tensor]) -> None: ...
-
-    def add_reduced(self, runs: Runs, sums: list[torch.Tensor]) -> None: ...
-
-    def end_backward(self, scaled: bool = True, reduced_scaled: bool | None = None) -> None: ...
-
-    def fail(self, site: str, local: bool = True, reduced: bool = True) -> None: ...
-
-    def local_unmeasured(self) -> None: ...
-
-    def local_summed(self) -> None: ...
-
-    def rescale(self, factor: float) -> None: ...
-
-    def set_layer_order(self, positions: list[float]) -> None: ...
-
-
 class Source(Protocol):
     """Where distmon reads each rank's local and reduced gradients (DDP, FSDP2, one process).
 
-    Built with its :class:`Receiver` and checked by its constructor (which raises for a model
+    Built with the :class:`~distmon.step.backward.BackwardSums` it hands its sums to (its
+    ``receiver``) and checked by its constructor (which raises for a model
     it cannot measure) before anything is installed; :meth:`install` registers its hooks,
     :meth:`remove` takes them out again. ``group`` is the process group its ranks reduce over
     (None in one process: where the monitor's own collective runs), ``in_parts`` whether each

@@ -48,8 +48,9 @@ from ..compat import (
 )
 from ..errors import logger
 from ..layout.grouping import Grouping
+from ..step.backward import BackwardSums
 from ..step.sums import Runs, sparse_sq_sum, sq_sums
-from .base import OrderLearner, Receiver, first_device
+from .base import OrderLearner, first_device
 from .grad_sums import GradSums
 
 __all__ = [
@@ -226,8 +227,8 @@ class BucketLayouts:
             ids = tuple(self.param_layer[s] for s in slots if s is not None)
             return BucketLayout(
                 layer_ids=ids,
-                layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
                 seq=next(self._seqs),
+                device=self.device,
                 split_sizes=[],
                 pick=None,
                 sparse=True,
@@ -260,8 +261,8 @@ class BucketLayouts:
         ids = tuple(chunks[i][1] for i in pick)
         return BucketLayout(
             layer_ids=ids,
-            layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
             seq=next(self._seqs),
+            device=self.device,
             split_sizes=[c[0] for c in chunks],
             pick=None if len(pick) == len(chunks) else pick,
         )
@@ -398,7 +399,7 @@ class DDPSource:
         self,
         model: DistributedDataParallel,
         *,
-        receiver: Receiver,
+        receiver: BackwardSums,
         grouping: Grouping,
         comm_hook: CommHook | None = None,
         comm_state: object = None,

@@ -58,8 +58,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ..compat import queue_callback
 from ..layout.grouping import Grouping
+from ..step.backward import BackwardSums
 from ..step.sums import Runs, sq_sums
-from .base import OrderLearner, Receiver, first_device
+from .base import OrderLearner, first_device
 from .grad_sums import GradSums
 
 __all__ = ["DeepSpeedSource", "EngineStep", "engine_counts"]
@@ -102,11 +103,6 @@ def _refusal(engine: DeepSpeedEngine) -> str | None:
     return None
 
 
-def _runs(layer_ids: Sequence[int], device: torch.device, seqs: Iterator[int]) -> Runs:
-    ids = tuple(layer_ids)
-    return Runs(ids, torch.tensor(ids, dtype=torch.int64, device=device), seq=next(seqs))
-
-
 class _Fragments:
     """Stages 1 and 2: this rank's partition of the reduced gradient, parameter by parameter.
 
@@ -127,7 +123,7 @@ class _Fragments:
             (p, layer) for p, layer in zip(params, layer_of) if getattr(p, "_hp_mapping", None) is not None
         ]
         self._params = [p for p, _ in kept]
-        self._runs = _runs([layer for _, layer in kept], device, seqs)
+        self._runs = Runs(tuple(layer for _, layer in kept), seq=next(seqs), device=device)
 
     def read(self) -> tuple[Runs, list[torch.Tensor]]:
         grads = [p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group) for p in self._params]
@@ -169,7 +165,7 @@ class _Partitions:
         # a long view drift (2,000 small tensors merged into runs of ~65K elements read 2e-6 off,
         # one view each 3e-8); a parameter's own partition is as long as a view gets
         self._views = [view for view, _ in kept]
-        self._runs = _runs([layer for _, layer in kept], self._device, self._seqs)
+        self._runs = Runs(tuple(layer for _, layer in kept), seq=next(self._seqs), device=self._device)
         self._flat = opt.grad_partitions_flat_buffer
 
     def read(self) -> tuple[Runs, list[torch.Tensor]]:
@@ -187,15 +183,14 @@ class _InBackward:
 
     def __init__(
         self,
-        engine: DeepSpeedEngine,
         params: Sequence[torch.nn.Parameter],
         layer_of: Sequence[int],
         *,
-        receiver: Receiver,
+        receiver: BackwardSums,
         device: torch.device,
         seqs: Iterator[int],
     ) -> None:
-        self.engine, self.receiver, self.device, self._seqs = engine, receiver, device, seqs
+        self.receiver, self.device, self._seqs = receiver, device, seqs
         self._params, self._layer_of = list(params), list(layer_of)
         self._handles: list[RemovableHandle] = []
         self._runs: dict[tuple[int, ...], Runs] = {}
@@ -244,7 +239,9 @@ class _InBackward:
         key = tuple(self._slots)
         runs = self._runs.get(key)
         if runs is None:
-            runs = self._runs[key] = _runs([self._layer_of[s] for s in key], self.device, self._seqs)
+            runs = self._runs[key] = Runs(
+                tuple(self._layer_of[s] for s in key), seq=next(self._seqs), device=self.device
+            )
         self.reads.append((runs, self._sums))
 
 
@@ -310,7 +307,7 @@ class DeepSpeedSource:
     local_figures = True
     counted = None  # DeepSpeed's own partitions: nothing of distmon's placement rules to check
 
-    def __init__(self, engine: DeepSpeedEngine, *, receiver: Receiver, grouping: Grouping) -> None:
+    def __init__(self, engine: DeepSpeedEngine, *, receiver: BackwardSums, grouping: Grouping) -> None:
         _refuse(engine)
         if "_take_model_step" in vars(engine):
             raise RuntimeError(
@@ -348,7 +345,7 @@ class DeepSpeedSource:
         self._in_backward: _InBackward | None = None
         if isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or reduces_in_backward:
             self._in_backward = _InBackward(
-                engine, params, layer_of, receiver=receiver, device=self.device, seqs=seqs
+                params, layer_of, receiver=receiver, device=self.device, seqs=seqs
             )
         else:
             attr = "_hp_grad" if isinstance(opt, BF16_Optimizer) else "grad"

@@ -46,8 +46,9 @@ from torch.distributed.fsdp import FSDPModule
 from .. import compat
 from ..errors import logger
 from ..layout.grouping import Grouping
+from ..step.backward import BackwardSums
 from ..step.sums import Runs, sq_sums
-from .base import COMPILED_AUTOGRAD, Receiver, backward_positions, in_compiled_autograd
+from .base import COMPILED_AUTOGRAD, backward_positions, in_compiled_autograd
 from .grad_sums import GradSums
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class FSDPSource:
     in_parts = True  # each rank holds shards: the job's figures are the sum of every rank's counted ones
 
     def __init__(
-        self, model: torch.nn.Module, *, receiver: Receiver, grouping: Grouping, counted: Sequence[bool]
+        self, model: torch.nn.Module, *, receiver: BackwardSums, grouping: Grouping, counted: Sequence[bool]
     ) -> None:
         self.module, self.counted = model, counted
         self.units: list[tuple[FSDPModule, FSDPParamGroup]] = []
@@ -256,8 +257,8 @@ class FSDPSource:
         ids = tuple(columns[i][2] for _ in range(world) for i in pick)
         return _UnitLayout(
             layer_ids=ids,
-            layers=torch.tensor(ids, dtype=torch.int64, device=self.device),
             seq=next(self._seqs),
+            device=self.device,
             split_sizes=[b - a for a, b, _ in columns] * world,
             pick=[r * n + i for r in range(world) for i in pick],
             per_rank=cursor,

@@ -117,7 +117,7 @@ class GradSums:
             _refuse_partial([self.params[i] for i in slots])
         ids = tuple(self.layer_of[i] for i in slots)
         return _ReadPlan(
-            runs=Runs(ids, torch.tensor(ids, dtype=torch.int64, device=self.device), seq=next(self._seqs)),
+            runs=Runs(ids, seq=next(self._seqs), device=self.device),
             sparse=tuple(k for k, g in enumerate(present) if g.is_sparse),
             complex_=tuple(k for k, i in enumerate(slots) if self._complex[i]),
         )

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import gc
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..compat import pipeline_stage_base, uncompiled
+
+if TYPE_CHECKING:  # for annotations only: imported where used
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
 
 __all__ = [
     "is_fsdp",
@@ -120,7 +125,7 @@ def process_group(job: object = None) -> dist.ProcessGroup | None:
     return None
 
 
-def enclosing(model: object) -> object:
+def enclosing(model: object) -> torch.nn.Module | PipelineStage | DeepSpeedEngine:
     """The ``PipelineStage``, DDP model or DeepSpeed engine that holds ``model``, when ``model`` is
     what such a wrapper holds (a stage's module, plain, DDP- or FSDP2-wrapped; DDP's or the
     engine's ``.module``); else ``model``.
@@ -181,7 +186,7 @@ def _subclasses(cls: type) -> set[type]:
     return out
 
 
-def pipeline_stage(model: object) -> object | None:
+def pipeline_stage(model: object) -> PipelineStage | None:
     """The ``torch.distributed.pipelining`` stage ``model`` is (its ``.submod`` is measured), or None."""
     base = pipeline_stage_base()  # None when pipelining was never imported
     return model if base is not None and isinstance(model, base) else None

@@ -26,8 +26,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ..compat import queue_callback
 from ..layout.grouping import Grouping
+from ..step.backward import BackwardSums
 from ..step.sums import Runs
-from .base import COMPILED_AUTOGRAD, OrderLearner, Receiver, first_device, in_compiled_autograd
+from .base import COMPILED_AUTOGRAD, OrderLearner, first_device, in_compiled_autograd
 from .grad_sums import GradSums
 
 __all__ = ["PlainSource"]
@@ -62,7 +63,7 @@ class PlainSource:
         self,
         module: torch.nn.Module,
         *,
-        receiver: Receiver,
+        receiver: BackwardSums,
         grouping: Grouping,
         counted: Sequence[bool] | None = None,
         params: Sequence[torch.nn.Parameter] | None = None,
@@ -91,7 +92,6 @@ class PlainSource:
                 [grouping.params[i] for i in kept], [layer_of[i] for i in kept], self.device, seqs=seqs
             )
         )
-        self._n_layers = len(grouping.layers)
         self._order = OrderLearner(
             self._params,
             [layer_of[i] for i in slots],

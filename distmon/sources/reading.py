@@ -6,6 +6,7 @@ reduced gradient counts in the job's figures (:func:`read_layout`), before the j
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,10 @@ from ..layout.placements import copy_reason, declared_group
 from .base import COMPILED_AUTOGRAD
 from .ddp import ddp_parameters
 from .models import LIGHTNING_DEEPSPEED, is_deepspeed, is_fsdp, trained_module, unwrapped
+
+if TYPE_CHECKING:  # for annotations only: imported where used
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
 
 __all__ = ["LayoutReading", "read_layout"]
 
@@ -106,7 +111,12 @@ def _parts(
 
 
 def _engine_reading(
-    engine: object, grouping: Grouping, *, fabric: bool, declared: bool, job: dist.ProcessGroup | None
+    engine: DeepSpeedEngine,
+    grouping: Grouping,
+    *,
+    fabric: bool,
+    declared: bool,
+    job: dist.ProcessGroup | None,
 ) -> LayoutReading:
     """A DeepSpeed engine's reading: its data-parallel group is the job (DeepSpeed's tensor and
     pipeline parallelism are refused), so every rank holds each dense parameter, counted on rank
@@ -131,7 +141,7 @@ def read_layout(
     grouping: Grouping,
     replicated_over: dict[str, dist.ProcessGroup] | None = None,
     distinct_over: dict[str, dist.ProcessGroup] | None = None,
-    stage: object | None = None,
+    stage: PipelineStage | None = None,
     job: dist.ProcessGroup | None = None,
 ) -> LayoutReading:
     """What ``model`` (or the pipeline ``stage``'s module) says about where each of its gradients

@@ -6,6 +6,7 @@ a pipeline stage's (:class:`PipelineSource`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -13,11 +14,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..compat import uncompiled
 from ..layout.grouping import Grouping
-from .base import Receiver, Source
+from ..step.backward import BackwardSums
+from .base import Source
 from .ddp import CommHook, DDPSource, ddp_parameters
 from .models import is_deepspeed, is_fsdp, peeled
 from .plain import PlainSource
-from .reading import LayoutReading, read_layout
+from .reading import LayoutReading
+
+if TYPE_CHECKING:  # for annotations only: imported where used
+    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
 
 __all__ = ["source_for", "CompositeSource", "PipelineSource"]
 
@@ -80,7 +85,7 @@ class PipelineSource(_Wrapping):
     the step's backwards are done (``stage.scale_grads``) are what the optimizer steps with, so the
     sums taken before are divided alike, and what is left to read is read after it."""
 
-    def __init__(self, inner: Source, stage: object, receiver: Receiver) -> None:
+    def __init__(self, inner: Source, stage: PipelineStage, receiver: BackwardSums) -> None:
         super().__init__(inner)
         self.stage, self.receiver = stage, receiver
         self._scale: Callable[[int], None] | None = None
@@ -109,14 +114,12 @@ class PipelineSource(_Wrapping):
 def source_for(
     model: torch.nn.Module,
     *,
-    receiver: Receiver,
+    receiver: BackwardSums,
     grouping: Grouping,
+    reading: LayoutReading,
     comm_hook: CommHook | None = None,
     comm_state: object = None,
-    replicated_over: dict[str, dist.ProcessGroup] | None = None,
-    distinct_over: dict[str, dist.ProcessGroup] | None = None,
-    stage: object | None = None,
-    reading: LayoutReading | None = None,
+    stage: PipelineStage | None = None,
     counted: tuple[bool, ...] | None = None,
 ) -> Source:
     """The source that measures ``model``, or an error saying what is supported and the way out.
@@ -133,19 +136,13 @@ def source_for(
     :class:`PipelineSource` by the caller.
 
     Example:
-        >>> net = torch.nn.Linear(2, 2)
         >>> from distmon.layout.grouping import build_grouping
-        >>> type(source_for(net, receiver=None, grouping=build_grouping(net, None, 8))).__name__
+        >>> net = torch.nn.Linear(2, 2); grouping = build_grouping(net, None, 8)
+        >>> from distmon.sources.reading import read_layout
+        >>> reading = read_layout(net, grouping=grouping)
+        >>> type(source_for(net, receiver=None, grouping=grouping, reading=reading)).__name__
         'PlainSource'
     """
-    if reading is None:
-        reading = read_layout(
-            model,
-            grouping=grouping,
-            replicated_over=replicated_over,
-            distinct_over=distinct_over,
-            stage=stage,
-        )
     counted = reading.counted if counted is None else counted
     model, compiled = peeled(model)  # torch.compile(model), Fabric: the module they wrap is measured
     if stage is not None:

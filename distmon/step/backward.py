@@ -7,8 +7,7 @@ the optimizer steps with). The step tracker folds them into per-layer sums when 
 needs them, divided by the loss scale in force for that backward. Failures are recorded per
 side: a rank whose local measurement failed still reports exact reduced figures, and back.
 
-:class:`BackwardSums` is what :class:`distmon.sources.base.Receiver` describes: the one
-object the sources call.
+:class:`BackwardSums` is the one object the sources call (their ``receiver``).
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ class BackwardSums:
     Example:
         >>> sums = BackwardSums(n_layers=1, device=torch.device("cpu"), loss_scale=LossScale(),
         ...                     errors=ErrorCounter())
-        >>> runs = Runs((0,), torch.tensor([0]), seq=0)
+        >>> runs = Runs((0,), seq=0, device=torch.device("cpu"))
         >>> sums.begin_backward(); sums.add_local(runs, [torch.tensor(4.0)]); sums.end_backward()
         >>> out = torch.empty(1); sums.fold_local(out); out.tolist(), sums.local_ok
         ([4.0], True)

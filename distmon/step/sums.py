@@ -6,6 +6,7 @@ returns or writes tensors on the same device, without a host sync.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -227,8 +228,13 @@ class Runs:
     """
 
     layer_ids: tuple[int, ...]  # layer of each view
-    layers: torch.Tensor  # the same on the device (int64)
     seq: int
+    device: torch.device  # where the views live
+
+    @functools.cached_property
+    def layers(self) -> torch.Tensor:
+        """:attr:`layer_ids` on the device (int64), made once."""
+        return torch.tensor(self.layer_ids, dtype=torch.int64, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -250,7 +256,7 @@ class LayerFold:
 
     Example:
         >>> fold = LayerFold(2, torch.device("cpu"))
-        >>> runs = Runs((1, 0), torch.tensor([1, 0]), seq=0)
+        >>> runs = Runs((1, 0), seq=0, device=torch.device("cpu"))
         >>> out = torch.empty(2)
         >>> fold([(runs, [torch.tensor(4.0), torch.tensor(9.0)])], out)
         >>> out.tolist()

@@ -40,7 +40,7 @@ class UpdateRatio:
     ):
         self.params = params
         self._copy = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
-        self._runs = Runs(tuple(layer_of), torch.tensor(layer_of, dtype=torch.int64, device=device), seq=0)
+        self._runs = Runs(tuple(layer_of), seq=0, device=device)
         self._fold = LayerFold(n_layers, device)
         self._weight_sq = torch.zeros(n_layers, dtype=torch.float32, device=device)
         self.taken = False  # the copy of the step in progress was taken
