@@ -1,6 +1,7 @@
 """Building a monitor: its options, what it is made of, and a start and an end on every rank or on none.
 
 =================  ==============================================================================
+``start.py``       a monitor's start, on every rank or none: read, build, agree, wire the exporters
 ``config.py``      the options validated (:class:`MonitorConfig`), the opt-in features they build
 ``build.py``       what one rank builds, in order, before and after the ranks agree
 ``hostinfo.py``    who each rank is: run id, host, node, local rank, GPU; exchanged once
