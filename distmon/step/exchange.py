@@ -383,7 +383,7 @@ class Exchange:
     def _land_parts(self, step: int, layer_sq: torch.Tensor, measured: torch.Tensor) -> None:
         """A layout in parts' reduced figures of ``step``: the job's sums, valid only if every rank
         measured its parts (``measured``, the sum of the ranks' ``reduced_ok``, is the world)."""
-        self.ring.layers(step).copy_(layer_sq)
+        self.ring.land_reduced(step, layer_sq)
         self.ring.row(step)[Head.VALID].mul_(measured == self.buffers.world)
 
     def _store(self, first: int, last: int, out: torch.Tensor, ranks: slice = slice(None)) -> None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..snapshot import SkipReason
-from .rows import StepRow
+from .rows import Head, StepRow
 
 __all__ = ["DeviceRing", "HostCopy", "StepInfo", "ExportBatch", "ExportQueue", "HOST_WAIT_S"]
 
@@ -85,6 +85,7 @@ class DeviceRing:
         # views made once: the hooks index rows every step
         self._rows = list(self.data.unbind(0))
         self._layers = [row[layout.layers] for row in self._rows]
+        self._totals = [row[Head.TOTAL_SQ : Head.TOTAL_SQ + 1] for row in self._rows]
         pin = device.type == "cuda"
         self._host = [torch.empty_like(self.data, device="cpu", pin_memory=pin) for _ in range(2)]
         self._free = [threading.Event() for _ in self._host]
@@ -103,6 +104,23 @@ class DeviceRing:
     def layers(self, step: int) -> torch.Tensor:
         """The reduced per-layer sums of squares of step ``step``'s row."""
         return self._layers[self.slot(step)]
+
+    def land_reduced(self, step: int, layer_sq: torch.Tensor) -> None:
+        """The one place a step's reduced figures land in its row: the per-layer sums of squares
+        ``layer_sq`` (a layout in parts: the job's, after the step's collective; else this rank's,
+        folded in place: ``layer_sq`` is :meth:`layers` itself) and their total, the global norm
+        squared. Device ops only.
+
+        Example:
+            >>> from distmon.step.rows import RowPlan
+            >>> ring = DeviceRing(2, RowPlan.build(n_layers=2, world=1).step, torch.device("cpu"))
+            >>> ring.land_reduced(1, torch.tensor([9.0, 16.0])); ring.row(1)[Head.TOTAL_SQ].item() ** 0.5
+            5.0
+        """
+        layers = self.layers(step)
+        if layer_sq is not layers:
+            layers.copy_(layer_sq)
+        torch.sum(layers, 0, keepdim=True, out=self._totals[self.slot(step)])
 
     def span(self, first: int, last: int) -> torch.Tensor:
         """The rows of steps ``first..last``, consecutive in the ring (a stretch between exports)."""

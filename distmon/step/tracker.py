@@ -296,7 +296,9 @@ class StepTracker:
         sums = self.sums
         try:
             if not self.exchange.in_parts:  # a layout in parts' come with the step's collective
-                sums.fold_reduced(self.ring.layers(step))
+                layers = self.ring.layers(step)
+                sums.fold_reduced(layers)  # this rank's, in place: every rank's are the same
+                self.ring.land_reduced(step, layers)
             valid = sums.reduced_ok and sums.measured and self.misread is None
         except Exception:
             self.fail("step row", local=False)
@@ -316,9 +318,7 @@ class StepTracker:
     def finish_total_sq(self) -> torch.Tensor:
         """Finish the step in progress's row (:meth:`finish_row`) and write its total into it: the
         reduced sum of squares, as a 0-d device tensor (no collective)."""
-        row = self._reduced_now()
-        torch.sum(row[self.plan.step.layers], 0, keepdim=True, out=row[Head.TOTAL_SQ : Head.TOTAL_SQ + 1])
-        return row[Head.TOTAL_SQ]
+        return self._reduced_now()[Head.TOTAL_SQ]  # written where the reduced sums land
 
     def judge_now(self) -> torch.Tensor:
         """Judge the step in progress now (a guard's verdict before ``optimizer.step()``); returns its row."""

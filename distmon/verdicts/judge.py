@@ -46,11 +46,14 @@ class Judge:
 
     Example:
         >>> from distmon.step.rows import RowPlan
-        >>> plan = RowPlan.build(n_layers=2, world=1)
-        >>> rows = torch.tensor([[1.0, 0.0, 1.0, 4.0]])
-        >>> Judge(plan.step, detector=None, noise=None, errors=ErrorCounter()).judge_reduced(rows, [True])
-        >>> rows[0, Head.TOTAL_SQ].item()
-        5.0
+        >>> from distmon.verdicts.detectors import DetectorConfig, DeviceDetector
+        >>> plan = RowPlan.build(n_layers=1, world=1, detector=True)
+        >>> detector = DeviceDetector(DetectorConfig(), plan, torch.device("cpu"))
+        >>> rows = plan.step.blank(torch.device("cpu")).repeat(3, 1)
+        >>> rows[:, Head.TOTAL_SQ] = rows[:, plan.step.layers.start] = 4.0   # a norm of 2, three steps
+        >>> Judge(plan.step, detector=detector, noise=None, errors=ErrorCounter()).judge_reduced(rows, [True] * 3)
+        >>> detector.updates
+        3
     """
 
     def __init__(
@@ -66,10 +69,9 @@ class Judge:
         self.cross = cross  # the job's cross-rank figures per ring slot (the rank outliers read them)
 
     def judge_reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
-        """Write the totals of consecutive ``rows`` into them and update the reduced-figure detectors
-        (``valid``: which rows were measured)."""
+        """Update the reduced-figure detectors with consecutive ``rows`` (``valid``: which rows were
+        measured; their totals landed with their reduced sums, ``DeviceRing.land_reduced``)."""
         try:
-            rows[:, Head.TOTAL_SQ] = rows[:, self.step_row.layers].sum(1)
             if self.detector is not None:
                 for start, stop in valid_runs(valid):
                     self.detector.update(rows[start:stop])
