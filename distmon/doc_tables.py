@@ -7,8 +7,8 @@ marker lines (``<!-- generated: NAME ... -->`` and ``<!-- end: NAME -->``):
   :func:`distmon.options.options_table` renders it;
 - ``metrics`` (``docs/metrics.md``): :data:`distmon.serve.prometheus_exporter.METRICS`, the
   declarations the collector builds its families from;
-- ``hops`` (``docs/how-it-works.md``): the bucket-to-gauge table of ``distmon/step/tracker.py``'s
-  docstring, its one copy.
+- ``hops`` (``docs/how-it-works.md``): the data path of the global norm, hop by hop,
+  :mod:`distmon.step.data_path` (``tests/test_data_path.py`` traces it).
 
 ``python -m distmon.doc_tables --write`` renders them into the pages; ``tests/test_docs.py``
 fails when a page's table differs from what the code renders now.
@@ -17,7 +17,6 @@ fails when a page's table differs from what the code renders now.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Callable
 
@@ -42,28 +41,16 @@ def metrics_table() -> str:
 
 
 def hop_table() -> str:
-    """The bucket-to-gauge trace of ``distmon/step/tracker.py``'s docstring, as a Markdown table.
+    """The data path of the global norm, hop by hop (:mod:`distmon.step.data_path`): one table per
+    layout, DDP's and FSDP2's.
 
     Example:
         >>> hop_table().splitlines()[0]
-        '| hop | function | thread |'
+        '**DDP**'
     """
-    from .step import tracker
+    from .step.data_path import PATHS, hop_rows
 
-    lines = (tracker.__doc__ or "").splitlines()
-    rules = [i for i, line in enumerate(lines) if re.fullmatch(r"=+( +=+)+", line)]
-    top, head_rule, bottom = rules[0], rules[1], rules[2]
-    spans = [m.span() for m in re.finditer(r"=+", lines[top])]
-
-    def cells(line: str) -> list[str]:
-        # the last column runs to the end of the line; ``code`` becomes `code`
-        bounds = [(a, b) for a, b in spans[:-1]] + [(spans[-1][0], len(line))]
-        return [line[a:b].strip().replace("``", "`") for a, b in bounds]
-
-    head = cells(lines[top + 1])
-    rows = [f"| {' | '.join(head)} |", "|---:|" + "---|" * (len(head) - 1)]
-    rows += [f"| {' | '.join(cells(line))} |" for line in lines[head_rule + 1 : bottom]]
-    return "\n".join(rows) + "\n"
+    return "\n".join(f"**{name}**\n\n{hop_rows(path)}" for name, path in PATHS.items())
 
 
 def _options_table() -> str:

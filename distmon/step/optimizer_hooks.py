@@ -153,7 +153,7 @@ class StepHooks:
             if self.guard is None:
                 # each undo noted as soon as its hook is in: a later failure removes it
                 self._undo.append(opt.register_step_pre_hook(self._pre_hook).remove)
-                self._undo.append(opt.register_step_post_hook(self._post_hook).remove)
+                self._undo.append(opt.register_step_post_hook(self._finish).remove)
             else:
                 opt.step = self._guarded(opt, opt.step)
                 self._undo.append(functools.partial(opt.__dict__.pop, "step", None))
@@ -185,9 +185,6 @@ class StepHooks:
 
         return _with_closure(args, kwargs, then_begin, at=1)
 
-    def _post_hook(self, opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self._finish(opt)
-
     def _begin(self, opt: torch.optim.Optimizer) -> None:
         try:
             if id(opt) in self._stepped:  # stepped again before the others: that training step is over
@@ -197,7 +194,9 @@ class StepHooks:
             self.tracker.errors.record("optimizer step pre-hook")
             self.tracker.begin_anyway()  # its collective, now, as on the other ranks
 
-    def _finish(self, opt: torch.optim.Optimizer) -> None:
+    def _finish(self, opt: torch.optim.Optimizer, *hook_args: object) -> None:
+        """``opt`` stepped (its post-hook; ``hook_args``: the step's, unused): the training step ends
+        once every monitored optimizer stepped."""
         try:
             self._finished += 1
             # an optimizer that skipped its own update (DeepSpeed's engine step on an overflow)

@@ -20,25 +20,10 @@ Should :meth:`StepTracker.before_step` or :meth:`StepTracker.after_step` raise a
 the step hooks call ``begin_anyway`` / ``end_anyway``: the step still issues its collective and
 is counted, as on every other rank.
 
-From a DDP bucket's gradient to its Prometheus gauges (no guard; a "go to definition" trace):
-
-====  ============================================================================  =====================
-hop   function                                                                      thread
-====  ============================================================================  =====================
-1     ``DDPSource._backward_begins`` (NCCL) / ``monitor_hook`` -> ``.on_bucket``     backward (autograd)
-2     ``DDPSource._read_local`` -> ``GradSums.read`` -> ``sums.sq_sums``             final callback
-3     ``BackwardSums.add_local``; after DDP's finalize: ``.add_reduced``            final callbacks
-4     ``StepHooks._pre_hook`` -> ``StepTracker.before_step`` -> ``_pack``            training (pre-hook)
-5     ``Exchange.start``: this rank's row kept; an export step's all-gather          training
-6     ``StepHooks._post_hook`` -> ``StepTracker.after_step`` -> ``finish_row``       training (post-hook)
-7     ``StepTracker.export`` -> ``Exchange.complete`` (every rank's rows in)         training (export step)
-8     ``Judge.judge_reduced`` / ``.judge_ranks`` -> ``DeviceRing.copy_to_host``     training (export step)
-9     ``ExportThread._export`` -> ``RowDecoder.decode`` -> ``MetricsAggregate.add``  distmon-export
-10    a scrape: ``MetricServer`` -> ``GradCollector.collect``                        distmon-http-worker
-====  ============================================================================  =====================
-
-With a guard (or ``clip_grad_norm_``) hops 4 and 6 happen at once, before the optimizer step
-(``judge_now``, ``finish_total_sq``); ``flush()`` and ``close()`` run hops 7-8 on the caller's thread.
+The data path of the global norm through these points, hop by hop, is
+:mod:`distmon.step.data_path` (traced by ``tests/test_data_path.py``). With a guard (or
+``clip_grad_norm_``) the step's figures are taken before the optimizer step (``judge_now``,
+``finish_total_sq``); ``flush()`` and ``close()`` export on the caller's thread.
 """
 
 from __future__ import annotations

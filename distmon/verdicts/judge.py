@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ErrorCounter
 from ..step.crossrank import CrossRank
-from ..step.rows import Head, StepRow
+from ..step.rows import StepRow
 from .detectors import DeviceDetector
 from .noise_scale import NoiseScale
 
@@ -51,7 +51,8 @@ class Judge:
         >>> detector = DeviceDetector(DetectorConfig(), plan, torch.device("cpu"))
         >>> rows = plan.step.blank(torch.device("cpu")).repeat(3, 1)
         >>> rows[:, Head.TOTAL_SQ] = rows[:, plan.step.layers.start] = 4.0   # a norm of 2, three steps
-        >>> Judge(plan.step, detector=detector, noise=None, errors=ErrorCounter()).judge_reduced(rows, [True] * 3)
+        >>> judge = Judge(plan.step, detector=detector, noise=None, errors=ErrorCounter())
+        >>> judge.judge_reduced(rows, [True] * 3)
         >>> detector.updates
         3
     """
