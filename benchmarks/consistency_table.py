@@ -3,7 +3,8 @@
 
 The rank-outlier scale is the mean squared deviation of the ranks' log-norms from their center
 (``distmon.step.crossrank``): from 5 ranks on, of the ranks between the two extremes around their own
-mean; up to 4, of the ranks around their lower median, leaving out the largest from 3 on. For Gaussian ranks its expectation is below sigma^2 by a factor that depends on the
+mean; up to 4, of the ranks around their lower median, leaving out the largest from 3 on. For
+Gaussian ranks its expectation is below sigma^2 by a factor that depends on the
 world size only; the table holds sigma^2 / E[that mean] for 2..128 ranks, by Monte Carlo over
 4M values each (standard error ~0.07%). Beyond 128 ranks the detector uses the large-world
 approximation ``large_world_consistency`` (``--check`` prints its distance from Monte Carlo at

@@ -41,8 +41,8 @@ sys.path.insert(0, ROOT)
 import yaml  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-from distmon.setup.hostinfo import RankInfo  # noqa: E402
 from distmon.serve.prometheus_exporter import GradCollector, MetricsAggregate  # noqa: E402
+from distmon.setup.hostinfo import RankInfo  # noqa: E402
 from distmon.snapshot import Snapshot  # noqa: E402
 
 RULES = os.path.join(ROOT, "deploy", "prometheus", "rules", "distmon-recording.yml")

@@ -399,7 +399,9 @@ class FaultInjector:
         if args.hang_step is not None:
             self.descriptions.append(f"all ranks hang before step {args.hang_step}")
         if args.crash_step is not None:
-            self.descriptions.append(f"rank {args.crash_rank} fails at step {args.crash_step} (first attempt only)")
+            self.descriptions.append(
+                f"rank {args.crash_rank} fails at step {args.crash_step} (first attempt only)"
+            )
 
     def _hook(self, model: nn.Module, layer: str, fn: Any) -> None:
         for _, param in layer_parameters(model, layer):

@@ -111,7 +111,7 @@ def render_gpu_md(res: RunResult, png: str | None = None) -> str:
         L += _table(s, res.labels)
     L += ["## Targets (issue #35)", ""]
     L += [f"- {verdict}: {what} -- {detail}" for what, verdict, detail in res.acceptance]
-    L += ["", "## No host sync on ordinary steps (`torch.cuda.set_sync_debug_mode(\"error\")`)", ""]
+    L += ["", '## No host sync on ordinary steps (`torch.cuda.set_sync_debug_mode("error")`)', ""]
     for s in res.sizes:
         L.append(f"- {s.info.size}: {s.sync_debug if s.sync_debug is not None else 'not checked (no GPU)'}")
     L += ["", "## The monitors measured what they claim (the same steps on the same data)", ""]
