@@ -9,12 +9,32 @@ compares). ``agreed`` marks the options every rank must set alike (compared at s
 
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
+from typing import Literal, get_args
 
-__all__ = ["Option", "OPTIONS", "BY_NAME", "AGREED", "option_label", "options_table", "options_args"]
+__all__ = [
+    "Option",
+    "Check",
+    "OPTIONS",
+    "BY_NAME",
+    "AGREED",
+    "ServeMode",
+    "GuardMode",
+    "SERVE_MODES",
+    "GUARD_MODES",
+    "option_label",
+    "options_table",
+    "options_args",
+]
+
+ServeMode = Literal["rank0", "node", "all", "none"]
+GuardMode = Literal["skip", "raise"]
+SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
+GUARD_MODES: tuple[GuardMode | None, ...] = (None, *get_args(GuardMode))
 
 
 def _bool(name: str, text: str) -> bool:
@@ -35,6 +55,36 @@ _PARSE: dict[type, Callable[[str, str], object]] = {
 
 
 @dataclass(frozen=True)
+class Check:
+    """What an option's value must be: ``test(value)`` holds, or ``MonitorConfig`` raises ``error``
+    saying ``<option> must be <must>, got <value>``.
+
+    Example:
+        >>> Check(lambda v: v in (1, 2), "1 or 2").test(3)
+        False
+    """
+
+    test: Callable[[object], bool]
+    must: str
+    error: type[Exception] = ValueError
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(low: int, optional: bool = False) -> Check:
+    """An int (not a bool) >= ``low`` (or None, if ``optional``)."""
+    return Check(
+        lambda v: (optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= low),
+        f"an int >= {low}",
+    )
+
+
+_BOOL = Check(lambda v: isinstance(v, bool), "a bool", TypeError)
+
+
+@dataclass(frozen=True)
 class Option:
     """One option: its name, its default, its documentation, its ``DISTMON_*`` variable (and the type
     it is read as); ``shown``: the default in words, where the value (None) stands for something."""
@@ -47,6 +97,7 @@ class Option:
     env_type: type = str
     agreed: bool = False  # every rank must set it alike: it shapes the rows or the guard's verdict
     shown: str | None = None
+    check: Check | None = None  # what its value must be (options that need more: MonitorConfig.validate)
 
     def parse(self, text: str) -> object:
         """The variable's text as the option's value (``ValueError`` if it is not one)."""
@@ -112,6 +163,7 @@ OPTIONS: tuple[Option, ...] = (
         env="DISTMON_EXPORT_EVERY",
         env_type=int,
         agreed=True,
+        check=_whole(1),
     ),
     Option(
         "export_interval_s",
@@ -124,6 +176,7 @@ OPTIONS: tuple[Option, ...] = (
         env="DISTMON_EXPORT_INTERVAL_S",
         env_type=float,
         agreed=True,
+        check=Check(lambda v: _number(v) and v >= 0, "a number >= 0 (0: by step count only)"),
     ),
     Option(
         "groups",
@@ -139,12 +192,14 @@ OPTIONS: tuple[Option, ...] = (
         128,
         "cap on layer groups (Prometheus cardinality); later groups fold into `other`",
         agreed=True,
+        check=Check(lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
     ),
     Option(
         "rank_layers",
         True,
         "also gather the rank x layer matrix of each node's ranks at exports (else per-rank totals only)",
         agreed=True,
+        check=_BOOL,
     ),
     Option(
         "serve",
@@ -155,6 +210,7 @@ OPTIONS: tuple[Option, ...] = (
         "(ports `port + local rank`); `none`",
         env="DISTMON_SERVE",
         agreed=True,
+        check=Check(lambda v: v in SERVE_MODES, f"one of {SERVE_MODES}"),
     ),
     Option(
         "port",
@@ -162,12 +218,14 @@ OPTIONS: tuple[Option, ...] = (
         'HTTP port; 0 = ephemeral; with `serve="all"` local rank i uses port + i; bound port in `mon.port`',
         env="DISTMON_PORT",
         env_type=int,
+        check=Check(lambda v: isinstance(v, int) and 0 <= v <= 65535, "an int in 0..65535 (0 = ephemeral)"),
     ),
     Option(
         "addr",
         "127.0.0.1",
         "bind address; `0.0.0.0` to be scraped from other hosts (the Slurm/Kubernetes launchers set it)",
         env="DISTMON_ADDR",
+        check=Check(lambda v: isinstance(v, str) and bool(v), "a host address"),
     ),
     Option(
         "port_fallback",
@@ -211,6 +269,7 @@ OPTIONS: tuple[Option, ...] = (
         "the `run_id` label; rank 0's value wins",
         env="DISTMON_RUN_ID",
         shown="torchrun's `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID`, else generated",
+        check=Check(lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "a non-empty string"),
     ),
     Option(
         "log_path",
@@ -236,8 +295,14 @@ OPTIONS: tuple[Option, ...] = (
         "0 withdraws the target file after it); 0: stop at once. Announced on stderr (a warning)",
         env="DISTMON_LINGER_S",
         env_type=float,
+        check=Check(lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, "a number >= 0"),
     ),
-    Option("window_s", 60.0, "window of `distmon_grad_norm_window_max`, seconds"),
+    Option(
+        "window_s",
+        60.0,
+        "window of `distmon_grad_norm_window_max`, seconds",
+        check=Check(lambda v: isinstance(v, (int, float)) and v > 0, "a number > 0"),
+    ),
     Option(
         "detect",
         True,
@@ -252,6 +317,7 @@ OPTIONS: tuple[Option, ...] = (
         "raise `distmon.GradientAnomalyError` from `optimizer.step()` on every rank. Costs one small "
         "host sync per step",
         agreed=True,
+        check=Check(lambda v: v in GUARD_MODES, f"one of {GUARD_MODES}"),
     ),
     Option("lr_scheduler", None, "the scheduler (or list of schedulers) to hold back on skipped steps"),
     Option(
@@ -267,6 +333,10 @@ OPTIONS: tuple[Option, ...] = (
         "a fixed factor your loss is multiplied by before `backward()` (not with `scaler`); figures "
         "are divided by it",
         agreed=True,
+        check=Check(
+            lambda v: v is None or (_number(v) and v > 0),
+            "a positive finite number (the factor your loss is multiplied by before backward)",
+        ),
     ),
     Option(
         "batch_size",
@@ -275,12 +345,18 @@ OPTIONS: tuple[Option, ...] = (
         "included), or a callable returning it: turns on the gradient noise scale "
         "([Gradient noise scale](metrics.md#gradient-noise-scale)); needs 2+ ranks",
         agreed=True,
+        check=Check(
+            lambda v: v is None or callable(v) or (_number(v) and v > 0),
+            "a positive number (this rank's batch per optimizer step, in your units: sequences or "
+            "tokens, accumulation included) or a callable returning it",
+        ),
     ),
     Option(
         "gns_alpha",
         0.05,
         "EMA weight of the noise scale's two terms; figures are NaN until `1/gns_alpha` steps went in",
         agreed=True,
+        check=Check(lambda v: isinstance(v, (int, float)) and 0 < v < 1, "in (0, 1)"),
     ),
     Option(
         "activations",
@@ -291,7 +367,14 @@ OPTIONS: tuple[Option, ...] = (
         "([Forward activations](metrics.md#forward-activations))",
         agreed=True,
     ),
-    Option("activation_every", None, "steps between watched forwards", agreed=True, shown="`export_every`"),
+    Option(
+        "activation_every",
+        None,
+        "steps between watched forwards",
+        agreed=True,
+        shown="`export_every`",
+        check=_whole(1, optional=True),
+    ),
     Option(
         "update_ratio",
         False,
@@ -299,6 +382,7 @@ OPTIONS: tuple[Option, ...] = (
         "copy of the parameters is kept for it; not when ranks hold parts of the model: FSDP, tensor "
         "or pipeline parallelism)",
         agreed=True,
+        check=_BOOL,
     ),
 )
 

@@ -8,29 +8,24 @@ which win over defaults.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 from collections.abc import Callable
 from dataclasses import field, fields, make_dataclass
-from typing import Literal, NamedTuple, Protocol, get_args
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..errors import ErrorCounter
 from ..layout.grouping import Grouping, validate_groups
-from ..options import AGREED, BY_NAME, OPTIONS
+from ..options import AGREED, BY_NAME, OPTIONS, SERVE_MODES, GuardMode, ServeMode
 from ..serve.endpoint_security import EndpointSecurity
 from ..sources import Source
 from ..step.activations import ActivationWatch, select_modules, validate_activations
 from ..step.update_ratio import UpdateRatio
 from ..verdicts.detectors import DetectorConfig
 
-ServeMode = Literal["rank0", "node", "all", "none"]
-GuardMode = Literal["skip", "raise"]
-SERVE_MODES: tuple[ServeMode, ...] = get_args(ServeMode)
-GUARD_MODES: tuple[GuardMode | None, ...] = (None, *get_args(GuardMode))
 DEFAULT_PORT: int = BY_NAME["port"].default  # type: ignore[assignment]  # an int (options.py)
 
 __all__ = ["MonitorConfig", "SERVE_MODES", "DEFAULT_PORT", "ServeMode", "GuardMode", "Scheduler", "Features"]
@@ -148,7 +143,13 @@ class _Checked:
         return EndpointSecurity(self.tls_cert, self.tls_key, self.tls_client_ca, self.basic_auth_file)
 
     def validate(self) -> None:
-        """Raise ``ValueError``/``TypeError`` naming the bad option."""
+        """Raise ``ValueError``/``TypeError`` naming the bad option: each option's own check
+        (declared with it, ``options.py``), then what needs more than one value or a torch type."""
+        for option in OPTIONS:
+            value = getattr(self, option.name)
+            if option.check is not None and not option.check.test(value):
+                check = option.check
+                raise check.error(f"distmon: {option.name} must be {check.must}, got {value!r}")
 
         def need(cond: bool, msg: str, exc: type = ValueError) -> None:
             if not cond:
@@ -174,52 +175,8 @@ class _Checked:
             f"job_group must be a torch.distributed ProcessGroup, got {self.job_group!r}",
             TypeError,
         )
-        need(
-            isinstance(self.export_every, int)
-            and not isinstance(self.export_every, bool)
-            and self.export_every >= 1,
-            f"export_every must be an int >= 1, got {self.export_every!r}",
-        )
-        need(
-            isinstance(self.export_interval_s, (int, float))
-            and not isinstance(self.export_interval_s, bool)
-            and math.isfinite(self.export_interval_s)
-            and self.export_interval_s >= 0,
-            f"export_interval_s must be a number >= 0 (0: by step count only), "
-            f"got {self.export_interval_s!r}",
-        )
         validate_groups(self.groups)
-        need(
-            isinstance(self.max_layers, int) and self.max_layers >= 1,
-            f"max_layers must be an int >= 1, got {self.max_layers!r}",
-        )
-        need(
-            isinstance(self.rank_layers, bool),
-            f"rank_layers must be a bool, got {self.rank_layers!r}",
-            TypeError,
-        )
-        need(self.serve in SERVE_MODES, f"serve must be one of {SERVE_MODES}, got {self.serve!r}")
-        need(
-            isinstance(self.port, int) and 0 <= self.port <= 65535,
-            f"port must be an int in 0..65535 (0 = ephemeral), got {self.port!r}",
-        )
-        need(
-            isinstance(self.addr, str) and bool(self.addr), f"addr must be a host address, got {self.addr!r}"
-        )
         _ = self.security  # pairs and types of the TLS/auth options; their files are read at bind time
-        need(
-            self.run_id is None or (isinstance(self.run_id, str) and self.run_id.strip() != ""),
-            f"run_id must be a non-empty string, got {self.run_id!r}",
-        )
-        need(
-            isinstance(self.linger_s, (int, float)) and math.isfinite(self.linger_s) and self.linger_s >= 0,
-            f"linger_s must be a number >= 0, got {self.linger_s!r}",
-        )
-        need(
-            isinstance(self.window_s, (int, float)) and self.window_s > 0,
-            f"window_s must be a number > 0, got {self.window_s!r}",
-        )
-        need(self.guard in GUARD_MODES, f"guard must be one of {GUARD_MODES}, got {self.guard!r}")
         schedulers = (
             self.lr_scheduler if isinstance(self.lr_scheduler, (list, tuple)) else [self.lr_scheduler]
         )
@@ -246,46 +203,10 @@ class _Checked:
             TypeError,
         )
         need(
-            self.loss_scale is None
-            or isinstance(self.loss_scale, (int, float))
-            and not isinstance(self.loss_scale, bool)
-            and math.isfinite(self.loss_scale)
-            and self.loss_scale > 0,
-            f"loss_scale must be a positive finite number (the factor your loss is multiplied by "
-            f"before backward), got {self.loss_scale!r}",
-        )
-        need(
             self.scaler is None or self.loss_scale is None,
             "pass scaler= (a GradScaler) or loss_scale= (a fixed scale), not both",
         )
-        need(
-            self.batch_size is None
-            or callable(self.batch_size)
-            or isinstance(self.batch_size, (int, float))
-            and not isinstance(self.batch_size, bool)
-            and math.isfinite(self.batch_size)
-            and self.batch_size > 0,
-            f"batch_size must be a positive number (this rank's batch per optimizer step, in your "
-            f"units: sequences or tokens, accumulation included) or a callable returning it, "
-            f"got {self.batch_size!r}",
-        )
-        need(
-            isinstance(self.gns_alpha, (int, float)) and 0 < self.gns_alpha < 1,
-            f"gns_alpha must be in (0, 1), got {self.gns_alpha!r}",
-        )
         validate_activations(self.activations)
-        need(
-            isinstance(self.update_ratio, bool),
-            f"update_ratio must be a bool, got {self.update_ratio!r}",
-            TypeError,
-        )
-        need(
-            self.activation_every is None
-            or isinstance(self.activation_every, int)
-            and not isinstance(self.activation_every, bool)
-            and self.activation_every >= 1,
-            f"activation_every must be an int >= 1, got {self.activation_every!r}",
-        )
 
 
 # One field per option, with its default, generated from OPTIONS: an option is declared in
