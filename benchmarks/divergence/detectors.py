@@ -42,8 +42,12 @@ def signal(rec: Recording, name: str) -> tuple[np.ndarray, np.ndarray, list[str]
     else:
         values = arrays[key]
         cols = {
-            "lin_rms": rec["linears"], "lin_max": rec["linears"], "attn_logit_max": rec["blocks"],
-            "attn_bound": rec["blocks"], "update_ratio": rec["layers"], "layer_grad_norm": rec["layers"],
+            "lin_rms": rec["linears"],
+            "lin_max": rec["linears"],
+            "attn_logit_max": rec["blocks"],
+            "attn_bound": rec["blocks"],
+            "update_ratio": rec["layers"],
+            "layer_grad_norm": rec["layers"],
         }.get(key, [key])
     if pick:
         keep = [i for i, c in enumerate(cols) if pick in c]

@@ -58,7 +58,7 @@ def sweep(seeds: int = 6) -> list[tuple[str, RunSpec]]:
 
 def quick() -> list[tuple[str, RunSpec]]:
     """A smoke sweep (well under a minute): one short run per class, fast rates."""
-    short = replace(BASE, steps=300, warmup=100)
+    short = replace(BASE, steps=150, warmup=100)
     return [
         ("attention", replace(short, lr=1.0, model=PLAIN)),
         ("healthy", replace(short, lr=0.003, model=PLAIN)),

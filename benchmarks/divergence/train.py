@@ -67,7 +67,9 @@ def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.weight_decay}, {"params": other, "weight_decay": 0.0}],
-        lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     data = Batches(seq_len=spec.model.seq_len, batch=spec.batch, seed=1000 + spec.seed)
     rec = Recorder(model, every=record_every)
@@ -81,8 +83,15 @@ def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -
 
         @mon.on_anomaly
         def _note(event, snap) -> None:  # noqa: ANN001
-            events.append({"kind": event.kind, "step": int(event.step), "layer": event.layer,
-                           "value": float(event.value), "threshold": float(event.threshold)})
+            events.append(
+                {
+                    "kind": event.kind,
+                    "step": int(event.step),
+                    "layer": event.layer,
+                    "value": float(event.value),
+                    "threshold": float(event.threshold),
+                }
+            )
 
     losses: list[float] = []
     gnorms: list[float] = []
