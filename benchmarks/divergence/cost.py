@@ -27,8 +27,8 @@ from .model import ModelConfig, TinyGPT
 class SignalHooks:
     """The production-style sampling: per-Linear RMS and the per-block attention-logit bound."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    def __init__(self, model: nn.Module, rms: bool = True) -> None:
+        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)] if rms else []
         self.blocks = [m for m in model.modules() if hasattr(m, "qkv") and hasattr(m, "n_heads")]
         n, b = len(self.linears), len(self.blocks)
         self.sq, self.count = torch.zeros(n), torch.zeros(n)
@@ -49,11 +49,10 @@ class SignalHooks:
     def _bound(self, i: int, heads: int):  # noqa: ANN202
         def hook(module: nn.Module, inputs: object, out: torch.Tensor) -> None:
             if self.active:
-                q, k, _ = out.detach().chunk(3, dim=-1)
-                shape = (*q.shape[:-1], heads, q.shape[-1] // heads)
-                qn = torch.linalg.vector_norm(q.reshape(shape), dim=-1).amax()
-                kn = torch.linalg.vector_norm(k.reshape(shape), dim=-1).amax()
-                self.bound[i] = torch.maximum(self.bound[i], qn * kn / math.sqrt(shape[-1]))
+                d_head = out.shape[-1] // (3 * heads)
+                qk = out.detach().unflatten(-1, (3, heads, d_head))[..., :2, :, :]  # (..., q/k, head, d)
+                peak = torch.linalg.vector_norm(qk, dim=-1).transpose(-1, -2).flatten(0, -2).amax(0)
+                self.bound[i] = torch.maximum(self.bound[i], peak.prod() / math.sqrt(d_head))
 
         return hook
 
@@ -68,13 +67,18 @@ class SignalHooks:
             h.remove()
 
 
-def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[str, float]:
-    """Median idle step (ms), median paired extra of a sampled step (ms and fraction)."""
+def measure(
+    cfg: ModelConfig, batch: int, rounds: int, *, rms: bool = True, warm: int = 3
+) -> dict[str, float]:
+    """Median idle step (ms), median paired extra of a sampled step (ms and fraction).
+
+    ``rms``: the per-Linear RMS hooks as well as the attention-logit bound (else the bound alone).
+    """
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    hooks = SignalHooks(model)
+    hooks = SignalHooks(model, rms=rms)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len))
 
     def step(active: bool) -> float:
@@ -101,7 +105,8 @@ def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[st
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "params": n_params,
-        "linears": len(hooks.linears),
+        "hooked_linears": len(hooks.linears),
+        "blocks": len(hooks.blocks),
         "step_ms": 1e3 * base,
         "extra_ms": 1e3 * extra,
         "fraction_per_sampled_step": extra / base,
