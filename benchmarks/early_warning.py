@@ -157,7 +157,7 @@ def markdown(result: dict[str, object]) -> str:
 def by_class(triples, summary) -> dict[str, dict[str, object]]:  # noqa: ANN001
     out: dict[str, dict[str, object]] = {}
     rows = {r["run"]: r for r in summary["runs"]}
-    for cls in ("attention", "output", "gray", "healthy"):
+    for cls in ("attention", "qkln", "mitigated", "gray", "healthy"):
         mine = [rows[rec["name"]] for c, rec, _ in triples if c == cls]
         div = [r for r in mine if r["diverged_at"] is not None]
         leads = [r["lead_steps"] for r in div if r["lead_steps"] is not None]
@@ -238,7 +238,7 @@ def panels(triples, table) -> list[tuple[str, dict, int | None, dict[str, int | 
     """One run per class that has one: the first diverging attention and output runs, a healthy one."""
     firsts = {name: {r["run"]: r["first_warning"] for r in s["runs"]} for name, s in table.items()}
     chosen = []
-    for cls in ("attention", "output", "healthy"):
+    for cls in ("attention", "qkln", "healthy"):
         pick = [(c, rec, d) for c, rec, d in triples if c == cls and (d is not None) == (cls != "healthy")]
         if cls == "healthy":  # the hardest healthy run: mitigated, at the highest rate
             pick.sort(key=lambda t: -t[1]["spec"]["lr"])

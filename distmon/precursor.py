@@ -70,8 +70,8 @@ class PrecursorConfig:
     def __post_init__(self) -> None:
         if self.every < 1 or self.hold < 1 or self.warmup < 0:
             raise ValueError(f"distmon: precursor every/hold must be >= 1 and warmup >= 0, got {self}")
-        if not (0 < self.ema_alpha <= 1) or not self.rise > 0:
-            raise ValueError(f"distmon: precursor ema_alpha must be in (0, 1] and rise > 0, got {self}")
+        if not (0 < self.ema_alpha < 1) or not self.rise > 0:
+            raise ValueError(f"distmon: precursor ema_alpha must be in (0, 1) and rise > 0, got {self}")
 
 
 class PrecursorVerdict(NamedTuple):

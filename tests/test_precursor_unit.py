@@ -131,7 +131,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         PrecursorConfig(hold=0)
     with pytest.raises(ValueError):
-        PrecursorConfig(ema_alpha=0.0)
+        PrecursorConfig(ema_alpha=1.0)
     with pytest.raises(ValueError):
         PrecursorDetector(2, bounds=[1.0])
     with pytest.raises(ValueError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -18,7 +19,8 @@ from distmon.precursor import PrecursorConfig
 
 from .detectors import Recording, precursor_steps, summarize
 
-Candidate = tuple[str, list[tuple[str, float | None]]]
+# label, columns, and overrides of the default PrecursorConfig
+Candidate = tuple[str, list[tuple[str, float | None]]] | tuple[str, list[tuple[str, float | None]], dict]
 
 CANDIDATES: list[Candidate] = [
     ("attention logit max > 30", [("attn_logit_max", 30.0)]),
@@ -30,6 +32,8 @@ CANDIDATES: list[Candidate] = [
     ("linear-output RMS, qkv: rise x10", [("lin_rms:qkv", None)]),
     ("linear-output RMS, attn proj: rise x10", [("lin_rms:proj", None)]),
     ("linear-output RMS, fc2: rise x10", [("lin_rms:fc2", None)]),
+    ("linear-output RMS, every Linear: rise x100", [("lin_rms", None)], {"rise": math.log(100.0)}),
+    ("linear-output RMS, every Linear: rise x1000", [("lin_rms", None)], {"rise": math.log(1000.0)}),
     ("linear-output max-abs, every Linear: rise x10", [("lin_max", None)]),
     ("output logits log Z: rise 2.3 nats", [("Z", None)]),
     ("output logit max-abs: rise x10", [("logit_max", None)]),
@@ -48,10 +52,11 @@ def score(
     """One row per candidate: per class detected/diverging and median lead, healthy and gray warned."""
     cfg = cfg or PrecursorConfig()
     rows = []
-    for label, parts in candidates:
-        s = summarize(runs, lambda rec, p=parts: precursor_steps(rec, p, cfg))
+    for label, parts, *over in candidates:
+        c = replace(cfg, **over[0]) if over else cfg
+        s = summarize(runs, lambda rec, p=parts, c=c: precursor_steps(rec, p, c))
         row: dict[str, object] = {"candidate": label, "all": _cell(s["runs"], None)}
-        for cls in ("attention", "output"):
+        for cls in ("attention", "qkln", "mitigated"):
             row[cls] = _cell(s["runs"], cls)
         row["healthy_warned"] = f"{s['healthy_runs_warned']}/{s['healthy_runs']}"
         gray = [r for r in s["runs"] if r["class"] == "gray" and r["diverged_at"] is None]
@@ -71,11 +76,11 @@ def _cell(per_run: list[dict[str, object]], cls: str | None) -> str:
 
 def table(rows: list[dict[str, object]]) -> str:
     """Markdown table of :func:`score`'s rows."""
-    head = "| candidate | all diverging | attention | output | healthy warned | gray warned |"
-    lines = [head, "|---|---|---|---|---|---|"]
+    head = "| candidate | all diverging | attention | qkln | mitigated | healthy warned | gray warned |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['candidate']} | {r['all']} | {r['attention']} | {r['output']} | "
+            f"| {r['candidate']} | {r['all']} | {r['attention']} | {r['qkln']} | {r['mitigated']} | "
             f"{r['healthy_warned']} | {r['gray_warned']} |"
         )
     return "\n".join(lines)

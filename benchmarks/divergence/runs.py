@@ -8,8 +8,11 @@ its mechanism sets in. Classes:
 
 - ``attention`` (no qk-layernorm, no z-loss, peak 0.7 and 1.0): the attention logits grow
   first (x1e4 and more), hundreds of steps before the loss diverges;
-- ``output`` (qk-layernorm, no z-loss, peak 0.5 and 1.0): attention logits stay bounded; the
-  linear outputs, the output logits and the gradient norm grow until the loss diverges;
+- ``qkln`` (qk-layernorm, no z-loss, peak 0.5 and 1.0: the issue's case b): attention logits
+  stay bounded (tens); the linear outputs grow x1e4-1e5 (as they do in the healthy mitigated
+  runs), the gradient norm and log Z rise in the last ~100 steps, and the loss diverges. Not
+  Wortsman's output-logit divergence: ``mitigated`` (qk-layernorm and z-loss 1e-4 at peak
+  0.5) diverges at about the same steps, z-loss or not;
 - ``healthy``: the same model at stable rates (peak 0.003 and 0.01, no mitigation), and with
   qk-layernorm and z-loss 1e-4 at peaks 0.2 and 0.3;
 - ``gray``: no mitigation at peak 0.3: attention logits grow x1e5, the loss ends 15-25% above
@@ -44,15 +47,16 @@ MITIGATED = ModelConfig(qk_layernorm=True, z_loss=1e-4)
 
 
 def sweep(seeds: int = 6) -> list[tuple[str, RunSpec]]:
-    """(class, spec) of every run of the full sweep: 24 diverging, 20 healthy, 3 gray."""
+    """(class, spec) of every run of the full sweep: 24 + 2 meant to diverge, 20 healthy, 3 gray."""
     runs: list[tuple[str, RunSpec]] = []
     for s in range(seeds):
         runs += [("attention", replace(BASE, lr=lr, seed=s, model=PLAIN)) for lr in (0.7, 1.0)]
-        runs += [("output", replace(BASE, lr=lr, seed=s, model=QKLN)) for lr in (0.5, 1.0)]
+        runs += [("qkln", replace(BASE, lr=lr, seed=s, model=QKLN)) for lr in (0.5, 1.0)]
     for s in range(5):
         runs += [("healthy", replace(BASE, lr=lr, seed=s, model=PLAIN)) for lr in (0.003, 0.01)]
         runs += [("healthy", replace(BASE, lr=lr, seed=s, model=MITIGATED)) for lr in (0.2, 0.3)]
     runs += [("gray", replace(BASE, lr=0.3, seed=s, model=PLAIN)) for s in range(3)]
+    runs += [("mitigated", replace(BASE, lr=0.5, seed=s, model=MITIGATED)) for s in range(2)]
     return runs
 
 
