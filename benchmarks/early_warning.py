@@ -36,9 +36,13 @@ from benchmarks.divergence.model import ModelConfig  # noqa: E402
 from benchmarks.divergence.plot import plot  # noqa: E402
 from distmon.precursor import PrecursorConfig  # noqa: E402
 
-# the shipped rule: each attention block's largest logit, sampled every 10 steps, above 100
-CHOSEN: list[tuple[str, float | None]] = [("attn_logit_max", 100.0)]
+# the shipped rule: each attention block's logit bound, sampled every 10 steps, above 100
+CHOSEN: list[tuple[str, float | None]] = [("attn_bound", 100.0)]
 CONFIG = PrecursorConfig()
+CHOSEN_LABEL = (
+    "each attention block's logit bound max|q| max|k| / sqrt(d_head) (queries and keys as the dot "
+    "product sees them), sampled every 10 steps; a warning once it is above 100 for 2 samples in a row"
+)
 AFTER = 50  # the alternatives' warm-up in steps (distmon's DetectorConfig.warmup_steps)
 
 
@@ -99,7 +103,14 @@ def markdown(result: dict[str, object]) -> str:
         f"`{result['command']}` ({result['elapsed_s']:.0f} s). Model: {result['model']}. "
         f"Divergence: the loss's {WINDOW}-step mean above {FACTOR} x its best (or non-finite), "
         "from the loss alone. Lead = divergence step - first warning step (a warning after the "
-        "divergence is no detection).",
+        "divergence is no detection). False warnings: warning episodes (warnings at most 10 steps "
+        "apart count once) over the healthy runs. Classes (`benchmarks/divergence/runs.py`): "
+        "**attention** no qk-layernorm, no z-loss, peak rate 0.7/1.0; **qkln** qk-layernorm, no z-loss, "
+        "peak 0.5/1.0; **mitigated** qk-layernorm + z-loss 1e-4, peak 0.5; **gray** no mitigation, "
+        "peak 0.3 (attention logits blow up, the loss may or may not pass the divergence bar); "
+        "**healthy** no mitigation at peak 0.003/0.01, qk-layernorm + z-loss 1e-4 at peak 0.2/0.3.",
+        "",
+        f"distmon precursor: `distmon.precursor.PrecursorDetector` on {result['precursor']['label']}.",
         "",
         "| detector | detected / diverging | median lead (steps) | min lead "
         "| median lead / steps to divergence | false warnings (healthy runs warned) / healthy runs "
@@ -116,16 +127,11 @@ def markdown(result: dict[str, object]) -> str:
             f"| {LABELS[name]} | {s['detected']}/{s['diverging_runs']} | {med} | {mn} | {frac} | "
             f"{s['false_warnings']} ({s['healthy_runs_warned']}) / {s['healthy_runs']} | {vs} |"
         )
-    lines += ["", "## Per mechanism (distmon precursor)", ""]
-    lines += [
-        "| class | runs | diverged | warned in time | median lead | median lead % | warned, not diverged |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for cls, row in result["by_class"].items():
-        lines.append(
-            f"| {cls} | {row['runs']} | {row['diverged']} | {row['detected']} | {row['median_lead']} | "
-            f"{row['median_pct']} | {row['warned_not_diverged']} |"
-        )
+    lines += ["", "## Per class: detected / diverged, median lead (lead as % of the steps to divergence)", ""]
+    classes = list(next(iter(result["by_class"].values())))
+    lines += ["| detector | " + " | ".join(classes) + " |", "|---" * (len(classes) + 1) + "|"]
+    for name, row in result["by_class"].items():
+        lines.append(f"| {LABELS[name]} | " + " | ".join(row[c] for c in classes) + " |")
     if result.get("candidates"):
         lines += ["", "## Every candidate signal and rule (sampled every 10 steps, 2 samples in a row)", ""]
         lines.append(candidates.table(result["candidates"]))
@@ -154,24 +160,28 @@ def markdown(result: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def by_class(triples, summary) -> dict[str, dict[str, object]]:  # noqa: ANN001
-    out: dict[str, dict[str, object]] = {}
-    rows = {r["run"]: r for r in summary["runs"]}
-    for cls in ("attention", "qkln", "mitigated", "gray", "healthy"):
-        mine = [rows[rec["name"]] for c, rec, _ in triples if c == cls]
-        div = [r for r in mine if r["diverged_at"] is not None]
-        leads = [r["lead_steps"] for r in div if r["lead_steps"] is not None]
-        pct = [r["lead_steps"] / r["diverged_at"] for r in div if r["lead_steps"] is not None]
-        out[cls] = {
-            "runs": len(mine),
-            "diverged": len(div),
-            "detected": len(leads),
-            "median_lead": f"{np.median(leads):.0f}" if leads else "-",
-            "median_pct": f"{100 * np.median(pct):.0f}%" if pct else "-",
-            "warned_not_diverged": sum(
-                r["first_warning"] is not None for r in mine if r["diverged_at"] is None
-            ),
-        }
+def by_class(triples, table) -> dict[str, dict[str, str]]:  # noqa: ANN001
+    """Per detector and class: ``detected/diverged, median lead (%)``; warned runs that did not diverge."""
+    out: dict[str, dict[str, str]] = {}
+    for name, summary in table.items():
+        rows = {r["run"]: r for r in summary["runs"]}
+        out[name] = {}
+        for cls in ("attention", "qkln", "mitigated", "gray", "healthy"):
+            mine = [rows[rec["name"]] for c, rec, _ in triples if c == cls]
+            if not mine:
+                continue
+            div = [r for r in mine if r["diverged_at"] is not None]
+            leads = [r["lead_steps"] for r in div if r["lead_steps"] is not None]
+            pct = [r["lead_steps"] / r["diverged_at"] for r in div if r["lead_steps"] is not None]
+            cell = f"{len(leads)}/{len(div)}"
+            if leads:
+                cell += f", {np.median(leads):.0f} ({100 * np.median(pct):.0f}%)"
+            quiet = [r for r in mine if r["diverged_at"] is None]
+            if quiet:
+                cell += (
+                    f"; warned {sum(r['first_warning'] is not None for r in quiet)}/{len(quiet)} not diverged"
+                )
+            out[name][cls] = cell
     return out
 
 
@@ -213,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         "model": "TinyGPT d_model 64, 2 blocks, 4 heads, 64-byte context, batch 16, AdamW (0.9, 0.95, 1e-8), "
         "clip 1.0, warm-up 1,000 steps to the peak rate then constant, 1,500 steps at most",
         "divergence": {"factor": FACTOR, "window": WINDOW},
-        "precursor": {"signals": [list(p) for p in CHOSEN], "config": CONFIG.__dict__},
+        "precursor": {"signals": [list(p) for p in CHOSEN], "config": CONFIG.__dict__, "label": CHOSEN_LABEL},
         "gradnorm_threshold": healthy_gn,
         "detectors": table,
         "head_to_head": head_to_head(table),
-        "by_class": by_class(triples, table["distmon_precursor"]),
+        "by_class": by_class(triples, table),
         "runs": meta,
     }
     result["candidates"] = candidates.score(triples)

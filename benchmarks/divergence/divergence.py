@@ -2,7 +2,7 @@
 
 A run diverges at the first step whose cross-entropy is non-finite, or that starts a stretch
 of ``window`` steps whose mean cross-entropy exceeds ``factor`` times the lowest mean of any
-earlier stretch of ``window`` steps (once ``after`` steps have passed, so the fall from
+earlier stretch of ``window`` steps, its own cross-entropy exceeding that too (once ``after`` steps have passed, so the fall from
 ``ln 256`` at the start is not judged): a lasting rise of the loss above its best, by 30% at
 the defaults, not one noisy batch. The definition looks ``window`` steps ahead: it is a
 verdict on a finished recording, not a detector.
@@ -40,7 +40,8 @@ def divergence_step(
         means = np.convolve(x[:first_bad], np.ones(window) / window, mode="valid")
         best = np.minimum.accumulate(means)  # best[s]: the lowest mean of windows starting at <= s
         t = np.arange(max(after, window), n)
-        hit = means[t] > factor * best[t - window]  # against windows that end before t
+        bar = factor * best[t - window]  # against windows that end before t
+        hit = (means[t] > bar) & (x[t] > bar)  # the stretch starts with a loss over the bar itself
         if hit.any():
             return int(t[np.argmax(hit)])
     return first_bad if first_bad < len(x) else None
