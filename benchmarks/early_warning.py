@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's distmon and benchmarks/
@@ -135,6 +136,27 @@ def markdown(result: dict[str, object]) -> str:
     if result.get("candidates"):
         lines += ["", "## Every candidate signal and rule (sampled every 10 steps, 2 samples in a row)", ""]
         lines.append(candidates.table(result["candidates"]))
+    lines += ["", "## Which signal leaves the healthy range first (verifying the mechanisms)", ""]
+    lines += [
+        "Per signal family: the largest value any healthy run reached from step 50 on; per class, "
+        "the diverging runs whose signal exceeded it before the divergence, the median step it first did, "
+        "and how long before the divergence. Descriptive (the range is read off these very runs).",
+        "",
+        "| signal | healthy max | attention | qkln | mitigated |",
+        "|---|---|---|---|---|",
+    ]
+    for label, row in result["mechanism"].items():
+        cells = " | ".join(row.get(c, "-") for c in ("healthy max", "attention", "qkln", "mitigated"))
+        lines.append(f"| {label} | {cells} |")
+    lines += ["", "## The chosen signal at other sampling intervals and bounds", ""]
+    lines += ["| every (steps) | bound | detected / diverging | median lead | false warnings / healthy |"]
+    lines += ["|---|---|---|---|---|"]
+    for r in result["intervals"]:
+        med = "-" if r["median_lead_steps"] is None else f"{r['median_lead_steps']:.0f}"
+        lines.append(
+            f"| {r['every']} | {r['bound']:g} | {r['detected']}/{r['diverging_runs']} | {med} | "
+            f"{r['false_warnings']} / {r['healthy_runs']} |"
+        )
     if result.get("cost"):
         lines += ["", "## Cost of sampling the signals (one CPU thread, paired, ABBA, median)", ""]
         lines += [
@@ -185,6 +207,58 @@ def by_class(triples, table) -> dict[str, dict[str, str]]:  # noqa: ANN001
     return out
 
 
+MECHANISM_SIGNALS = {
+    "attention logit max": "attn_logit_max",
+    "output logit max-abs": "logit_max",
+    "mean log Z": "Z",
+    "linear-output RMS": "lin_rms",
+    "gradient norm": "grad_norm",
+}
+
+
+def mechanism(triples, after: int = AFTER) -> dict[str, dict[str, str]]:  # noqa: ANN001
+    """Which signal leaves the healthy runs' range first: per class, per signal family, the median
+    step (over the class's diverging runs) at which the family's largest column first exceeds the
+    largest value any healthy run reached from step ``after`` on, and in how many runs it did
+    before the divergence. Descriptive (the range comes from these very healthy runs), not a detector."""
+    out: dict[str, dict[str, str]] = {}
+    for label, name in MECHANISM_SIGNALS.items():
+        ceiling = max(
+            float(np.nanmax(v[st >= after]))
+            for c, rec, d in triples
+            if c == "healthy" and d is None
+            for st, v, _ in [detectors.signal(rec, name)]
+        )
+        out[label] = {"healthy max": f"{ceiling:.3g}"}
+        for cls in ("attention", "qkln", "mitigated"):
+            exits, n = [], 0
+            for c, rec, d in triples:
+                if c != cls or d is None:
+                    continue
+                n += 1
+                st, v, _ = detectors.signal(rec, name)
+                over = np.flatnonzero((st >= after) & (st <= d) & (np.nanmax(v, 1) > ceiling))
+                if len(over):
+                    exits.append((int(st[over[0]]), d))
+            if n:
+                first = np.median([e for e, _ in exits]) if exits else None
+                ahead = np.median([d - e for e, d in exits]) if exits else None
+                med = f"median step {first:.0f}, {ahead:.0f} before" if exits else "-"
+                out[label][cls] = f"{len(exits)}/{n}: {med}"
+    return out
+
+
+def intervals(triples) -> list[dict[str, object]]:  # noqa: ANN001
+    """The chosen rule at other sampling intervals and bounds (the recordings hold every 5th step)."""
+    out = []
+    for every, bound in ((5, 100.0), (10, 100.0), (20, 100.0), (50, 100.0), (10, 50.0), (10, 1000.0)):
+        cfg = replace(CONFIG, every=every)
+        parts = [(CHOSEN[0][0], bound)]
+        s = detectors.summarize(triples, lambda r, c=cfg, p=parts: detectors.precursor_steps(r, p, c))
+        out.append({"every": every, "bound": bound, **{k: v for k, v in s.items() if k != "runs"}})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 short runs (smoke), no cost measurement")
@@ -231,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": meta,
     }
     result["candidates"] = candidates.score(triples)
+    result["intervals"] = intervals(triples)
+    result["mechanism"] = mechanism(triples)
     if not (args.quick or args.no_cost):
         result["cost"] = measure_cost()
     result["elapsed_s"] = time.perf_counter() - t0

@@ -62,14 +62,15 @@ class PrecursorConfig:
     """
 
     every: int = 10
+    bound: float = 1000.0
     hold: int = 2
     rise: float = math.log(10.0)
     ema_alpha: float = 0.3
     warmup: int = 20
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.hold < 1 or self.warmup < 0:
-            raise ValueError(f"distmon: precursor every/hold must be >= 1 and warmup >= 0, got {self}")
+        if self.every < 1 or self.hold < 1 or self.warmup < 0 or not self.bound > 0:
+            raise ValueError(f"distmon: precursor every/hold must be >= 1, warmup >= 0, bound > 0: {self}")
         if not (0 < self.ema_alpha < 1) or not self.rise > 0:
             raise ValueError(f"distmon: precursor ema_alpha must be in (0, 1) and rise > 0, got {self}")
 
@@ -87,8 +88,9 @@ class PrecursorVerdict(NamedTuple):
 class PrecursorDetector:
     """Running state of the precursor rule over ``n_signals`` columns, in device tensors.
 
-    ``bounds[c]``: column c's bound (None or ``inf``: no bound rule); ``rises[c]``: whether
-    column c also has the rise rule (default: only columns without a bound).
+    ``bounds[c]``: column c's bound (None or ``inf``: no bound rule; default: ``cfg.bound`` for
+    every column); ``rises[c]``: whether column c also has the rise rule (default: only columns
+    without a bound).
     """
 
     _STATE = ("ema", "floor", "run")
@@ -104,7 +106,7 @@ class PrecursorDetector:
     ) -> None:
         self.cfg = cfg or PrecursorConfig()
         self.n = n_signals
-        bounds = list(bounds) if bounds is not None else [None] * n_signals
+        bounds = list(bounds) if bounds is not None else [self.cfg.bound] * n_signals
         if len(bounds) != n_signals:
             raise ValueError(f"distmon: {len(bounds)} precursor bounds for {n_signals} signals")
         rises = list(rises) if rises is not None else [b is None for b in bounds]

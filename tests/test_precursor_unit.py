@@ -70,15 +70,26 @@ def test_a_stable_runs_attention_logit_never_warns_and_a_growing_one_does_in_tim
     assert all(warn[first:])  # a lasting growth keeps warning
 
 
+def test_defaults_leave_ten_times_the_stable_runs_peak_and_catch_growth_beyond_it():
+    """The default bound (1000) sits 10x above the largest attention logit a stable run reached in
+    benchmarks/early_warning.py (~100): twice a stable trajectory never warns; growth past it does."""
+    det = PrecursorDetector(1)
+    assert not any(_verdicts(det, 2 * _settling(150).unsqueeze(1), 10)[0])  # peaks ~100-120
+    det = PrecursorDetector(1)
+    warn, _ = _verdicts(det, 2 * _growing(150, start=60).unsqueeze(1), 10)
+    # ~100 e^(0.25 (t - 60)) crosses 1000 near t = 69; held 2 samples: warns at 70 +- 2
+    assert 68 <= warn.index(True) <= 72
+
+
 def test_rise_rule_ignores_the_warmup_rise_and_catches_later_growth():
     cfg = PrecursorConfig(warmup=20)
-    det = PrecursorDetector(1, cfg)  # no bound: the rise rule
+    det = PrecursorDetector(1, cfg, bounds=[None])  # no bound: the rise rule
     assert not any(_verdicts(det, _settling(150).unsqueeze(1), 10)[0])  # x500 in warm-up, then flat
-    det = PrecursorDetector(1, cfg)
+    det = PrecursorDetector(1, cfg, bounds=[None])
     warn, _ = _verdicts(det, _growing(150, start=60).unsqueeze(1), 10)
     # a tenfold rise of the EMA (alpha 0.3 lags ~2 samples) over the floor: ~60 + ln(10)/0.25 + lag
     assert 66 <= warn.index(True) <= 74
-    falling = PrecursorDetector(1, cfg)
+    falling = PrecursorDetector(1, cfg, bounds=[None])
     assert not any(_verdicts(falling, torch.logspace(2, -3, 100).unsqueeze(1), 10)[0])
 
 

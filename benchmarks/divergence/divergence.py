@@ -2,10 +2,10 @@
 
 A run diverges at the first step whose cross-entropy is non-finite, or that starts a stretch
 of ``window`` steps whose mean cross-entropy exceeds ``factor`` times the lowest mean of any
-earlier stretch of ``window`` steps, its own cross-entropy exceeding that too (once ``after`` steps have passed, so the fall from
-``ln 256`` at the start is not judged): a lasting rise of the loss above its best, by 30% at
-the defaults, not one noisy batch. The definition looks ``window`` steps ahead: it is a
-verdict on a finished recording, not a detector.
+earlier stretch of ``window`` steps, its own cross-entropy exceeding that too (once ``after``
+steps have passed, so the fall from ``ln 256`` at the start is not judged): a lasting rise of
+the loss above its best, by 30% at the defaults, not one noisy batch. The definition looks
+``window`` steps ahead: it is a verdict on a finished recording, not a detector.
 """
 
 from __future__ import annotations
