@@ -37,12 +37,13 @@ from benchmarks.divergence.model import ModelConfig  # noqa: E402
 from benchmarks.divergence.plot import plot  # noqa: E402
 from distmon.precursor import PrecursorConfig  # noqa: E402
 
-# the shipped rule: each attention block's logit bound, sampled every 10 steps, above 100
-CHOSEN: list[tuple[str, float | None]] = [("attn_bound", 100.0)]
+# the shipped rule: each attention block's logit bound, sampled every 10 steps, above 1000
+CHOSEN: list[tuple[str, float | None]] = [("attn_bound", PrecursorConfig().bound)]
 CONFIG = PrecursorConfig()
 CHOSEN_LABEL = (
     "each attention block's logit bound max|q| max|k| / sqrt(d_head) (queries and keys as the dot "
-    "product sees them), sampled every 10 steps; a warning once it is above 100 for 2 samples in a row"
+    "product sees them), sampled every 10 steps; a warning once it is above 1000 for 2 samples in a row "
+    "(the defaults of `PrecursorConfig`)"
 )
 AFTER = 50  # the alternatives' warm-up in steps (distmon's DetectorConfig.warmup_steps)
 
@@ -251,7 +252,8 @@ def mechanism(triples, after: int = AFTER) -> dict[str, dict[str, str]]:  # noqa
 def intervals(triples) -> list[dict[str, object]]:  # noqa: ANN001
     """The chosen rule at other sampling intervals and bounds (the recordings hold every 5th step)."""
     out = []
-    for every, bound in ((5, 100.0), (10, 100.0), (20, 100.0), (50, 100.0), (10, 50.0), (10, 1000.0)):
+    grid = [(5, 1e3), (10, 1e3), (20, 1e3), (50, 1e3), (100, 1e3), (10, 100.0), (10, 300.0), (10, 1e4)]
+    for every, bound in grid:
         cfg = replace(CONFIG, every=every)
         parts = [(CHOSEN[0][0], bound)]
         s = detectors.summarize(triples, lambda r, c=cfg, p=parts: detectors.precursor_steps(r, p, c))
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "early_warning.md"), "w") as f:
         f.write(markdown(result))
     plot(os.path.join(args.out, "early_warning.png"), panels(triples, table), parts=CHOSEN)
-    print(markdown(result).split("\n## Per mechanism")[0])
+    print(markdown(result).split("\n## Per class")[0])
     return 0
 
 

@@ -3,31 +3,47 @@
 Transformers that diverge at a high learning rate announce it first inside the forward pass:
 without qk-layernorm the attention logits ``q . k / sqrt(d_head)`` grow by orders of magnitude
 hundreds of steps before the loss moves (Wortsman et al. 2023, arXiv 2309.14322). The
-detector reads signals sampled every ``every`` steps, one column per signal (say, each
-attention block's largest logit), and judges each column on two rules, either of which may
-be left out per column:
+detector reads signals sampled every ``every`` steps, one column per signal, and judges each
+column on two rules, either of which may be left out per column:
 
-- **bound**: the value exceeds a fixed bound in the signal's own units. The default, 100 for
-  an attention logit, is where a softmax is saturated beyond learning: a logit gap of 20
-  already leaves ``e^-20 ~ 2e-9`` to the other keys; stable runs stay at tens;
+- **bound**: the value exceeds a fixed bound in the signal's own units (``PrecursorConfig.bound``
+  by default, 1000: an attention logit ten times the largest one any stable run reached in
+  ``benchmarks/early_warning.py``; a logit gap of 20 already leaves ``e^-20 ~ 2e-9`` to the
+  other keys, so a softmax at 1000 no longer learns);
 - **rise**: the EMA of ``log(value)`` rises more than ``rise`` above its lowest point since the
   column was armed (after ``warmup`` samples): scale-free growth, for signals without a
-  natural bound.
+  natural bound (measured there too, and not chosen: see below).
 
 A column warns once either rule held for ``hold`` consecutive samples; a non-finite sample
 warns at once (the forward already overflowed). The detector warns when any column does.
 
+**What it needs (the shipped rule, the defaults).** One column per attention block: the
+block's attention-logit bound ``max_i |q_i| * max_j |k_j| / sqrt(d_head)`` over the sampled
+step's batch, heads and positions (queries and keys as the dot product sees them: after any
+qk-norm; a rotary embedding keeps their norms; Cauchy-Schwarz makes it an upper bound of the
+largest logit, and it needs no ``T x T`` scores: two vector norms and two max), taken on one forward of every
+``every = 10``-th optimizer step and reduced with MAX over the ranks (data-parallel ranks see
+different batches, tensor-parallel ranks different heads), so that every rank holds the same
+samples and reaches the same verdict. ``benchmarks/divergence/cost.py`` measures that
+sampling (forward hooks on each block's fused qkv projection, device ops only).
+
+**Where it is blind.** A model with qk-layernorm bounds its attention logits by construction;
+its high-rate divergences (linear outputs growing x1e4, the output logits' log Z and the
+gradient norm rising in the last tens of steps) are not seen, and no signal measured there
+told them from stable runs at a lower rate without false warnings
+(``benchmarks/results/early_warning.md``).
+
 Everything is batched over the ``k`` samples of a call (EMA in closed form, running minimum
-by ``cummax``/``cummin``, run lengths by prefix sums): device ops only, no host sync, so
-it can run at export time over the samples since the last one. The signals are reduced to
-one value per column before the call (a MAX over ranks for a largest logit: every rank then
-holds the same samples and reaches the same verdict); how they are sampled is the caller's.
+by ``cummin``, run lengths by prefix sums): device ops only, no host sync (``update`` runs on
+the meta device), so it can run at export time over the samples since the last one. State:
+per column the EMA, its floor and the run of samples over a rule (device tensors), and the
+host count of samples; :meth:`PrecursorDetector.state_dict` gives them as plain lists.
 
 Example:
-    >>> det = PrecursorDetector(2, PrecursorConfig(hold=2), bounds=[100.0, 100.0])
-    >>> samples = torch.tensor([[5.0, 20.0], [150.0, 30.0], [400.0, 35.0], [900.0, 40.0]])
+    >>> det = PrecursorDetector(2, PrecursorConfig(hold=2))   # 2 attention blocks, bound 1000
+    >>> samples = torch.tensor([[5.0, 20.0], [1500.0, 30.0], [4000.0, 35.0], [9000.0, 40.0]])
     >>> out = det.update(samples)
-    >>> out.warn.tolist(), out.column.tolist()   # column 0 above 100 for 2 samples: warns at the 3rd
+    >>> out.warn.tolist(), out.column.tolist()   # block 0 above 1000 for 2 samples: warns at the 3rd
     ([False, False, True, True], [-1, -1, 0, 0])
     >>> det.samples, det.state_dict()["run"]
     (4, [3.0, 0.0])

@@ -28,6 +28,7 @@ CANDIDATES: list[Candidate] = [
     ("attention logit max > 1000", [("attn_logit_max", 1000.0)]),
     ("attention logit max: rise x10", [("attn_logit_max", None)]),
     ("attention bound max|q|max|k|/sqrt(d) > 100", [("attn_bound", 100.0)]),
+    ("attention bound max|q|max|k|/sqrt(d) > 1000 (shipped)", [("attn_bound", 1000.0)]),
     ("linear-output RMS, every Linear: rise x10", [("lin_rms", None)]),
     ("linear-output RMS, qkv: rise x10", [("lin_rms:qkv", None)]),
     ("linear-output RMS, attn proj: rise x10", [("lin_rms:proj", None)]),
@@ -40,7 +41,7 @@ CANDIDATES: list[Candidate] = [
     ("global gradient norm: rise x10", [("grad_norm", None)]),
     ("per-layer gradient norm: rise x10", [("layer_grad_norm", None)]),
     ("update/weight ratio per layer: rise x10", [("update_ratio", None)]),
-    ("attention logit max > 100 + log Z rise 2.3 nats", [("attn_logit_max", 100.0), ("Z", None)]),
+    ("attention bound > 1000 + log Z rise 2.3 nats", [("attn_bound", 1000.0), ("Z", None)]),
 ]
 
 
