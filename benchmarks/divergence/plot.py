@@ -56,6 +56,14 @@ def plot(
                         lw=1.2,
                         label=f"{label}: step {first}" if ax is bottom else None,
                     )
+        spec = rec["spec"]
+        t = np.arange(len(loss))
+        lr = spec["lr"] * np.minimum(1.0, (t + 1) / spec["warmup"])
+        twin = bottom.twinx()
+        twin.plot(t, lr, color="tab:blue", lw=0.8, alpha=0.6)
+        twin.set_ylabel("learning rate", color="tab:blue", fontsize=8)
+        twin.tick_params(axis="y", labelsize=7, colors="tab:blue")
+        twin.set_ylim(0, spec["lr"] * 1.1)
         bottom.set_xlabel("step")
         bottom.set_ylim(0, max(6.0, float(np.nanmin([np.nanmax(loss[np.isfinite(loss)]), 12.0]))))
         top.legend(fontsize=6, loc="upper left")
