@@ -53,3 +53,13 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
     blip = flat[:300] + [flat[299] * 3] * 3 + flat[303:]
     assert divergence_step(blip) is None  # 3 bad batches in a 20-step window: not 30% on the mean
     assert divergence_step(flat[:250] + [math.inf] + flat[251:]) == 250
+
+
+@pytest.mark.parametrize("name", ["model", "data", "recorder", "divergence", "detectors"])
+def test_the_benchmark_modules_examples_hold(name):
+    """benchmarks/ is outside the suite's doctest paths: its modules' examples run here."""
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.divergence.{name}")
+    assert doctest.testmod(module).failed == 0

@@ -41,7 +41,7 @@ class Recorder:
         >>> from benchmarks.divergence.model import ModelConfig, TinyGPT
         >>> net = TinyGPT(ModelConfig(d_model=16, n_heads=2, seq_len=8, n_layers=1))
         >>> rec = Recorder(net)
-        >>> rec.begin(0); x = torch.zeros(2, 8, dtype=torch.long); _ = net(x, x)
+        >>> recorded = rec.begin(0); x = torch.zeros(2, 8, dtype=torch.long); _ = net(x, x)
         >>> sorted(rec.current)[:3]
         ['attn_bound', 'attn_logit_max', 'lin_max']
         >>> rec.remove()
