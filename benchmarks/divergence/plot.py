@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .detectors import Recording, signal
+from .model import ModelConfig
+from .train import RunSpec
 
 COLORS = {
     "distmon precursor": "tab:red",
@@ -58,7 +60,8 @@ def plot(
                     )
         spec = rec["spec"]
         t = np.arange(len(loss))
-        lr = spec["lr"] * np.minimum(1.0, (t + 1) / spec["warmup"])
+        run = RunSpec(**{**spec, "model": ModelConfig(**spec["model"])})
+        lr = np.asarray([run.lr_at(int(i)) for i in t])
         twin = bottom.twinx()
         twin.plot(t, lr, color="tab:blue", lw=0.8, alpha=0.6)
         twin.set_ylabel("learning rate", color="tab:blue", fontsize=8)
