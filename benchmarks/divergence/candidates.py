@@ -1,0 +1,90 @@
+"""Every candidate signal and rule, scored on the same recordings: the table the choice rests on.
+
+Each candidate is a list of ``(signal, bound)`` columns for :class:`distmon.precursor.PrecursorDetector`
+(``bound`` None: the scale-free rise rule, a tenfold rise of the smoothed signal over its floor
+once armed after 200 steps; a number: the bound rule) at the default sampling (every 10
+steps, 2 samples in a row). Scored like every detector (:func:`.detectors.summarize`): per
+mechanism, runs warned in time and the median lead; healthy runs warned; gray runs warned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from distmon.precursor import PrecursorConfig
+
+from .detectors import Recording, precursor_steps, summarize
+
+# label, columns, and overrides of the default PrecursorConfig
+Candidate = tuple[str, list[tuple[str, float | None]]] | tuple[str, list[tuple[str, float | None]], dict]
+
+CANDIDATES: list[Candidate] = [
+    ("attention logit max > 30", [("attn_logit_max", 30.0)]),
+    ("attention logit max > 100", [("attn_logit_max", 100.0)]),
+    ("attention logit max > 1000", [("attn_logit_max", 1000.0)]),
+    ("attention logit max: rise x10", [("attn_logit_max", None)]),
+    ("attention bound max|q|max|k|/sqrt(d) > 100", [("attn_bound", 100.0)]),
+    ("attention bound max|q|max|k|/sqrt(d) > 1000 (shipped)", [("attn_bound", 1000.0)]),
+    ("linear-output RMS, every Linear: rise x10", [("lin_rms", None)]),
+    ("linear-output RMS, qkv: rise x10", [("lin_rms:qkv", None)]),
+    ("linear-output RMS, attn proj: rise x10", [("lin_rms:proj", None)]),
+    ("linear-output RMS, fc2: rise x10", [("lin_rms:fc2", None)]),
+    ("linear-output RMS, every Linear: rise x100", [("lin_rms", None)], {"rise": math.log(100.0)}),
+    ("linear-output RMS, every Linear: rise x1000", [("lin_rms", None)], {"rise": math.log(1000.0)}),
+    ("linear-output max-abs, every Linear: rise x10", [("lin_max", None)]),
+    ("output logits log Z: rise 2.3 nats", [("Z", None)]),
+    ("output logit max-abs: rise x10", [("logit_max", None)]),
+    ("global gradient norm: rise x10", [("grad_norm", None)]),
+    ("per-layer gradient norm: rise x10", [("layer_grad_norm", None)]),
+    ("update/weight ratio per layer: rise x10", [("update_ratio", None)]),
+    ("attention bound > 1000 + log Z rise 2.3 nats", [("attn_bound", 1000.0), ("Z", None)]),
+]
+
+
+def score(
+    runs: Sequence[tuple[str, Recording, int | None]],
+    candidates: Sequence[Candidate] = CANDIDATES,
+    cfg: PrecursorConfig | None = None,
+) -> list[dict[str, object]]:
+    """One row per candidate: per class detected/diverging and median lead, healthy and gray warned."""
+    cfg = cfg or PrecursorConfig()
+    rows = []
+    for label, parts, *over in candidates:
+        c = replace(cfg, **over[0]) if over else cfg
+        s = summarize(runs, lambda rec, p=parts, c=c: precursor_steps(rec, p, c))
+        row: dict[str, object] = {"candidate": label, "all": _cell(s["runs"], None)}
+        for cls in ("attention", "qkln", "mitigated"):
+            row[cls] = _cell(s["runs"], cls)
+        row["healthy_warned"] = f"{s['healthy_runs_warned']}/{s['healthy_runs']}"
+        gray = [r for r in s["runs"] if r["class"] == "gray" and r["diverged_at"] is None]
+        row["gray_warned"] = f"{sum(r['first_warning'] is not None for r in gray)}/{len(gray)}"
+        rows.append(row)
+    return rows
+
+
+def _cell(per_run: list[dict[str, object]], cls: str | None) -> str:
+    rows = [r for r in per_run if r["diverged_at"] is not None and (cls is None or r["class"] == cls)]
+    leads = [r["lead_steps"] for r in rows if r["lead_steps"] is not None]
+    med = f", median lead {np.median(leads):.0f}" if leads else ""
+    frac = [r["lead_steps"] / max(r["diverged_at"], 1) for r in rows if r["lead_steps"] is not None]
+    pct = f" ({100 * np.median(frac):.0f}%)" if frac else ""
+    return f"{len(leads)}/{len(rows)}{med}{pct}"
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    """Markdown table of :func:`score`'s rows."""
+    head = "| candidate | all diverging | attention | qkln | mitigated | healthy warned | gray warned |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['candidate']} | {r['all']} | {r['attention']} | {r['qkln']} | {r['mitigated']} | "
+            f"{r['healthy_warned']} | {r['gray_warned']} |"
+        )
+    return "\n".join(lines)
+
+
+assert math.isclose(PrecursorConfig().rise, math.log(10.0))  # the "x10" in the labels

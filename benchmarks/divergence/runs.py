@@ -1,0 +1,120 @@
+"""The sweep: which runs, in which class, and their cached recordings.
+
+Every run is the same tiny GPT (d_model 64, 2 blocks, 4 heads, 64-byte context, batch 16,
+~0.1M parameters) with AdamW (0.9, 0.95, eps 1e-8), no weight decay, clipping at 1.0, a
+linear warm-up over 1,000 steps to the peak learning rate then constant, 1,500 steps at most:
+the learning rate sweeps upward through the stable range, and the run diverges (or not) where
+its mechanism sets in. Classes:
+
+- ``attention`` (no qk-layernorm, no z-loss, peak 0.7 and 1.0): the attention logits grow
+  first (x1e4 and more), hundreds of steps before the loss diverges;
+- ``qkln`` (qk-layernorm, no z-loss, peak 0.5 and 1.0: the issue's case b): attention logits
+  stay bounded (tens); the linear outputs grow x1e4-1e5 (as they do in the healthy mitigated
+  runs), the gradient norm and log Z rise in the last ~100 steps, and the loss diverges. Not
+  Wortsman's output-logit divergence: ``mitigated`` (qk-layernorm and z-loss 1e-4 at peak
+  0.5) diverges at about the same steps, z-loss or not;
+- ``healthy``: the same model at stable rates (peak 0.003 and 0.01, no mitigation), and with
+  qk-layernorm and z-loss 1e-4 at peaks 0.2 and 0.3;
+- ``gray``: no mitigation at peak 0.3: attention logits grow x1e5, the loss ends 15-25% above
+  its best, not the 30% that :mod:`.divergence` calls a divergence; reported apart.
+
+A recording is one ``.npz`` per run under the cache folder (its arrays, and its metadata as
+JSON), written by a child process so two runs share the two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+
+import numpy as np
+
+from .model import ModelConfig
+from .train import RunSpec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CACHE = os.path.join(ROOT, "benchmarks", "results", ".divergence-cache")
+
+BASE = RunSpec(lr=0.01)
+PLAIN = ModelConfig()
+QKLN = ModelConfig(qk_layernorm=True)
+MITIGATED = ModelConfig(qk_layernorm=True, z_loss=1e-4)
+
+
+def sweep(seeds: int = 6) -> list[tuple[str, RunSpec]]:
+    """(class, spec) of every run of the full sweep: 24 + 2 meant to diverge, 20 healthy, 3 gray."""
+    runs: list[tuple[str, RunSpec]] = []
+    for s in range(seeds):
+        runs += [("attention", replace(BASE, lr=lr, seed=s, model=PLAIN)) for lr in (0.7, 1.0)]
+        runs += [("qkln", replace(BASE, lr=lr, seed=s, model=QKLN)) for lr in (0.5, 1.0)]
+    for s in range(5):
+        runs += [("healthy", replace(BASE, lr=lr, seed=s, model=PLAIN)) for lr in (0.003, 0.01)]
+        runs += [("healthy", replace(BASE, lr=lr, seed=s, model=MITIGATED)) for lr in (0.2, 0.3)]
+    runs += [("gray", replace(BASE, lr=0.3, seed=s, model=PLAIN)) for s in range(3)]
+    runs += [("mitigated", replace(BASE, lr=0.5, seed=s, model=MITIGATED)) for s in range(2)]
+    return runs
+
+
+def quick() -> list[tuple[str, RunSpec]]:
+    """A smoke sweep (well under a minute): one short run per class, fast rates."""
+    short = replace(BASE, steps=150, warmup=100)
+    return [
+        ("attention", replace(short, lr=1.0, model=PLAIN)),
+        ("healthy", replace(short, lr=0.003, model=PLAIN)),
+    ]
+
+
+def cache_path(cache: str, spec: RunSpec) -> str:
+    return os.path.join(cache, f"{spec.name}-n{spec.steps}.npz")
+
+
+def save(path: str, rec: dict[str, object]) -> None:
+    """Write a recording (``train``'s dict) as one compressed ``.npz``."""
+    arrays = {f"a_{k}": v for k, v in rec["arrays"].items()}
+    meta = {k: v for k, v in rec.items() if k not in ("arrays", "loss", "grad_norm")}
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, loss=rec["loss"], grad_norm=rec["grad_norm"], meta=json.dumps(meta), **arrays)
+    os.replace(tmp, path)
+
+
+def load(path: str) -> dict[str, object]:
+    """Read a recording written by :func:`save`."""
+    with np.load(path) as z:
+        rec = json.loads(str(z["meta"]))
+        rec["loss"], rec["grad_norm"] = z["loss"], z["grad_norm"]
+        rec["arrays"] = {k[2:]: z[k] for k in z.files if k.startswith("a_")}
+    return rec
+
+
+def _child(spec_json: str, path: str) -> None:
+    from .train import train
+
+    d = json.loads(spec_json)
+    spec = RunSpec(**{**d, "model": ModelConfig(**d["model"])})
+    save(path, train(spec))
+
+
+def ensure(runs: Iterable[tuple[str, RunSpec]], cache: str, *, jobs: int = 2, log=print) -> None:  # noqa: ANN001
+    """Record every run not yet in ``cache``, ``jobs`` child processes at a time (one thread each)."""
+    os.makedirs(cache, exist_ok=True)
+    todo = [spec for _, spec in runs if not os.path.exists(cache_path(cache, spec))]
+    running: list[tuple[subprocess.Popen, RunSpec, float]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    while todo or running:
+        while todo and len(running) < jobs:
+            spec = todo.pop(0)
+            code = "import sys; from benchmarks.divergence.runs import _child; _child(*sys.argv[1:3])"
+            args = [sys.executable, "-c", code, json.dumps(spec.as_dict()), cache_path(cache, spec)]
+            running.append((subprocess.Popen(args, env=env, cwd=ROOT), spec, time.perf_counter()))
+        time.sleep(0.5)
+        for item in list(running):
+            proc, spec, t0 = item
+            if proc.poll() is not None:
+                running.remove(item)
+                status = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode})"
+                log(f"  {spec.name}: {status} in {time.perf_counter() - t0:.0f} s ({len(todo)} to go)")
