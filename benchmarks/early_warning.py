@@ -8,7 +8,7 @@
 Runs (or reads from the cache) the reproductions of ``benchmarks/divergence`` (a tiny pre-LN
 GPT on stdlib bytes, AdamW, the learning rate ramped to where each mechanism sets in), judges
 divergence from each run's loss alone, and applies to every run: distmon's precursor
-(``distmon/precursor.py``, the code that ships, on the sampled signal), distmon's existing
+(``distmon/verdicts/precursor.py``, the code that ships, on the sampled signal), distmon's existing
 explosion detector (``GradMonitor(detect=True)``'s spike events, recorded live), Lightning's
 SpikeDetection rule on the loss, and a global gradient-norm threshold (set at the largest
 norm any healthy run reached after step 50: the best a fixed threshold can do without a false
@@ -35,7 +35,7 @@ from benchmarks.divergence import candidates, cost, detectors, runs  # noqa: E40
 from benchmarks.divergence.divergence import FACTOR, WINDOW, divergence_step  # noqa: E402
 from benchmarks.divergence.model import ModelConfig  # noqa: E402
 from benchmarks.divergence.plot import plot  # noqa: E402
-from distmon.precursor import PrecursorConfig  # noqa: E402
+from distmon.verdicts.precursor import PrecursorConfig  # noqa: E402
 
 # the shipped rule: each attention block's logit bound, sampled every 10 steps, above 1000
 CHOSEN: list[tuple[str, float | None]] = [("attn_bound", PrecursorConfig().bound)]
@@ -112,7 +112,8 @@ def markdown(result: dict[str, object]) -> str:
         "peak 0.3 (attention logits blow up, the loss may or may not pass the divergence bar); "
         "**healthy** no mitigation at peak 0.003/0.01, qk-layernorm + z-loss 1e-4 at peak 0.2/0.3.",
         "",
-        f"distmon precursor: `distmon.precursor.PrecursorDetector` on {result['precursor']['label']}.",
+        "distmon precursor: `distmon.verdicts.precursor.PrecursorDetector` on "
+        f"{result['precursor']['label']}.",
         "",
         "| detector | detected / diverging | median lead (steps) | min lead "
         "| median lead / steps to divergence | false warnings (healthy runs warned) / healthy runs "

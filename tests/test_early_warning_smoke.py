@@ -2,7 +2,7 @@
 
 Two short runs (one that diverges through attention-logit growth, one healthy), every
 detector applied through the same code as the full benchmark (distmon's precursor through
-``distmon/precursor.py``). ~20 s on an idle core, more on a busy machine: slow tier.
+``distmon/verdicts/precursor.py``). ~20 s on an idle core, more on a busy machine: slow tier.
 """
 
 import json

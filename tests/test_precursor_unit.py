@@ -1,4 +1,4 @@
-"""distmon.precursor: the early-warning rule as pure tensor math (fast, in-process).
+"""distmon.verdicts.precursor: the early-warning rule as pure tensor math (fast, in-process).
 
 The rule's behaviour on the trajectories it was chosen on (an attention logit that settles at
 tens in a stable run, one that grows geometrically before a divergence), batching (any split
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from distmon.precursor import PrecursorConfig, PrecursorDetector
+from distmon.verdicts.precursor import PrecursorConfig, PrecursorDetector
 
 
 def _settling(n: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Every candidate signal and rule, scored on the same recordings: the table the choice rests on.
 
-Each candidate is a list of ``(signal, bound)`` columns for :class:`distmon.precursor.PrecursorDetector`
+Each candidate is a list of ``(signal, bound)`` columns for
+:class:`distmon.verdicts.precursor.PrecursorDetector`
 (``bound`` None: the scale-free rise rule, a tenfold rise of the smoothed signal over its floor
 once armed after 200 steps; a number: the bound rule) at the default sampling (every 10
 steps, 2 samples in a row). Scored like every detector (:func:`.detectors.summarize`): per
@@ -15,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from distmon.precursor import PrecursorConfig
+from distmon.verdicts.precursor import PrecursorConfig
 
 from .detectors import Recording, precursor_steps, summarize
 

@@ -122,7 +122,7 @@ def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[st
 
 def detector_cost(n_signals: int, k: int, calls: int = 200) -> float:
     """Median seconds of one :meth:`PrecursorDetector.update` over ``k`` samples."""
-    from distmon.precursor import PrecursorConfig, PrecursorDetector
+    from distmon.verdicts.precursor import PrecursorConfig, PrecursorDetector
 
     det = PrecursorDetector(n_signals, PrecursorConfig(), bounds=[100.0] * n_signals)
     x = torch.rand(k, n_signals) * 50

@@ -4,7 +4,7 @@ Every function takes one recording (:func:`benchmarks.divergence.runs.load`) and
 steps at which its detector warns (sorted; a detector that stops training, Lightning's,
 warns once). Steps are 0-based loop indices, like the recording's loss.
 
-- :func:`precursor_steps`: ``distmon.precursor.PrecursorDetector`` (the code that ships) on a
+- :func:`precursor_steps`: ``distmon.verdicts.precursor.PrecursorDetector`` (the code that ships) on a
   signal sampled every ``every`` steps, fed ``chunk`` samples per call as an export would;
 - :func:`distmon_spike_steps`: distmon's own explosion detector (``GradMonitor(detect=True)``),
   its ``spike`` events as recorded live during the run (``event.step`` counts optimizer steps:
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from distmon.precursor import PrecursorConfig, PrecursorDetector
+from distmon.verdicts.precursor import PrecursorConfig, PrecursorDetector
 
 Recording = dict[str, object]
 

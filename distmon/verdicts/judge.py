@@ -45,7 +45,7 @@ class Judge:
     (:meth:`judge_ranks`).
 
     Example:
-        >>> from distmon.step.rows import RowPlan
+        >>> from distmon.step.rows import Head, RowPlan
         >>> from distmon.verdicts.detectors import DetectorConfig, DeviceDetector
         >>> plan = RowPlan.build(n_layers=1, world=1, detector=True)
         >>> detector = DeviceDetector(DetectorConfig(), plan, torch.device("cpu"))

@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import torch
 
-from .sums import prefix_ema, run_lengths, stable_run
+from ..step.sums import prefix_ema, run_lengths, stable_run
 
 __all__ = ["PrecursorConfig", "PrecursorDetector", "PrecursorVerdict"]
 
