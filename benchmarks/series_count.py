@@ -3,9 +3,10 @@
 Builds the real ``/metrics`` bodies: distmon's collector (``distmon/serve/prometheus_exporter.py``)
 fed one measured step of a job of ``--gpus`` GPUs, ``--gpus-per-node`` per node, with
 ``--layers`` layer groups (default 128, the ``max_layers`` cap) and the other options at their
-defaults (no noise scale, activations or update ratios, unless ``--all-options``: then
-``batch_size=``, ``update_ratio=True`` and ``activations=`` watching one module per layer
-group; the detector on, so every rank of a group of >= 3 has an outlier score). It counts the
+defaults (no noise scale, activations, update ratios or precursor, unless ``--all-options``:
+then ``batch_size=``, ``update_ratio=True``, ``activations=`` watching one module per layer
+group and ``precursor=True`` with an attention block per 8 layer groups; the detector on, so
+every rank of a group of >= 3 has an outlier score). It counts the
 samples (one series each) and the bytes of each body, as served at the default
 ``serve="node"`` (every node's local rank 0 serves its ranks' series, global rank 0 also the
 job-wide ones; ``serve="rank0"`` serves rank 0's endpoint alone), and for comparison the one
@@ -101,6 +102,11 @@ def _body(
                 activation_rms=per_layer,
                 activation_absmax=per_layer,
                 layer_update_ratio=per_layer,
+                # the precursor: one attention block per 8 layer groups (a transformer block's
+                # norms, projections and MLP), its bound per block
+                attention_logit_bound={f"model.layers.{i}.self_attn": 10.0 for i in range(len(names) // 8)}
+                if options
+                else {},
             )
         ]
     )
@@ -163,7 +169,9 @@ def main() -> int:
         "--layers", type=int, default=128, help="layer groups (max_layers caps them; default 128)"
     )
     ap.add_argument(
-        "--all-options", action="store_true", help="batch_size=, update_ratio=True, activations= on"
+        "--all-options",
+        action="store_true",
+        help="batch_size=, update_ratio=True, activations=, precursor= on",
     )
     args = ap.parse_args()
     print(

@@ -12,7 +12,8 @@ Three lines in a DDP training script::
 
 Metrics are served to Prometheus at ``http://127.0.0.1:9290/metrics`` by global rank 0 by
 default. Public names: :class:`GradMonitor`, :class:`Snapshot`, :class:`AnomalyEvent`,
-:class:`DetectorConfig` (detector thresholds), :class:`GradientAnomalyError` (``guard="raise"``).
+:class:`DetectorConfig` (detector thresholds), :class:`PrecursorConfig` (the divergence
+precursor's settings), :class:`GradientAnomalyError` (``guard="raise"``).
 
 The names are imported on first use, so ``import distmon`` and ``python -m distmon report``
 do not import torch. distmon runs on torch 2.6 and newer (complete from 2.9,
@@ -30,14 +31,24 @@ if TYPE_CHECKING:
     from .monitor import GradientAnomalyError, GradMonitor
     from .snapshot import AnomalyEvent, Snapshot
     from .verdicts.detectors import DetectorConfig
+    from .verdicts.precursor import PrecursorConfig
 
-__all__ = ["GradMonitor", "Snapshot", "AnomalyEvent", "DetectorConfig", "GradientAnomalyError", "__version__"]
+__all__ = [
+    "GradMonitor",
+    "Snapshot",
+    "AnomalyEvent",
+    "DetectorConfig",
+    "PrecursorConfig",
+    "GradientAnomalyError",
+    "__version__",
+]
 
 # public name -> the module that defines it
 _LAZY = {
     "GradMonitor": ".monitor",
     "GradientAnomalyError": ".monitor",
     "DetectorConfig": ".verdicts.detectors",
+    "PrecursorConfig": ".verdicts.precursor",
     "Snapshot": ".snapshot",
     "AnomalyEvent": ".snapshot",
 }

@@ -27,6 +27,7 @@ from .sources import CommHook
 from .step.activations import ActivationSpec
 from .step.optimizer_hooks import GradientAnomalyError
 from .verdicts.detectors import DetectorConfig
+from .verdicts.precursor import PrecursorConfig
 from .verdicts.resume import load_monitor_state, monitor_state
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
@@ -120,6 +121,7 @@ class GradMonitor:
         activations: ActivationSpec = None,
         activation_every: int | None = None,
         update_ratio: bool | None = None,
+        precursor: bool | PrecursorConfig | None = None,
     ) -> None:
         self._closed = True  # until every rank has started
         # the options as given (None: not given), named in the signature only: options.py has the rest
@@ -224,7 +226,7 @@ class GradMonitor:
             >>> mon = GradMonitor(model, opt)                                  # doctest: +SKIP
             >>> mon.load_state_dict(torch.load(path)["distmon"])               # doctest: +SKIP
         """
-        detector, noise = self._tracker.learned()
+        detector, noise, precursor = self._tracker.learned()
         return monitor_state(
             step=self.step,
             layers=self.layers,
@@ -232,6 +234,7 @@ class GradMonitor:
             detector=detector,
             noise=noise,
             scaler_run=self._tracker.scaler_run,
+            precursor=precursor,
         )
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -247,6 +250,7 @@ class GradMonitor:
             world=self.world_size,
             detector=judge.detector,
             noise=judge.noise,
+            precursor=judge.precursor,
         )
         self._tracker.resume_at(step)
         self._tracker.scaler_run = scaler_run

@@ -384,6 +384,18 @@ OPTIONS: tuple[Option, ...] = (
         agreed=True,
         check=_BOOL,
     ),
+    Option(
+        "precursor",
+        False,
+        "a warning before the loss diverges: each attention block's logit bound "
+        "`max|q| max|k| / sqrt(d_head)`, read on the forwards of every 10th step, warns "
+        "(`divergence_warning`) once above 1000 for 2 samples. `True`: the blocks found by the "
+        "names common models use; a `PrecursorConfig`: its patterns, bound, sampling "
+        "([Detection](detection.md#divergence-precursor))",
+        env="DISTMON_PRECURSOR",
+        env_type=bool,
+        agreed=True,
+    ),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}

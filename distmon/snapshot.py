@@ -9,7 +9,13 @@ from typing import Literal, get_args
 __all__ = ["Snapshot", "AnomalyEvent", "to_jsonable", "AnomalyKind", "SkipReason", "ANOMALY_KINDS"]
 
 AnomalyKind = Literal[
-    "nonfinite", "spike", "vanishing", "rank_outlier", "scaler_stuck", "activation_nonfinite"
+    "nonfinite",
+    "spike",
+    "vanishing",
+    "rank_outlier",
+    "scaler_stuck",
+    "activation_nonfinite",
+    "divergence_warning",
 ]
 ANOMALY_KINDS: tuple[AnomalyKind, ...] = get_args(AnomalyKind)
 # who kept the optimizer from taking a step: "" (nobody), a guard, or the GradScaler (Inf/NaN)
@@ -88,6 +94,13 @@ class Snapshot:
             order, whose output was non-finite (lowest rank on a tie), or None.
         layer_update_ratio: layer -> ||delta theta|| / ||theta|| of this step's update, on export
             steps with ``update_ratio=True``; empty on other steps.
+        attention_logit_bound: attention block -> the bound ``max|q| max|k| / sqrt(d_head)`` of its
+            attention logits on this step's forwards, the largest over the ranks (``precursor=``,
+            on every ``PrecursorConfig.every``-th step; empty on other steps; NaN/Inf: the
+            forward overflowed).
+        divergence_warning: on a sampled step, whether the precursor warns there (a block's bound
+            above ``PrecursorConfig.bound`` for ``hold`` samples in a row, or non-finite); the first
+            sample of an episode is also a ``divergence_warning`` event.
         noise_trace, noise_signal: the bias-corrected EMAs of tr(Sigma) (per-example gradient
             variance) and |G|^2 (squared true gradient) whose ratio is the noise scale.
         ranks: the ranks the per-rank lists (``rank_grad_norms``, ``rank_layer_grad_norms``,
@@ -134,6 +147,8 @@ class Snapshot:
     activation_absmax: dict[str, float] = field(default_factory=dict)
     first_nonfinite_activation: tuple[int, str] | None = None
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
+    attention_logit_bound: dict[str, float] = field(default_factory=dict)
+    divergence_warning: bool = False
     rank_valid: list[bool] = field(default_factory=list)
     first_nonfinite_coords: dict[str, str] | None = None
     restart: int = 0

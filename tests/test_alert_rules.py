@@ -37,6 +37,7 @@ HISTOGRAMS = {name for name, (kind, _, _) in METRICS.items() if kind == "histogr
 # The alerts the end-to-end test and the dashboard rely on.
 EXPECTED_ALERTS = {
     "DistmonNonFiniteGradients",
+    "DistmonDivergenceAhead",
     "DistmonNonFiniteGradientsRank",
     "DistmonGradientExplosion",
     "DistmonGradientSpikeBetweenScrapes",
@@ -189,6 +190,34 @@ def test_rule_names_and_metrics_exist():
 
 MUTATIONS = {
     # name: (rule file, text, replacement, occurrences of text, the test file that must catch it)
+    "divergence_gauge_ignored": (
+        ALERTS_FILE.name,
+        "max by (run_id) (distmon_divergence_warning) > 0",
+        "max by (run_id) (distmon_divergence_warning) > 1",
+        1,
+        "precursor.test.yml",
+    ),
+    "divergence_event_kind": (
+        ALERTS_FILE.name,
+        'increase(distmon_anomalies_total{kind="divergence_warning"}[10m])',
+        'increase(distmon_anomalies_total{kind="divergence"}[10m])',
+        1,
+        "precursor.test.yml",
+    ),
+    "divergence_event_window": (
+        ALERTS_FILE.name,
+        'increase(distmon_anomalies_total{kind="divergence_warning"}[10m])',
+        'increase(distmon_anomalies_total{kind="divergence_warning"}[30m])',
+        1,
+        "precursor.test.yml",
+    ),
+    "divergence_also_informational": (
+        ALERTS_FILE.name,
+        'kind!~"nonfinite|rank_outlier|scaler_stuck|divergence_warning"',
+        'kind!~"nonfinite|rank_outlier|scaler_stuck"',
+        1,
+        "precursor.test.yml",
+    ),
     "nonfinite_threshold": (
         ALERTS_FILE.name,
         "sum by (run_id) (increase(distmon_nonfinite_steps_total[5m])) > 0",

@@ -78,6 +78,7 @@ def test_public_api_is_small_and_documented():
         "Snapshot",
         "AnomalyEvent",
         "DetectorConfig",
+        "PrecursorConfig",
         "GradientAnomalyError",
         "__version__",
     }

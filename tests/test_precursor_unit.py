@@ -147,3 +147,12 @@ def test_bad_arguments_are_refused():
         PrecursorDetector(2, bounds=[1.0])
     with pytest.raises(ValueError):
         PrecursorDetector(2).update(torch.ones(3, 3))
+
+
+def test_a_sample_of_zero_was_not_measured_it_neither_warns_nor_moves_the_state():
+    """A block that no forward called on a sampled step reads 0: not a sample, unlike NaN/Inf."""
+    det = PrecursorDetector(1, PrecursorConfig(hold=2), bounds=[100.0])
+    v = det.update(torch.tensor([[300.0], [0.0], [300.0], [0.0], [0.0]]))
+    assert v.warn.tolist() == [False, False, False, False, False]  # the zeros break the run of 2
+    assert det.run.tolist() == [0.0]
+    assert det.update(torch.tensor([[math.nan]])).warn.tolist() == [True]

@@ -668,3 +668,37 @@ def test_a_node_log_left_out_names_its_ranks_and_other_runs_are_listed(four_rank
     proc = _report([*paths, other], tmp_path / "r3", "--run", "1")
     assert proc.returncode == 0 and "missing" not in proc.stdout, proc.stdout
     assert "world size 4" in (tmp_path / "r3" / "summary.md").read_text()
+
+
+def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tmp_path):
+    """The precursor's first warning: its step, block and bound in the summary's time line."""
+    log = tmp_path / "run.jsonl"
+    out = JsonlLog(str(log))
+    for step in range(1, 31):
+        events = ()
+        if step in (20, 30):
+            event = AnomalyEvent(
+                kind="divergence_warning",
+                step=step,
+                rank=-1,
+                layer="blocks.3.attn",
+                value=1234.5,
+                threshold=1e3,
+            )
+            events = (event,)
+        out(
+            [
+                Snapshot(
+                    step=step, timestamp=float(step), grad_norm=1.0, run_id="r", world_size=1, events=events
+                )
+            ]
+        )
+    out.close()
+    proc = _report(log, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    line = (
+        "- **divergence warning (precursor) at step 20**, attention block `blocks.3.attn` (logit bound 1234)"
+    )
+    assert line + "; 2 warnings in all" in summary, summary
+    assert _not_blank(tmp_path / "out" / "global_norm.png")

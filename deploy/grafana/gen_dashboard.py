@@ -338,6 +338,41 @@ def activations() -> Row:
     )
 
 
+def precursor() -> Row:
+    return Row(
+        "Divergence precursor (with precursor=)",
+        [
+            line(
+                8,
+                timeseries(
+                    "Attention-logit bound per block",
+                    targets((f"distmon_attention_logit_bound{{{RUN}}}", "{{layer}}")),
+                    log=True,
+                    thresholds=[("green", None), ("red", 1000)],
+                    description="max|q| max|k| / sqrt(d_head) of each attention block on every 10th "
+                    "step's forwards, the largest over the ranks: an upper bound of its attention logits. "
+                    "Runs that diverged through attention-logit growth crossed 1000 hundreds of steps "
+                    "before their loss moved (benchmarks/early_warning.py); the precursor warns after 2 "
+                    "samples above it (DistmonDivergenceAhead).",
+                ),
+                timeseries(
+                    "Divergence warning",
+                    targets(
+                        (f"max by (run_id) (distmon_divergence_warning{{{RUN}}})", "warning"),
+                        (
+                            "sum by (run_id) (increase(distmon_anomalies_total"
+                            f'{{{RUN},kind="divergence_warning"}}[10m]))',
+                            "events (10 min)",
+                        ),
+                    ),
+                    description="1 while the precursor warns at the latest sampled step; its "
+                    "divergence_warning events over the last 10 min.",
+                ),
+            )
+        ],
+    )
+
+
 def health() -> Row:
     return Row(
         "Training and monitor health",
@@ -393,7 +428,7 @@ def health() -> Row:
     )
 
 
-ROWS = (overview, global_norm, ranks, layers, noise_scale, activations, health)
+ROWS = (overview, global_norm, ranks, layers, noise_scale, activations, precursor, health)
 
 
 # --------------------------------------------------------------------------------------------

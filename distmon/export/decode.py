@@ -15,8 +15,9 @@ from ..layout.placements import Coordinates
 from ..snapshot import AnomalyEvent, Snapshot
 from ..step.backward import LayerOrder
 from ..step.ring import StepInfo
-from ..step.rows import Head, Job, Noise, RowPlan, earliest_nonfinite
+from ..step.rows import Early, Head, Job, Noise, RowPlan, earliest_nonfinite
 from ..verdicts.detectors import EventFinder
+from ..verdicts.precursor import PrecursorConfig
 
 __all__ = ["RowDecoder"]
 
@@ -61,8 +62,12 @@ class RowDecoder:
         restart: int = 0,
         node_ranks: Sequence[int] | None = None,
         node: int = 0,
+        attended: Sequence[str] = (),
+        precursor: PrecursorConfig | None = None,
     ) -> None:
         self.plan = plan
+        self.attended = tuple(attended)  # the attention blocks the precursor reads
+        self.precursor = precursor
         self.node_ranks = (
             tuple(node_ranks) if node_ranks is not None else tuple(range(plan.step.node_size))
         )  # the node's ranks
@@ -162,7 +167,33 @@ class RowDecoder:
             ratios = row[step.upd]
             if not all(math.isnan(v) for v in ratios):  # a scheduled export step (Exchange.scheduled)
                 snap = replace(snap, layer_update_ratio=dict(zip(self.layers, ratios)))
+        if self.precursor is not None and info.step % self.precursor.every == 0:
+            snap = self._precursor(info.step, row[step.precursor], snap)
         return snap
+
+    def _precursor(self, step: int, cols: list[float], snap: Snapshot) -> Snapshot:
+        """A sampled step: the blocks' logit bounds; the first warning of an episode is an event."""
+        n = len(self.attended)
+        bounds, early = cols[:n], cols[n:]
+        events = snap.events
+        if early[Early.FIRST] == 1.0:
+            block = int(early[Early.BLOCK])
+            events += (
+                AnomalyEvent(
+                    kind="divergence_warning",
+                    step=step,
+                    rank=-1,
+                    layer=self.attended[block],
+                    value=bounds[block],
+                    threshold=self.precursor.bound,
+                ),
+            )
+        return replace(
+            snap,
+            attention_logit_bound=dict(zip(self.attended, bounds)),
+            divergence_warning=early[Early.WARN] == 1.0,
+            events=events,
+        )
 
     def _noise(self, noise: list[float], snap: Snapshot) -> Snapshot:
         n, k = len(self.layers), len(Noise)

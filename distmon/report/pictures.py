@@ -7,14 +7,16 @@ the latest unless ``--run-id ID`` or ``--run N`` picks another; each step's per-
 from every node log, placed by global rank; malformed lines skipped and counted by reason;
 memory bounded. Writes, with matplotlib (``pip install distmon[report]``):
 
-- ``global_norm.png``: the global gradient norm over steps, anomaly events marked;
+- ``global_norm.png``: the global gradient norm over steps, anomaly events marked (the
+  precursor's divergence warnings among them);
 - ``layer_heatmap.png``: layer x step, log10 of each layer's norm (the first 127 layers, the
   rest folded into ``other``; past 2,000 steps, the largest of each bin of steps);
 - ``rank_layer_at_worst.png``: rank x layer local norms at the worst step (the first
   non-finite one, else the strongest event, else the largest norm), the first 64 ranks;
 - ``rank_norms.png``: the local norm of each of the first 64 ranks over steps;
 - ``noise_scale.png``: the gradient noise scale over steps (when the run had ``batch_size``);
-- ``summary.md``: steps, events (step, kind, rank, layer), the first non-finite step, skips,
+- ``summary.md``: steps, events (step, kind, rank, layer), the first non-finite step, the first
+  divergence warning, skips,
   monitor errors, the runs the log holds, the lines skipped and why; the ranks: world size, the
   node logs read (node, ranks, lines), the ranks no node log reported, steps where node logs
   disagree on job-wide figures, and per rank over the run (every rank, not only the drawn
@@ -92,6 +94,12 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
     if run.first_nonfinite is not None:
         step, rank, layer = run.first_nonfinite
         lines.append(f"- **first non-finite step {step}**: rank {rank}, layer `{layer}`")
+    warned = run.event_steps.get("divergence_warning")
+    if warned:  # the precursor (precursor=): a warning before the loss diverges
+        first = next((e for e in run.events if e["kind"] == "divergence_warning"), None)
+        block = f", attention block `{first['layer']}` (logit bound {first['value']:.4g})" if first else ""
+        more = f"; {len(warned)} warnings in all" if len(warned) > 1 else ""
+        lines.append(f"- **divergence warning (precursor) at step {warned[0]}**{block}{more}")
     gns = [g for g in run.noise_scale if math.isfinite(g)]
     if gns:
         lines.append(f"- gradient noise scale at the end: {gns[-1]:,.1f} (batch_size units)")
@@ -230,7 +238,12 @@ def write_report(log: LogRead, out_dir: str) -> list[str]:
     # global norm with events
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.plot(steps, np.array(run.grad_norm), lw=1, label="global grad norm")
-    colors = {"spike": "tab:orange", "nonfinite": "tab:red", "vanishing": "tab:purple"}
+    colors = {
+        "spike": "tab:orange",
+        "nonfinite": "tab:red",
+        "vanishing": "tab:purple",
+        "divergence_warning": "tab:brown",
+    }
     for kind in sorted(run.event_steps):
         for i, step in enumerate(run.event_steps[kind]):
             label = kind if i == 0 else None

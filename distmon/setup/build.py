@@ -49,6 +49,7 @@ from ..step.rows import RowPlan
 from ..step.tracker import StepTracker
 from ..verdicts.detectors import DetectorConfig, DeviceDetector, EventFinder
 from ..verdicts.noise_scale import NoiseScale
+from ..verdicts.precursor import PrecursorDetector
 from .config import MonitorConfig, features
 from .hostinfo import Nodes, RankInfo, restart_count
 from .lifecycle import Opened, served_ranks
@@ -147,10 +148,10 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
     ``cfg`` (raises what is wrong, naming the option)."""
     stage = pipeline_stage(model)
     if stage is not None:
-        if cfg.activations:
+        if cfg.activations or cfg.precursor:
             raise ValueError(
-                "distmon: activations= is not supported with pipeline stages yet (each stage watches "
-                "other modules)"
+                f"distmon: {'activations=' if cfg.activations else 'precursor='} is not supported with "
+                "pipeline stages yet (each stage watches other modules)"
             )
         if stage.num_stages != stage.group_size:
             raise ValueError(
@@ -268,6 +269,7 @@ def build_rank(
         watched=len(watched),
         detector=cfg.detect is not False,
         update_ratio=extra.ratio is not None,
+        attention=extra.attention.n if extra.attention else 0,
     )
     det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
     named = list(zip(grouping.param_names, grouping.params))
@@ -292,11 +294,15 @@ def build_rank(
         activations=extra.watch,
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
+        attention=extra.attention,
+        precursor=(
+            PrecursorDetector(extra.attention.n, extra.precursor, device=device) if extra.attention else None
+        ),
         check=LayoutCheck(named, source.counted, source.group) if source.counted is not None else None,
         node_ranks=node_ranks,
         node_group=gather_group(source.group, node_ranks, node_group),
     )
-    agreed = cfg.agreed(grouping.layers, watched)
+    agreed = cfg.agreed(grouping.layers, watched, tuple(extra.attention.names) if extra.attention else ())
     coords = coordinates(
         grouping.params,
         stage=stage.stage_index if stage is not None else job.part if job.parts > 1 else None,
@@ -396,6 +402,8 @@ def build_exports(
         restart=restart_count(),
         node_ranks=built.node_ranks,
         node=me.node_index,
+        attended=tracker.attention.names if tracker.attention else (),
+        precursor=tracker.judge.precursor.cfg if tracker.judge.precursor else None,
     )
     # the job's one line on stderr for a non-finite step: from rank 0, which writes its log
     notice = NonfiniteNotice() if me.rank == 0 else None
@@ -407,7 +415,7 @@ def build_exports(
 
 class Hooks:
     """Everything a monitor hooks into training: the optimizers' step hooks (and the guard), the
-    activation hooks, the source's hooks; removed together.
+    activation and attention hooks, the source's hooks; removed together.
 
     :meth:`install` (before the ranks agree: all or nothing, what it installed is removed if it
     fails) installs what can be removed again; :meth:`commit` (once every rank started) the
@@ -428,8 +436,9 @@ class Hooks:
     def install(self) -> None:
         self.steps.install()
         try:
-            if self.tracker.activations is not None:
-                self.tracker.activations.install()
+            for watch in (self.tracker.activations, self.tracker.attention):
+                if watch is not None:
+                    watch.install()
         except BaseException:
             self.remove()
             raise
@@ -440,8 +449,9 @@ class Hooks:
     def remove(self) -> None:
         self.tracker.source.remove()
         self.steps.remove()
-        if self.tracker.activations is not None:
-            self.tracker.activations.remove()
+        for watch in (self.tracker.activations, self.tracker.attention):
+            if watch is not None:
+                watch.remove()
 
 
 def _has_events(snap: Snapshot) -> bool:

@@ -23,8 +23,10 @@ from ..options import AGREED, BY_NAME, OPTIONS, SERVE_MODES, GuardMode, ServeMod
 from ..serve.endpoint_security import EndpointSecurity
 from ..sources import Source
 from ..step.activations import ActivationWatch, select_modules, validate_activations
+from ..step.attention_watch import AttentionWatch, find_attention
 from ..step.update_ratio import UpdateRatio
 from ..verdicts.detectors import DetectorConfig
+from ..verdicts.precursor import PrecursorConfig
 
 DEFAULT_PORT: int = BY_NAME["port"].default  # type: ignore[assignment]  # an int (options.py)
 
@@ -102,11 +104,14 @@ class _Checked:
         cfg.validate()
         return cfg
 
-    def agreed(self, layers: tuple[str, ...], watched: tuple[str, ...]) -> dict[str, str]:
+    def agreed(
+        self, layers: tuple[str, ...], watched: tuple[str, ...], attended: tuple[str, ...] = ()
+    ) -> dict[str, str]:
         """The :data:`AGREED` options as every rank must have them, comparable across ranks.
 
-        ``layers`` (what ``groups`` and ``max_layers`` made of the model) and ``watched`` (the
-        modules ``activations`` selects) stand for those options: their names' count and digest.
+        ``layers`` (what ``groups`` and ``max_layers`` made of the model), ``watched`` (the
+        modules ``activations`` selects) and ``attended`` (the attention blocks ``precursor``
+        reads) stand for those options: their names' count and digest.
 
         Example:
             >>> MonitorConfig(export_every=5).agreed(("fc1", "fc2"), ())["export_every"]
@@ -127,6 +132,8 @@ class _Checked:
                 value = value or self.export_every
             elif name in ("replicated_over", "distinct_over"):
                 value = sorted(value) if value else None  # the patterns: each rank's groups differ
+            elif name == "precursor":  # its settings and the blocks it found
+                value = f"{value!r} over attention blocks {_digest(attended)}" if value else None
             elif name == "job_group":
                 value = "given" if value is not None else None  # each job's group differs
             shown[name] = repr(value) if not isinstance(value, str) else value
@@ -207,6 +214,11 @@ class _Checked:
             "pass scaler= (a GradScaler) or loss_scale= (a fixed scale), not both",
         )
         validate_activations(self.activations)
+        need(
+            isinstance(self.precursor, (bool, PrecursorConfig)),
+            f"precursor must be a bool or a distmon.PrecursorConfig, got {self.precursor!r}",
+            TypeError,
+        )
 
 
 # One field per option, with its default, generated from OPTIONS: an option is declared in
@@ -234,14 +246,17 @@ class Features(NamedTuple):
     batch_of_step: Callable[[], float] | None  # the noise scale: this rank's batch this step
     watch: ActivationWatch | None
     ratio: UpdateRatio | None
+    attention: AttentionWatch | None  # the precursor's attention blocks
+    precursor: PrecursorConfig | None
 
 
 def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: ErrorCounter) -> Features:
-    """The noise-scale, activation and update-ratio parts, or the error naming the option.
+    """The noise-scale, activation, update-ratio and precursor parts, or the error naming the option.
 
     What each needs of the source: ``batch_size`` 2+ data-parallel ranks, each rank's local
-    figures and a reduction that is the ranks' mean;
-    ``activations`` modules to watch; ``update_ratio`` unsharded weights.
+    figures and a reduction that is the ranks' mean; ``activations`` modules to watch;
+    ``update_ratio`` unsharded weights; ``precursor`` attention blocks whose queries and keys it
+    can read.
     """
     batch_of_step = None
     if cfg.batch_size is not None:
@@ -282,4 +297,17 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
             n_layers=len(grouping.layers),
             device=source.device,
         )
-    return Features(batch_of_step, watch, ratio)
+    attention, precursor = None, None
+    if cfg.precursor:
+        precursor = cfg.precursor if isinstance(cfg.precursor, PrecursorConfig) else PrecursorConfig()
+        blocks = find_attention(
+            source.module, queries=precursor.queries, keys=precursor.keys, head_dim=precursor.head_dim
+        )
+        if not blocks:
+            raise ValueError(
+                "distmon: precursor=True found no attention block in the model (by the names common "
+                "models use: q_proj/k_proj, q_norm/k_norm, query/key, wq/wk, a fused qkv/c_attn/Wqkv): "
+                "pass precursor=PrecursorConfig(queries=r'...', keys=r'...', head_dim=...) naming them"
+            )
+        attention = AttentionWatch(blocks, device=source.device, errors=errors)
+    return Features(batch_of_step, watch, ratio, attention=attention, precursor=precursor)

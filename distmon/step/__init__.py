@@ -13,6 +13,7 @@
 ``crossrank.py``         the job's fixed-size reductions of every rank's figures
 ``clip.py``              ``clip_grad_norm_`` with the norm already measured
 ``activations.py``       forward activation statistics (opt-in)
+``attention_watch.py``   attention blocks' logit bounds on sampled forwards (the precursor's)
 ``update_ratio.py``      per-layer update-to-weight ratios (opt-in)
 =======================  ========================================================================
 """

@@ -27,6 +27,7 @@ a step's collective.
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -87,7 +88,7 @@ class RankBuffers:
         n_layers = plan.step.n_layers
         self.send = torch.zeros(f.width, **f32)
         self.layer_sq = self.send[f.layers] if f.n_layer_cols else torch.zeros(n_layers, **f32)
-        self.parts_sq = self.send[f.in_parts]  # the reduced sums of the parts this rank counts
+        self.parts_sq = self.send[f.parts]  # the reduced sums of the parts this rank counts
         self.rows = torch.zeros(n_rows, f.width, **f32)  # kept rows, by ring slot
         self.summed = torch.zeros(f.reduced.stop - f.reduced.start, **f32)  # the all-reduce's buffer
         self._gathered = torch.zeros(len(self.node_ranks) * n_rows * f.width, **f32)
@@ -128,6 +129,7 @@ class RankBuffers:
         for index in (self.fields.first_nonfinite, self.fields.act_first):  # -1: none
             if index is not None:
                 self.send[index].fill_(-1.0)
+        self.send[self.fields.attn].fill_(-math.inf)  # no precursor sample
         self.send[self.fields.errors].fill_(errors)
         self._sent_meta = (errors, 0.0, False, 0.0)
 

@@ -37,6 +37,7 @@ __all__ = [
     "Verdict",
     "Job",
     "Noise",
+    "Early",
     "Schema",
     "RankRow",
     "StepRow",
@@ -99,6 +100,15 @@ class Noise(IntEnum):
     SCALE = 0  # B_simple
     TRACE = 1  # bias-corrected EMA of tr(Sigma)
     SIGNAL = 2  # bias-corrected EMA of |G|^2
+
+
+class Early(IntEnum):
+    """The precursor's verdict columns of a step row (after the blocks' bounds), on sampled steps."""
+
+    WARN = 0  # 1: the precursor warns at this sample
+    FIRST = 1  # 1: its first warning of an episode (the sample before did not warn): an event
+    BLOCK = 2  # the warning block with the largest margin (-1: none)
+    SCORE = 3  # its margin over the rule, in log units (> 0: over)
 
 
 class Schema:
@@ -172,10 +182,11 @@ class RankRow:
     ``first_nonfinite`` (layer index, -1 if none): two floats whatever the number of layers.
     Then ``errors`` (its monitor error count) and ``valid`` (its local figures were measured);
     ``batch`` (the noise scale: its batch this step), ``act_first`` (activations: its first
-    non-finite module, -1 if none). The row ends with :attr:`reduced`, what an ordinary step's
+    non-finite module, -1 if none), ``attn`` (the precursor: each attention block's logit bound on a
+    sampled step, ``-inf`` on others). The row ends with :attr:`reduced`, what an ordinary step's
     all-reduce adds up: ``vote`` (rank 0's "export now", with a time-bounded export) and, in a
     layout in parts, ``reduced_ok`` (its counted parts of the reduced gradient were measured: the
-    sum is the world when every rank's were) and ``in_parts`` (the per-layer sums of squares of
+    sum is the world when every rank's were) and ``parts`` (the per-layer sums of squares of
     the parts it counts).
 
     Example:
@@ -196,8 +207,10 @@ class RankRow:
         batch: bool = False,
         activations: bool = False,
         vote: bool = False,
+        attention: int = 0,
     ) -> None:
         self.n_layer_cols = n_layers if rank_layers else 0
+        self.n_attention = attention
         self.n_parts = n_layers if in_parts else 0
         self.schema = s = Schema(
             [
@@ -208,17 +221,18 @@ class RankRow:
                 ("valid", 1),
                 ("batch", 1 if batch else 0),
                 ("act_first", 1 if activations else 0),
+                ("attn", attention),
                 ("vote", 1 if vote else 0),
                 ("reduced_ok", 1 if in_parts else 0),
                 ("parts", self.n_parts),
             ]
         )
         self.width = s.width
-        self.layers, self.in_parts = s["layers"], s["parts"]
+        self.layers, self.parts = s["layers"], s["parts"]
         self.total_sq, self.first_nonfinite = s.index("total_sq"), s.index("first_nonfinite")
         self.errors, self.valid = s["errors"].start, s["valid"].start
         self.reduced_ok, self.batch = s.index("reduced_ok"), s.index("batch")
-        self.act_first, self.vote = s.index("act_first"), s.index("vote")
+        self.act_first, self.vote, self.attn = s.index("act_first"), s.index("vote"), s["attn"]
         self.reduced = s.span(self.REDUCED)
         # fixed with the row: looked up on every all-reduce step, computed once here
         self._summed = {name: s.within(self.reduced, name) for name in self.REDUCED}
@@ -261,7 +275,9 @@ class StepRow:
     local sum of squares per layer; ``detector``: :class:`Verdict` columns then one outlier score
     per node rank; ``noise``:
     :class:`Noise` columns then B_simple and EMA |G_l|^2 per layer; ``act``: RMS per watched
-    module, max-abs per module, the first non-finite module; ``upd``: the update ratio per layer.
+    module, max-abs per module, the first non-finite module; ``upd``: the update ratio per layer;
+    ``precursor``: each attention block's logit bound on a sampled step (the job's largest; NaN on
+    other steps) then :class:`Early` columns.
     """
 
     def __init__(
@@ -277,6 +293,7 @@ class StepRow:
         update_ratio: bool = False,
     ) -> None:
         self.n_layers, self.world, self.rank = n_layers, world, rank
+        self.n_attention = rank.n_attention
         self.node_size = world if node_size is None else node_size
         self.n_watched = watched
         self.schema = s = Schema(
@@ -289,11 +306,14 @@ class StepRow:
                 ("noise", len(Noise) + 2 * n_layers if noise else 0),
                 ("act", 2 * watched + 1 if watched else 0),
                 ("upd", n_layers if update_ratio else 0),
+                ("precursor", self.n_attention + len(Early) if self.n_attention else 0),
             ]
         )
         self.width = s.width
         self.layers, self.ranks, self.job = s["layers"], s["ranks"], s["job"]
         self.detector, self.noise, self.act, self.upd = s["detector"], s["noise"], s["act"], s["upd"]
+        self.precursor = s["precursor"]
+        self.attn = slice(self.precursor.start, self.precursor.start + self.n_attention)  # bounds
         # the reduced log-norm's inputs: the total, then every layer
         self.total_and_layers = slice(Head.TOTAL_SQ, self.layers.stop)
 
@@ -317,6 +337,11 @@ class StepRow:
         row[self.noise] = math.nan  # no noise-scale figure until a row is judged
         row[self.act] = math.nan  # a step whose forwards were not watched
         row[self.upd] = math.nan  # not a scheduled export step (Exchange.scheduled)
+        if self.n_attention:
+            row[self.precursor] = math.nan  # not a sampled step, or not judged yet
+            verdict = self.precursor.start + self.n_attention
+            row[verdict + Early.WARN] = row[verdict + Early.FIRST] = 0.0
+            row[verdict + Early.BLOCK] = -1.0
         return row
 
 
@@ -341,9 +366,11 @@ class RowPlan:
         watched: int = 0,
         detector: bool = False,
         update_ratio: bool = False,
+        attention: int = 0,
     ) -> RowPlan:
         """The plan for these options; ``watched`` is the number of modules whose activations are
-        watched, ``node_size`` how many ranks' rows this rank holds (its node's; the world by default)."""
+        watched, ``attention`` the attention blocks the precursor reads, ``node_size`` how many
+        ranks' rows this rank holds (its node's; the world by default)."""
         rank = RankRow(
             n_layers=n_layers,
             rank_layers=rank_layers,
@@ -351,6 +378,7 @@ class RowPlan:
             batch=batch,
             activations=watched > 0,
             vote=vote,
+            attention=attention,
         )
         step = StepRow(
             n_layers=n_layers,

@@ -43,7 +43,9 @@ from ..sources.base import Source
 from ..verdicts.detectors import DeviceDetector
 from ..verdicts.judge import Judge
 from ..verdicts.noise_scale import NoiseScale
+from ..verdicts.precursor import PrecursorDetector
 from .activations import ActivationWatch
+from .attention_watch import AttentionWatch
 from .backward import BackwardSums, StepState
 from .exchange import Exchange
 from .ring import DeviceRing, ExportBatch, ExportQueue, StepInfo
@@ -99,6 +101,8 @@ class StepTracker:
         activations: ActivationWatch | None = None,
         activation_every: int = 1,
         update_ratio: UpdateRatio | None = None,
+        attention: AttentionWatch | None = None,
+        precursor: PrecursorDetector | None = None,
         check: Callable[[], tuple[float, float]] | None = None,
         node_group: dist.ProcessGroup | None = None,
         node_ranks: tuple[int, ...] | None = None,
@@ -119,11 +123,19 @@ class StepTracker:
             node_ranks=node_ranks,
         )
         self.judge = Judge(
-            plan.step, detector=detector, noise=noise, errors=errors, cross=self.exchange.cross
+            plan.step,
+            detector=detector,
+            noise=noise,
+            errors=errors,
+            cross=self.exchange.cross,
+            precursor=precursor,
         )
         self.batch_size = batch_size  # this rank's batch this step, for the gradient noise scale
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
+        # the precursor's attention blocks, read on the forwards of every sample_every-th step
+        self.attention = attention
+        self.sample_every = precursor.cfg.every if precursor is not None else 1
         self.exports = exports  # where the export thread reads each export's host copy
         # a layout in parts' first-step check (verify.py): the job's squared norm as distmon reads
         # the layout and computed another way, from the same gradients
@@ -133,8 +145,7 @@ class StepTracker:
         self.ring.reset(1, export_every, self._blank)
         # the send row may hold something other than "none" (it starts zeroed): write it once
         self._act_sent = True
-        if activations is not None:
-            activations.active = 1 % activation_every == 0  # step 1's forwards
+        self._attn_sent = True  # likewise: the send row starts at 0, not "not sampled"
         self.step = 0
         self.measured_steps = 0  # steps whose reduced figures were measured (a backward ran)
         self.scaler_run = 0  # consecutive steps the GradScaler skipped, through the latest
@@ -143,6 +154,7 @@ class StepTracker:
         self._finished: list[tuple[float, SkipReason]] = [(0.0, "")] * export_every  # per slot
         self._valid = [False] * export_every  # per slot: the reduced figures were measured
         self._new_step()
+        self._watch_next()  # step 1's forwards
 
     def resume_at(self, step: int) -> None:
         """Count on from ``step``, the last step of the run this one resumes.
@@ -158,8 +170,7 @@ class StepTracker:
         self.step = self._exported_through = self._judged_through = step
         self.exchange.resume_at(step)
         self._new_step()
-        if self.activations is not None:
-            self.activations.active = (step + 1) % self.activation_every == 0
+        self._watch_next()
 
     @property
     def active(self) -> bool:
@@ -209,7 +220,7 @@ class StepTracker:
         except Exception:
             self.fail("rank exchange (pack)")
             ex.invalidate()  # its vote and first bad module: none
-            self._act_sent = False
+            self._act_sent = self._attn_sent = False
         try:
             ex.start(step)
         except Exception:
@@ -263,6 +274,17 @@ class StepTracker:
         if watch is not None and (watch.active or self._act_sent):
             buf.send[self.plan.rank.act_first].copy_(watch.first_module if watch.active else watch.none)
             self._act_sent = watch.active
+        attention = self.attention
+        # a sampled step's bounds travel in its row to the export's MAX over the ranks; between
+        # samples the send row keeps -inf ("not sampled"), so those steps write nothing
+        sampled = attention is not None and (self.step + 1) % self.sample_every == 0
+        if sampled:
+            attention.bounds(buf.send[self.plan.rank.attn])
+            attention.active = False  # the step's forwards are over: none counts until the next sample
+            self._attn_sent = True
+        elif attention is not None and self._attn_sent:
+            buf.send[self.plan.rank.attn].fill_(-math.inf)
+            self._attn_sent = False
 
     # -- the step's reduced figures -----------------------------------------------------------
     def finish_row(self) -> torch.Tensor:
@@ -349,11 +371,17 @@ class StepTracker:
         self.scaler_run = self.scaler_run + 1 if skip == "scaler" else 0
         self._finished[self.ring.slot(self.step)] = (time.time(), skip)
         self._new_step()
-        watch = self.activations
-        if watch is not None:  # the next step's forwards: watched or not
-            watch.active = (self.step + 1) % self.activation_every == 0
+        self._watch_next()
         if self.exchange.exports(self.step):
             self.export()
+
+    def _watch_next(self) -> None:
+        """Whether the next step's forwards are watched: activations, the precursor's samples."""
+        step = self.step + 1
+        if self.activations is not None:
+            self.activations.active = step % self.activation_every == 0
+        if self.attention is not None:
+            self.attention.active = step % self.sample_every == 0
 
     # -- the step's own code raised (the step hooks call these) -------------------------------
     def begin_anyway(self) -> None:
@@ -377,7 +405,7 @@ class StepTracker:
             if ex.started < step:
                 ex.complete()
                 ex.invalidate()
-                self._act_sent = False
+                self._act_sent = self._attn_sent = False
                 ex.start(step)
         except Exception:
             self.errors.record("step schedule")
@@ -398,6 +426,8 @@ class StepTracker:
                 self._valid[self.ring.slot(step)] = False
                 if self.activations is not None:
                     self.activations.reset()
+                if self.attention is not None:
+                    self.attention.reset()
                 if self.update_ratio is not None:
                     self.update_ratio.taken = False
                 self._count(skip)
@@ -407,13 +437,13 @@ class StepTracker:
             self.errors.record("step schedule")
 
     # -- a checkpoint ---------------------------------------------------------------------------
-    def learned(self) -> tuple[DeviceDetector | None, NoiseScale | None]:
+    def learned(self) -> tuple[DeviceDetector | None, NoiseScale | None, PrecursorDetector | None]:
         """What the run has learned through the latest finished step, without a collective and
         without changing the run: callable on one rank alone (a checkpoint saved by rank 0).
 
         The reduced-figure verdicts of the steps not judged yet are judged on copies (the
         detector's and the rows'), as the next export will judge them; the verdicts that need
-        every rank's figures (rank outliers, the noise scale) are as of the latest export: the
+        every rank's figures (rank outliers, the noise scale, the precursor) are as of the latest export: the
         other ranks' figures of the steps since are theirs until then. A layout in parts' last
         reduced sums come with its step's collective, already issued on every rank: waited here.
         """
@@ -427,7 +457,7 @@ class StepTracker:
             Judge(self.plan.step, detector=detector, noise=None, errors=self.errors).judge_reduced(
                 rows, self._valid[a : a + len(rows)]
             )
-        return detector, self.judge.noise
+        return detector, self.judge.noise, self.judge.precursor
 
     # -- exports ------------------------------------------------------------------------------
     def _judge(self, through: int) -> None:
@@ -458,7 +488,7 @@ class StepTracker:
         self._judge(last)
         a = self.ring.slot(first)
         rows = self.ring.span(first, last)
-        self.judge.judge_ranks(rows, self._valid[a : a + len(rows)], a)
+        self.judge.judge_ranks(rows, self._valid[a : a + len(rows)], a, first)
         self._exported_through = last
         self.exchange.last_export = time.monotonic()
         try:

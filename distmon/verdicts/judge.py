@@ -17,9 +17,10 @@ import torch
 
 from ..errors import ErrorCounter
 from ..step.crossrank import CrossRank
-from ..step.rows import StepRow
+from ..step.rows import Early, StepRow
 from .detectors import DeviceDetector
 from .noise_scale import NoiseScale
+from .precursor import PrecursorDetector
 
 __all__ = ["Judge", "valid_runs"]
 
@@ -65,9 +66,15 @@ class Judge:
         noise: NoiseScale | None,
         errors: ErrorCounter,
         cross: CrossRank | None = None,
+        precursor: PrecursorDetector | None = None,
     ) -> None:
         self.step_row, self.detector, self.noise, self.errors = step_row, detector, noise, errors
         self.cross = cross  # the job's cross-rank figures per ring slot (the rank outliers read them)
+        self.precursor = precursor
+        if precursor is not None:
+            start = step_row.attn.stop  # the Early columns follow the blocks' bounds
+            self._early = slice(start, start + len(Early))
+            self._warned = torch.zeros((), dtype=torch.bool, device=precursor.ema.device)  # the last sample'
 
     def judge_reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
         """Update the reduced-figure detectors with consecutive ``rows`` (``valid``: which rows were
@@ -79,9 +86,10 @@ class Judge:
         except Exception:
             self.errors.record("detectors")
 
-    def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool], slot: int = 0) -> None:
-        """Update the verdicts that need every rank's figures (rank outliers, noise scale), once the
-        export's reductions landed (``slot``: the ring slot of ``rows[0]``)."""
+    def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool], slot: int = 0, first: int = 1) -> None:
+        """Update the verdicts that need every rank's figures (rank outliers, noise scale, the
+        precursor's samples), once the export's reductions landed (``slot``: the ring slot of
+        ``rows[0]``, ``first``: its step)."""
         if self.detector is not None and self.cross is not None:
             try:
                 for start, stop in valid_runs(valid):
@@ -94,3 +102,21 @@ class Judge:
                 self.noise.update(rows)
             except Exception:
                 self.errors.record("gradient noise scale")
+        if self.precursor is not None:
+            try:
+                self._judge_samples(rows, first)
+            except Exception:
+                self.errors.record("divergence precursor")
+
+    def _judge_samples(self, rows: torch.Tensor, first: int) -> None:
+        """The precursor's verdicts on the sampled steps among ``rows`` (every ``every``-th step: a
+        strided view), written into their :class:`~distmon.step.rows.Early` columns."""
+        every = self.precursor.cfg.every
+        sampled = rows[(-first) % every :: every]
+        if not len(sampled):
+            return
+        verdict = self.precursor.update(sampled[:, self.step_row.attn])
+        before = torch.cat([self._warned.view(1), verdict.warn[:-1]])
+        self._warned.copy_(verdict.warn[-1])
+        columns = (verdict.warn, verdict.warn & ~before, verdict.column, verdict.score)
+        sampled[:, self._early] = torch.stack([c.to(rows.dtype) for c in columns], 1)

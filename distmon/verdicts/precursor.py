@@ -15,7 +15,8 @@ column on two rules, either of which may be left out per column:
   natural bound (measured there too, and not chosen: see below).
 
 A column warns once either rule held for ``hold`` consecutive samples; a non-finite sample
-warns at once (the forward already overflowed). The detector warns when any column does.
+warns at once (the forward already overflowed); a sample of 0 (or less) was not measured: it
+moves nothing and breaks a run. The detector warns when any column does.
 
 **What it needs (the shipped rule, the defaults).** One column per attention block: the
 block's attention-logit bound ``max_i |q_i| * max_j |k_j| / sqrt(d_head)`` over the sampled
@@ -56,6 +57,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -69,16 +71,28 @@ __all__ = ["PrecursorConfig", "PrecursorDetector", "PrecursorVerdict"]
 
 @dataclass(frozen=True)
 class PrecursorConfig:
-    """The rule's parameters (defaults chosen in ``benchmarks/early_warning.py``'s measurements).
+    r"""The precursor's settings (``GradMonitor(..., precursor=PrecursorConfig(...))``; the defaults
+    are those ``benchmarks/early_warning.py`` measured).
 
-    ``every``: the caller's sampling interval in optimizer steps (the detector itself counts
-    samples; ``every`` converts its figures to steps). ``hold``: consecutive samples a rule must
-    hold. ``rise``: log units (``log(10) ~ 2.3``: a tenfold rise) of the rise rule; ``ema_alpha``
-    its smoothing per sample and ``warmup`` the samples before its floor is armed.
+    Attributes:
+        every: the sampling interval in optimizer steps: the forwards of every ``every``-th step
+            are read (the detector itself counts samples).
+        bound: the attention-logit bound a block must exceed to warn (logit units).
+        hold: consecutive samples a rule must hold before it warns.
+        rise: the rise rule's threshold in log units (``log(10) ~ 2.3``: a tenfold rise of the
+            smoothed signal over its floor; for columns without a bound).
+        ema_alpha: the rise rule's smoothing per sample.
+        warmup: samples before the rise rule's floor is armed.
+        queries: a regular expression of the modules whose outputs are the queries, one per
+            attention block (with ``keys`` None: fused ``[queries | keys | values]``
+            projections); None: found by the names common models use
+            (:func:`distmon.step.attention_watch.find_attention`).
+        keys: a regular expression of the key modules, one per block (with ``queries``).
+        head_dim: the head size; None: read from each block's attributes.
 
     Example:
-        >>> PrecursorConfig().hold
-        2
+        >>> PrecursorConfig().hold, PrecursorConfig(queries=r"attn\.c_attn$").keys
+        (2, None)
     """
 
     every: int = 10
@@ -87,12 +101,22 @@ class PrecursorConfig:
     rise: float = math.log(10.0)
     ema_alpha: float = 0.3
     warmup: int = 20
+    queries: str | None = None
+    keys: str | None = None
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.hold < 1 or self.warmup < 0 or not self.bound > 0:
             raise ValueError(f"distmon: precursor every/hold must be >= 1, warmup >= 0, bound > 0: {self}")
         if not (0 < self.ema_alpha < 1) or not self.rise > 0:
             raise ValueError(f"distmon: precursor ema_alpha must be in (0, 1) and rise > 0, got {self}")
+        if self.keys is not None and self.queries is None:
+            raise ValueError("distmon: precursor keys= needs queries= (the query modules' pattern)")
+        for pattern in (self.queries, self.keys):
+            if pattern is not None:
+                re.compile(pattern)  # a re.error names what is wrong with it
+        if self.head_dim is not None and not (isinstance(self.head_dim, int) and self.head_dim > 0):
+            raise ValueError(f"distmon: precursor head_dim must be an int > 0, got {self.head_dim!r}")
 
 
 class PrecursorVerdict(NamedTuple):
@@ -151,7 +175,10 @@ class PrecursorDetector:
             return PrecursorVerdict(*(torch.cat(p) for p in zip(*parts)))
         cfg, k = self.cfg, len(samples)
         x = samples.detach().to(self.ema.dtype)
+        # NaN/Inf: the forward overflowed (warns at once); 0 (or less): not measured this sample
+        # (a block no forward called): it moves nothing and breaks a run of samples over a rule
         finite = torch.isfinite(x) & (x > 0)
+        bad = ~torch.isfinite(x)
         y = torch.log(torch.where(finite, x, 1.0))
         # the EMA of the log value, seeded with the first sample (closed form over the k rows)
         seeded = torch.isfinite(self.ema)
@@ -164,10 +191,10 @@ class PrecursorDetector:
         rise_margin = torch.where(self._has_rise & armed, ema - floor - cfg.rise, -math.inf)
         bound_margin = torch.where(finite, y - self._log_bound, -math.inf)
         margin = torch.maximum(rise_margin, bound_margin)
-        over = (margin > 0) | ~finite
+        over = (margin > 0) | bad
         run = run_lengths(over, self.run)
-        col_warn = (run >= cfg.hold) | ~finite
-        margin = torch.where(finite, margin, math.inf)
+        col_warn = (run >= cfg.hold) | bad
+        margin = torch.where(bad, math.inf, margin)
         warn = col_warn.any(1)
         score, worst = torch.where(col_warn, margin, -math.inf).max(1)
         best_margin = margin.max(1).values

@@ -17,6 +17,7 @@ detector                EMAs of every log-norm, the median window, spike and van
                         runs; the rank-outlier scales only on the same ranks' grouping
                         (another world size: they start afresh, said in a warning)
 noise                   the noise scale's EMAs and their counts (world-size free)
+precursor               the divergence precursor's smoothed signals, floors and runs
 scaler_run              consecutive steps the GradScaler skipped (``scaler_stuck``)
 layers                  must equal the monitor's (the same model and ``groups=``): refused
                         otherwise, naming the first difference
@@ -35,6 +36,7 @@ from ..errors import logger
 if TYPE_CHECKING:  # they import this module for their own state
     from .detectors import DeviceDetector
     from .noise_scale import NoiseScale
+    from .precursor import PrecursorDetector
 
 __all__ = ["STATE_VERSION", "save_tensors", "load_tensors", "monitor_state", "load_monitor_state"]
 
@@ -85,8 +87,10 @@ def monitor_state(
     detector: DeviceDetector | None,
     noise: NoiseScale | None,
     scaler_run: int,
+    precursor: PrecursorDetector | None = None,
 ) -> dict[str, object]:
-    """A monitor's state (see the module docstring); ``detector``/``noise`` are None when off."""
+    """A monitor's state (see the module docstring); ``detector``/``noise``/``precursor`` are None
+    when off."""
     return {
         "version": STATE_VERSION,
         "step": step,
@@ -94,6 +98,7 @@ def monitor_state(
         "world_size": world,
         "detector": detector.state_dict() if detector is not None else None,
         "noise": noise.state_dict() if noise is not None else None,
+        "precursor": precursor.state_dict() if precursor is not None else None,
         "scaler_run": scaler_run,
     }
 
@@ -106,6 +111,7 @@ def load_monitor_state(
     world: int,
     detector: DeviceDetector | None,
     noise: NoiseScale | None,
+    precursor: PrecursorDetector | None = None,
 ) -> tuple[int, int]:
     """Check ``state`` against this monitor (which measured ``measured_steps`` steps) and load its detector
     and noise scale. Returns ``(step, scaler_run)`` for the tracker and the decoder.
@@ -149,6 +155,10 @@ def load_monitor_state(
         noise.load_state_dict(state["noise"])
     elif noise is not None:
         notes.append("the noise scale starts cold (the state was taken without batch_size)")
+    if precursor is not None and state.get("precursor") is not None:
+        precursor.load_state_dict(state["precursor"])
+    elif precursor is not None:
+        notes.append("the divergence precursor starts cold (the state was taken without precursor=)")
     if notes:
         logger.warning("distmon: resumed at step %d; %s", state["step"], "; ".join(notes))
     return int(state["step"]), int(state.get("scaler_run", 0))
