@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ import pytest
 import torch
 from ddp_harness import run_ranks, sample_value, scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tracker_readback import expected_figures, same, tensorboard_figures
 
 STEPS, EVERY, NAN_STEP, CAPACITY = 60, 5, 23, 20
 CASES = ("plain", "trackers", "raising", "blocking")
@@ -141,71 +141,19 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, 
     return workdir, run_ranks(_job, 2, str(workdir), timeout=420, env=env)
 
 
-# -- what the JSONL log says each tool must hold ------------------------------------------------
-def _num(value: float | str) -> float:
-    return float(value)  # the log writes non-finite floats as "nan"/"inf"
-
-
-def _expected(line: dict[str, object]) -> dict[str, float]:
-    """The figures of one JSONL line, by the names docs/trackers.md lists."""
-    e: dict[str, float] = {}
-    if line["valid"]:
-        e["distmon/grad_norm"] = _num(line["grad_norm"])
-        e.update({f"distmon.layer_grad_norm/{k}": _num(v) for k, v in line["layer_grad_norms"].items()})
-    for r, v, ok in zip(line["ranks"], line["rank_grad_norms"], line["rank_valid"]):
-        if ok:
-            e[f"distmon.rank_grad_norm/{r}"] = _num(v)
-    e["distmon/nonfinite"] = float(line["nonfinite"] and line["skip_reason"] != "scaler")
-    e["distmon/nonfinite_rank_count"] = float(line["nonfinite_rank_count"])
-    e["distmon/skipped"] = float(line["skipped"])
-    e["distmon/monitor_errors"] = float(line["monitor_errors"])
-    if line["first_nonfinite"]:
-        e["distmon/first_nonfinite_rank"] = float(line["first_nonfinite"][0])
-    for key, name in (("zscore", "grad_norm_zscore"), ("median_ratio", "grad_norm_median_ratio")):
-        if key in line["scores"] and not math.isnan(_num(line["scores"][key])):
-            e[f"distmon/{name}"] = _num(line["scores"][key])
-    for key, name in (
-        ("gradient_noise_scale", "gradient_noise_scale"),
-        ("noise_trace", "gradient_noise_trace"),
-        ("noise_signal", "gradient_noise_signal"),
-    ):
-        if not math.isnan(_num(line[key])):
-            e[f"distmon/{name}"] = _num(line[key])
-    for field, family in (
-        ("layer_gradient_noise_scale", "layer_gradient_noise_scale"),
-        ("layer_update_ratio", "layer_update_ratio"),
-        ("activation_rms", "activation_rms"),
-        ("activation_absmax", "activation_absmax"),
-    ):
-        for k, v in line[field].items():
-            if not math.isnan(_num(v)):
-                e[f"distmon.{family}/{k}"] = _num(v)
-    for r, v in zip(line["ranks"], line["rank_outlier_scores"]):
-        if not math.isnan(_num(v)):
-            e[f"distmon.rank_outlier_score/{r}"] = _num(v)
-    for event in line["events"]:
-        key = f"distmon.anomalies/{event['kind']}"
-        e[key] = e.get(key, 0.0) + 1.0
-    return e
-
-
 def _lines(workdir: Path, case: str) -> list[dict[str, object]]:
     with open(workdir / f"{case}.jsonl") as f:
         return [json.loads(line) for line in f]
-
-
-def _same(a: float, b: float) -> bool:
-    return (math.isnan(a) and math.isnan(b)) or a == b
 
 
 def _check(tool: str, got: dict[str, dict[int, float]], lines: list[dict[str, object]]) -> int:
     """Every expected figure at every step equals the log's; no other distmon name. Returns the count."""
     checked, names = 0, set()
     for line in lines:
-        for name, value in _expected(line).items():
+        for name, value in expected_figures(line).items():
             names.add(name)
             assert line["step"] in got.get(name, {}), (tool, name, line["step"])
-            assert _same(got[name][line["step"]], value), (
+            assert same(got[name][line["step"]], value), (
                 tool,
                 name,
                 line["step"],
@@ -220,24 +168,6 @@ def _check(tool: str, got: dict[str, dict[int, float]], lines: list[dict[str, ob
 
 
 # -- each tool, read back ----------------------------------------------------------------------
-def _tensorboard(workdir: Path) -> tuple[dict[str, dict[int, float]], dict[int, str]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
-
-    acc = EventAccumulator(str(workdir / "tb"), size_guidance={"tensors": 0, "scalars": 0})
-    acc.Reload()
-    got: dict[str, dict[int, float]] = defaultdict(dict)
-    texts: dict[int, str] = {}
-    for tag in acc.Tags()["tensors"]:
-        for ev in acc.Tensors(tag):
-            value = tensor_util.make_ndarray(ev.tensor_proto)
-            if tag.startswith("distmon/events"):  # torch's add_text writes <tag>/text_summary
-                texts[ev.step] = b"".join(value.reshape(-1)).decode()
-            elif value.dtype.kind == "f":
-                got[tag][ev.step] = float(value)
-    return got, texts
-
-
 def _wandb(workdir: Path) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     """(history rows, metric definitions) of the offline run, from its .wandb file."""
     (run_file,) = workdir.glob("wandb/offline-run-*/run-*.wandb")
@@ -276,7 +206,7 @@ def _mlflow(workdir: Path) -> tuple[dict[str, dict[int, float]], dict[str, str],
 def test_tensorboard_holds_every_figure_of_every_step_as_the_log(job, monkeypatch):
     workdir, _ = job
     lines = _lines(workdir, "trackers")
-    got, texts = _tensorboard(workdir)
+    got, texts = tensorboard_figures(workdir / "tb")
     print(f"TensorBoard: {_check('tensorboard', got, lines)} figures equal to the JSONL log's")
     events = {line["step"] for line in lines if line["events"]}
     assert NAN_STEP in events and set(texts) == events
