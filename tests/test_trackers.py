@@ -163,7 +163,7 @@ def _check(tool: str, got: dict[str, dict[int, float]], lines: list[dict[str, ob
             checked += 1
     extra = {n for n in got if n.startswith("distmon") and n not in names}
     assert not extra - {"distmon/rank_outlier_worst_score", "distmon/rank_outlier_worst_rank"}, (tool, extra)
-    assert sorted(got["distmon/nonfinite"]) == list(range(1, STEPS + 1)), tool  # every step
+    assert sorted(got["distmon/nonfinite"]) == [line["step"] for line in lines], tool  # every step
     return checked
 
 
@@ -372,3 +372,53 @@ def test_import_distmon_and_a_monitor_without_tracker_pull_in_no_tracker_library
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow
+def test_the_tracker_objects_a_user_already_has_are_written_and_left_open(tmp_path, monkeypatch):
+    """One process: a ``SummaryWriter``, a W&B run and an MLflow run handed over as they are; distmon
+    writes every step to each, flushes them at close and leaves them to the user, who logs on."""
+    _require(*MODULES)
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}.items():
+        monkeypatch.setenv(k, v)
+    import mlflow
+    import wandb
+    from mlflow import MlflowClient
+    from torch.utils.tensorboard import SummaryWriter
+
+    import distmon
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"file:{tmp_path}/mlruns")
+    try:
+        writer = SummaryWriter(str(tmp_path / "tb"))
+        run = wandb.init(project="distmon-test", dir=str(tmp_path), mode="offline")
+        active = mlflow.start_run()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        log = tmp_path / "one.jsonl"
+        with distmon.GradMonitor(net, opt, serve="none", log_path=str(log), tracker=[writer, run, active]):
+            for _ in range(12):
+                net(torch.randn(3, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        writer.add_scalar("loss", 1.0, 13)  # still the user's: open
+        writer.close()
+        run.log({"loss": 1.0})
+        run.finish()
+        mlflow.log_metric("loss", 1.0, step=13)
+        mlflow.end_run()
+        run_id = active.info.run_id
+    finally:
+        mlflow.set_tracking_uri(before)
+    with open(log) as f:
+        lines = [json.loads(line) for line in f]
+    assert [line["step"] for line in lines] == list(range(1, 13))
+    got, _ = tensorboard_figures(tmp_path / "tb")
+    assert _check("tensorboard", got, lines) and sorted(got["loss"]) == [13]
+    rows, _ = _wandb(tmp_path)
+    assert [r.get("distmon_step") for r in rows] == [*range(1, 13), None] and rows[-1]["loss"] == 1
+    client = MlflowClient(tracking_uri=f"file:{tmp_path}/mlruns")
+    history = client.get_metric_history(run_id, "distmon/grad_norm")
+    assert [(m.step, m.value) for m in history] == [(line["step"], line["grad_norm"]) for line in lines]
