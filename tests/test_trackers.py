@@ -422,3 +422,33 @@ def test_the_tracker_objects_a_user_already_has_are_written_and_left_open(tmp_pa
     client = MlflowClient(tracking_uri=f"file:{tmp_path}/mlruns")
     history = client.get_metric_history(run_id, "distmon/grad_norm")
     assert [(m.step, m.value) for m in history] == [(line["step"], line["grad_norm"]) for line in lines]
+
+
+@pytest.mark.slow
+def test_the_benchmark_s_tracker_rows_run(tmp_path):
+    """``benchmarks/overhead.py --smoke`` with the two rows docs/trackers.md quotes (issue #43)."""
+    _require("tensorboard", "wandb")
+    root = Path(__file__).resolve().parents[1]
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DISTMON_", "TORCHELASTIC_")) and k not in drop
+    }
+    cmd = [
+        sys.executable,
+        str(root / "benchmarks" / "overhead.py"),
+        "--smoke",
+        "--no-profile",
+        "--out",
+        str(tmp_path),
+    ]
+    cmd += ["--approaches", "distmon", "distmon-tensorboard", "wandb-watch"]
+    proc = subprocess.run(
+        cmd, cwd=root, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    (size,) = json.loads((tmp_path / "overhead.json").read_text())["sizes"]
+    for name in ("distmon-tensorboard", "wandb-watch"):
+        row = size["rows"][name]
+        assert 0 < row["paired_lo"] <= row["paired"] <= row["paired_hi"], (name, row)
