@@ -275,9 +275,10 @@ def test_a_tracker_that_raises_or_blocks_leaves_training_bit_identical_and_on_ti
             )
             if case == "trackers":  # real trackers' work on rank 0 (its GIL), not a wait: shown
                 continue
-            # a wait on the tracker (forever, for the blocking one) would show at once
+            # a wait on the tracker (forever, for the blocking one) would show at once; the cases run
+            # one after the other on 2 shared cores, so the medians get room for the machine's drift
             assert max(times) < max(plain["times"]) + 1.0, (rank, case, max(times))
-            assert statistics.median(times) < 2 * statistics.median(plain["times"]) + 0.005, (rank, case)
+            assert statistics.median(times) < 3 * statistics.median(plain["times"]) + 0.010, (rank, case)
         # close waits for the sinks at most SINK_WAIT_S (10 s) and stops them in 2 more
         assert out["blocking"]["close_s"] < 16.0, (rank, out["blocking"]["close_s"])
     rank0 = results[0]
