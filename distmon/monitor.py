@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 
 from . import options
 from .export.export_thread import SINK_WAIT_S
+from .export.trackers import TrackerSpec
 from .layout.grouping import GroupSpec
 from .options import BY_NAME
 from .serve.file_sd import target_host
@@ -108,6 +109,7 @@ class GradMonitor:
         basic_auth_file: str | None = None,
         run_id: str | None = None,
         log_path: str | None = None,
+        tracker: TrackerSpec | Sequence[TrackerSpec] | None = None,
         file_sd_dir: str | None = None,
         linger_s: float | None = None,
         window_s: float | None = None,

@@ -280,6 +280,18 @@ OPTIONS: tuple[Option, ...] = (
         env="DISTMON_LOG_PATH",
     ),
     Option(
+        "tracker",
+        None,
+        "your experiment tracker, handed every step's figures (global, per-layer and node 0's "
+        "per-rank norms, non-finite flags and the first bad rank, scores, noise scale, update "
+        "ratios, activations, events) at their own step, from global rank 0, on a thread of its "
+        "own behind a bounded queue: a TensorBoard `SummaryWriter`, a W&B run, an MLflow run, a "
+        "callable `fn(figures, step)`, a name that makes one (`tensorboard[:DIR]`, "
+        "`wandb[:PROJECT]`, `mlflow[:EXPERIMENT]`), or a list of them ([Trackers](trackers.md))",
+        env="DISTMON_TRACKER",
+        shown="none",
+    ),
+    Option(
         "file_sd_dir",
         None,
         "Prometheus `file_sd` directory: rank 0 writes `{run_id}.json` listing every serving "

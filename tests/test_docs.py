@@ -51,7 +51,7 @@ def test_every_environment_variable_is_read_through_the_declaration(monkeypatch)
     for o in OPTIONS:
         if o.env is None or o.name.startswith("tls") or o.name == "basic_auth_file":
             continue  # the TLS/auth files must pair up and exist: tests/test_http_server.py
-        text = {int: "7", float: "0.5", bool: "1", str: "rank0" if o.name == "serve" else "x"}[o.env_type]
+        text = {int: "7", float: "0.5", bool: "1", str: {"serve": "rank0", "tracker": "tensorboard"}.get(o.name, "x")}[o.env_type]
         monkeypatch.setenv(o.env, text)
         assert getattr(MonitorConfig.from_options(**{o.name: None}), o.name) == o.parse(text), o.name
         monkeypatch.delenv(o.env)

@@ -39,6 +39,10 @@ Approaches (see ``approaches.APPROACHES``):
 * ``lightning``        PyTorch Lightning's ``grad_norm(module, 2)`` after every backward.
 * ``hand-written``     after backward: ``torch._foreach_norm`` over all gradients, ONE
                        ``all_reduce`` of the stacked squares, no host copy.
+* ``distmon-tensorboard``  (``--approaches``; issue #43) distmon's defaults with
+                       ``tracker="tensorboard:DIR"``: rank 0's tracker thread writes every step.
+* ``wandb-watch``      (``--approaches``; issue #43) ``wandb.watch(model, log="gradients",
+                       log_freq=--hist-freq)`` on rank 0's offline W&B run (W&B's own hooks).
 * ``allreduce-hook``   (``--gpu``) DDP with torch's ``allreduce_hook``: a Python comm hook alone.
 * ``clip-item``        (``--gpu``) ``clip_grad_norm_(...).item()`` after every backward.
 

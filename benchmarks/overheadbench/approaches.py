@@ -2,7 +2,10 @@
 
 import argparse
 import math
+import os
+import shutil
 import statistics
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +121,65 @@ class DistmonActivations(Distmon):
     name, label = "distmon-activations", "distmon, + activations"
     reports = "as distmon, with forward activation statistics of every block on every step"
     options = dict(activations=True, activation_every=1)
+
+
+class DistmonTensorBoard(Distmon):
+    """distmon's defaults with a TensorBoard tracker (issue #43): rank 0's sink thread writes every
+    step's figures to an event file in a temporary directory, removed when the copy closes."""
+
+    name, label = "distmon-tensorboard", "distmon, defaults + TensorBoard tracker"
+    reports = (
+        "as distmon, and every step's figures (global, per-layer, per-rank, flags, scores) written to "
+        "a TensorBoard event file by rank 0, on a thread of its own"
+    )
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        self.logdir = tempfile.mkdtemp(prefix="distmon-bench-tb-")
+        self.options = {"tracker": f"tensorboard:{self.logdir}"}
+        super().attach(ddp, opt, names)
+
+    def close(self):
+        super().close()
+        shutil.rmtree(self.logdir, ignore_errors=True)
+
+
+class WandbWatch(Approach):
+    """``wandb.watch(model, log="gradients")`` as its users run it: on rank 0, where the run is (an
+    offline run in a temporary directory), its histograms committed with the step's row."""
+
+    name, label = "wandb-watch", 'wandb.watch(model, log="gradients"), offline run'
+    reports = (
+        "per-parameter 64-bin histograms of rank 0's local gradients (tensor hooks, before DDP's "
+        "reduction) every --hist-freq steps, in W&B's history (offline run)"
+    )
+
+    def attach(self, ddp, opt, names):  # noqa: ANN001
+        super().attach(ddp, opt, names)
+        import torch.distributed as dist
+
+        self.run, self.steps, self.freq = None, 0, self.args.hist_freq
+        if dist.get_rank() != 0:
+            return
+        import wandb
+
+        self.dir = tempfile.mkdtemp(prefix="distmon-bench-wandb-")
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project="distmon-bench", dir=self.dir, mode="offline")
+        self.run.watch(ddp.module, log="gradients", log_freq=self.freq)
+
+    def after_backward(self):
+        if self.run is None:
+            return
+        self.steps += 1
+        if self.steps % self.freq == 0:  # the row holding this step's histograms, committed
+            t = cpu_s()
+            self.run.log({})
+            self.timer.add("commit", cpu_s() - t)
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _TensorHooks(Approach):
@@ -340,9 +402,11 @@ APPROACHES: list[type[Approach]] = [
     DistmonOwnReduction,
     DistmonDetailed,
     DistmonActivations,
+    DistmonTensorBoard,
     Tutorial,
     WandbHist,
     WandbHistEvery,
+    WandbWatch,
     Lightning,
     HandWritten,
     HookRead,
@@ -350,7 +414,12 @@ APPROACHES: list[type[Approach]] = [
     ClipItem,
 ]
 # what a run measures unless told (--approaches): the CPU modes' peers, the GPU preset's (issue #35)
-DEFAULT = [a.name for a in APPROACHES if a not in (DistmonOwnReduction, AllreduceHook, ClipItem)]
+# (the trackers' rows need tensorboard and wandb: the `bench` extra; run them with --approaches)
+DEFAULT = [
+    a.name
+    for a in APPROACHES
+    if a not in (DistmonOwnReduction, AllreduceHook, ClipItem, DistmonTensorBoard, WandbWatch)
+]
 GPU = [
     a.name
     for a in (Baseline, Distmon, DistmonDetailed, DistmonActivations, AllreduceHook, HandWritten, ClipItem)
@@ -368,4 +437,6 @@ def label(name: str, hist_freq: int) -> str:
     """
     if name == "wandb-hist":
         return f"wandb.watch-style histograms, every {hist_freq} steps"
+    if name == "wandb-watch":
+        return f'wandb.watch(model, log="gradients"), every {hist_freq} steps, offline run'
     return LABELS.get(name, name)

@@ -25,6 +25,7 @@ from ..errors import ErrorCounter
 from ..export.decode import RowDecoder
 from ..export.export_thread import ExportThread
 from ..export.sinks import AnomalyCallbacks, NonfiniteNotice, SinkWorker
+from ..export.trackers import tracker_workers
 from ..layout.census import JobLayout, RankParts, digest
 from ..layout.grouping import Grouping, build_grouping
 from ..layout.placements import Coordinates, coordinates, declared_group, part_position
@@ -360,8 +361,8 @@ def build_exports(
     errors: ErrorCounter,
 ) -> tuple[ExportThread, MetricsAggregate | None]:
     """The exporters of this rank (its endpoint's collector, its JSONL log, the ``on_anomaly``
-    ``callbacks``) and the export thread that decodes rows for them; the aggregate, if it serves.
-    ``peers``: every rank of the job, in rank order."""
+    ``callbacks``, its trackers) and the export thread that decodes rows for them; the aggregate,
+    if it serves. ``peers``: every rank of the job, in rank order."""
     cfg, tracker = built.cfg, built.tracker
     aggregate = None
     if opened.server is not None:
@@ -382,6 +383,7 @@ def build_exports(
     workers = [SinkWorker("on_anomaly callbacks", callbacks, errors, want=_has_events)]
     if opened.log is not None:
         workers.append(SinkWorker("JSONL log", opened.log, errors, close=opened.log.close))
+    workers += tracker_workers(opened.trackers, errors)  # tracker= (global rank 0's)
     detect = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
     coords = [info.coords for info in peers]
     if tracker.judge.detector is not None and any(coords):  # rank outliers: like against like

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ErrorCounter
+from ..export.trackers import check_tracker
 from ..layout.grouping import Grouping, validate_groups
 from ..options import AGREED, BY_NAME, OPTIONS, SERVE_MODES, GuardMode, ServeMode
 from ..serve.endpoint_security import EndpointSecurity
@@ -201,6 +202,7 @@ class _Checked:
             self.guard is None or self.detect is not False,
             "guard needs the detectors: pass detect=True or a DetectorConfig",
         )
+        check_tracker(self.tracker)
         if self.file_sd_dir is not None:
             need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")
         need(

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import ErrorCounter, logger
 from ..export.export_thread import ExportThread
 from ..export.jsonl_log import JsonlLog, node_log_path
+from ..export.trackers import Tracker, open_trackers
 from ..options import option_label
 from ..serve.file_sd import TargetFile, target_host
 from ..serve.http_server import MetricServer
@@ -92,6 +93,7 @@ class Opened:
     endpoint: str | None = None
     log: JsonlLog | None = None
     target: TargetFile | None = None
+    trackers: tuple[Tracker, ...] = ()  # tracker= (global rank 0's)
 
     def release(self) -> None:
         if self.server is not None:
@@ -100,7 +102,14 @@ class Opened:
             self.log.discard()
         if self.target is not None:
             self.target.discard()
+        for tracker in self.trackers:
+            try:
+                if tracker.made:
+                    tracker.close()
+            except Exception:  # the start-up's own error is the one to raise
+                logger.exception("distmon: closing tracker %s after a failed start-up", tracker.name)
         self.server = self.log = self.target = None
+        self.trackers = ()
 
 
 def _usable(option: str, path: str, make: Callable[[str], T]) -> T:
@@ -135,6 +144,8 @@ def prepare(cfg: MonitorConfig, me: RankInfo, run_id: str) -> Opened:
             out.log = _usable("log_path", node_log_path(cfg.log_path, me.node_index), JsonlLog)
         if cfg.file_sd_dir and me.rank == 0:
             out.target = _usable("file_sd_dir", cfg.file_sd_dir, lambda d: TargetFile(d, run_id))
+        if cfg.tracker is not None and me.rank == 0:  # the job's figures are global rank 0's
+            out.trackers = tuple(open_trackers(cfg.tracker, run_id))
     except BaseException:
         out.release()
         raise
