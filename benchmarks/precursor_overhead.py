@@ -61,7 +61,7 @@ def main(argv=None) -> int:  # noqa: ANN001
                 opt.step()
                 opt.zero_grad()
             times[which].append(time.thread_time() - t)
-    blocks = len(runs[1][2]._tracker.attention.names)
+    blocks = len(runs[1][2]._schedule.attention.names)
     for _, _, mon in runs:
         mon.close()
     off, on = times[0][2:], times[1][2:]

@@ -132,7 +132,7 @@ class GradMonitor:
         self.config, self.run_id, self.rank = run.built.cfg, run.run_id, run.me.rank
         self.world_size, self.rank_infos = len(run.peers), tuple(p.info for p in run.peers)
         self.layers = run.built.grouping.layers
-        self._run, self._tracker, self._export = run, run.built.tracker, run.export
+        self._run, self._schedule, self._export = run, run.built.schedule, run.export
         self._closed = False
         # closes the monitor at exit if close() is never called
         self._exit = ExitGuard(self._close, rank=self.rank, world=self.world_size)
@@ -197,7 +197,7 @@ class GradMonitor:
     @property
     def step(self) -> int:
         """Training steps finished so far (the first is 1): what a snapshot's ``step`` counts."""
-        return self._tracker.step
+        return self._schedule.step
 
     def latest(self) -> Snapshot | None:
         """The newest exported snapshot (None before the first export). Never blocks.
@@ -228,14 +228,14 @@ class GradMonitor:
             >>> mon = GradMonitor(model, opt)                                  # doctest: +SKIP
             >>> mon.load_state_dict(torch.load(path)["distmon"])               # doctest: +SKIP
         """
-        detector, noise, precursor = self._tracker.learned()
+        detector, noise, precursor = self._schedule.learned()
         return monitor_state(
             step=self.step,
             layers=self.layers,
             world=self.world_size,
             detector=detector,
             noise=noise,
-            scaler_run=self._tracker.scaler_run,
+            scaler_run=self._schedule.scaler_run,
             precursor=precursor,
         )
 
@@ -244,18 +244,18 @@ class GradMonitor:
         the run had learned. On every rank, right after building the monitor, before the first step.
         Another model or ``groups=`` is refused (``ValueError``); another world size keeps all but the
         rank-outlier scales."""
-        judge, decoder = self._tracker.judge, self._export.decoder
+        judge, decoder = self._schedule.judge, self._export.decoder
         step, scaler_run = load_monitor_state(
             state,
-            measured_steps=self._tracker.measured_steps,
+            measured_steps=self._schedule.measured_steps,
             layers=self.layers,
             world=self.world_size,
             detector=judge.detector,
             noise=judge.noise,
             precursor=judge.precursor,
         )
-        self._tracker.resume_at(step)
-        self._tracker.scaler_run = scaler_run
+        self._schedule.resume_at(step)
+        self._schedule.scaler_run = scaler_run
         decoder.resumed_from = step
         if decoder.detector is not None:
             decoder.detector.scaler_run = scaler_run
@@ -269,7 +269,7 @@ class GradMonitor:
         After ``close()`` it only returns :meth:`latest`.
         """
         if not self._closed:
-            self._tracker.export(gather=True)
+            self._schedule.export(gather=True)
             self._export.drain(SINK_WAIT_S)
         return self.latest()
 
@@ -291,11 +291,11 @@ class GradMonitor:
             return
         self._exit.disarm()
         try:
-            self._tracker.export(gather, timeout_s)
+            self._schedule.export(gather, timeout_s)
             self._export.drain(SINK_WAIT_S)
         finally:
             self._closed = True
-            self._tracker.close()
+            self._schedule.close()
             self._run.hooks.remove()
             shut_down(
                 self._run.opened,

@@ -344,7 +344,7 @@ def _train(case: Case, log: str | None) -> dict:
     out["params"] = built.local_params()
     if mon is not None:
         mon.flush()
-        out["misread"] = mon._tracker.misread
+        out["misread"] = mon._schedule.misread
         mon.close()
     return out
 
@@ -357,10 +357,10 @@ def space_job(rank: int, world: int, todo: list[Case], log_dir: str, sabotage: b
 
     if sabotage:
         import distmon.layout.census
-        import distmon.step.tracker
+        import distmon.step.schedule
 
         distmon.layout.census.rule = lambda records: [(0, -1, 2)] * len(records)
-        distmon.step.tracker.agrees = lambda read, direct: True
+        distmon.step.schedule.agrees = lambda read, direct: True
     results = {}
     for case in todo:
         log = os.path.join(log_dir, f"{case.name.replace('/', '_')}.rank{rank}.jsonl")

@@ -151,7 +151,7 @@ def _run_variant(rank, world_size, name, steps):
     ddp_own_reduction(cfg.get("hookless", False))
     mon = distmon.GradMonitor(ddp, opt, export_every=1, serve="none", **kwargs)
     # the path the variant is about is the one taken: no comm hook at all, or distmon's
-    assert mon._tracker.source.hookless == bool(cfg.get("hookless")) == (not ddp._comm_hooks), name
+    assert mon._schedule.source.hookless == bool(cfg.get("hookless")) == (not ddp._comm_hooks), name
 
     params = dict(model.named_parameters())  # deduplicated, model order
     twin_params = dict(twin.named_parameters())

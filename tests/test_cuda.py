@@ -61,7 +61,7 @@ def test_single_gpu_figures_with_a_grad_scaler_and_no_host_sync():
         mon.flush()
         # distmon's own work on these steps must not sync; the test's reference and the
         # scaler's found_inf read do, so only distmon's calls run under the sync check
-        tracker = mon._tracker
+        tracker = mon._schedule
         for n in range(3, 8):
             truths.append(backward(net, opt, scaler, n))
             torch.cuda.synchronize()
@@ -201,7 +201,7 @@ def test_whole_ddp_steps_never_sync_the_host(name):
             opt.zero_grad(set_to_none=True)
 
         with distmon.GradMonitor(ddp, opt, serve="none", **options) as mon:
-            hookless = mon._tracker.source.hookless
+            hookless = mon._schedule.source.hookless
             assert hookless == (name != "comm hook") and bool(ddp._comm_hooks) == (not hookless)
             for _ in range(12):
                 step()

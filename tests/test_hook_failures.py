@@ -36,7 +36,7 @@ REL = 1e-5
 # the fused kernel distmon's sums run on (distmon.compat.sq_sums_fp32: _foreach_norm before torch 2.11)
 FUSED = "_foreach_powsum" if hasattr(torch, "_foreach_powsum") else "_foreach_norm"
 WATCHED = ("blocks.0.fc", "blocks.1.fc", "head")  # activations=[nn.Linear] on TinyLM
-STEP_HOOKS = [{"StepTracker.before_step"}, {"StepTracker.after_step"}]
+STEP_HOOKS = [{"StepSchedule.before_step"}, {"StepSchedule.after_step"}]
 ACTIVATIONS = [{"distmon.step.activations.sq_sums"}, {"ActivationWatch.close_step"}]
 # per configuration: its options, and the sites armed on each faulted step (every other step)
 CONFIGS = {
@@ -78,7 +78,7 @@ CONFIGS = {
             {"GradSums.read"},
         ],
     },
-    "ddp_guard": {"kind": "ddp", "guard": "skip", "plan": [{"StepTracker.judge_now"}, *STEP_HOOKS]},
+    "ddp_guard": {"kind": "ddp", "guard": "skip", "plan": [{"StepSchedule.judge_now"}, *STEP_HOOKS]},
     "fsdp": {
         "kind": "fsdp",
         "plan": [
@@ -105,7 +105,7 @@ CONFIGS = {
             {"distmon.sources.grad_sums.sq_sums"},
             {"BackwardSums.add_local"},
             {"BackwardSums.end_backward"},
-            {"StepTracker.judge_now"},
+            {"StepSchedule.judge_now"},
             *STEP_HOOKS,  # before_step on step 14
             *ACTIVATIONS,
         ],
@@ -119,10 +119,10 @@ def _sites(kind):
     from distmon.step.activations import ActivationWatch
     from distmon.step.backward import BackwardSums
     from distmon.sources.ddp import BucketLayouts
-    from distmon.step.tracker import StepTracker
+    from distmon.step.schedule import StepSchedule
 
     sites = [(BackwardSums, m) for m in ("begin_backward", "add_local", "add_reduced", "end_backward")]
-    sites += [(StepTracker, m) for m in ("before_step", "after_step", "judge_now")]
+    sites += [(StepSchedule, m) for m in ("before_step", "after_step", "judge_now")]
     sites += [(ActivationWatch, "close_step"), (BucketLayouts, "layout"), (local.GradSums, "read")]
     sites.append((local, "in_compiled_autograd"))
     if kind.startswith("ddp"):
@@ -203,7 +203,7 @@ def _train(rank, name, monitored):
             scaler=scaler,
         )
         if cfg["kind"].startswith("ddp"):  # the path the configuration is about is the one taken
-            assert mon._tracker.source.hookless == bool(cfg.get("hookless")), name
+            assert mon._schedule.source.hookless == bool(cfg.get("hookless")), name
         inj = FailureInjector(_sites(cfg["kind"]))
         inj.install()
     try:

@@ -180,7 +180,7 @@ def test_without_a_comm_hook_nothing_of_distmons_runs_inside_the_backward(one_ra
         for p in ddp.parameters():
             p.register_post_accumulate_grad_hook(lambda _: events.mark("accumulated"))
         with distmon.GradMonitor(ddp, opt, **OPTIONS) as mon:
-            assert mon._tracker.source.hookless and not ddp._comm_hooks
+            assert mon._schedule.source.hookless and not ddp._comm_hooks
             _steps(ddp, opt, WARMUP)
             events.events.clear()
             with events:
@@ -203,7 +203,7 @@ def test_an_ordinary_step_runs_the_same_ops_whatever_the_model(
     for layers in (4, 16):
         ddp, opt = _model(layers)
         with distmon.GradMonitor(ddp, opt, **OPTIONS) as mon:
-            assert mon._tracker.source.hookless == own_reduction
+            assert mon._schedule.source.hookless == own_reduction
             _steps(ddp, opt, WARMUP)
             events = Events()
             with events:

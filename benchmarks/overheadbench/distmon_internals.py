@@ -30,7 +30,7 @@ def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[st
     ``background::publisher`` (the export thread).
     """
     uninstrumented: list[str] = []
-    tr = getattr(mon, "_tracker", None)
+    tr = getattr(mon, "_schedule", None)
     source = getattr(tr, "source", None)
     local = ("on_bucket", "_arm", "_backward_begins", "_before_ddp_finalize")
     sites = [(a, "distmon::local_sums") for a in local] + [("_read_reduced", "distmon::reduced_sums")]
@@ -60,7 +60,7 @@ def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[st
 
 def kept_state(mon: Any) -> Any:
     """What distmon keeps between steps (walked for the kept-state column): its step tracker."""
-    return getattr(mon, "_tracker", None)
+    return getattr(mon, "_schedule", None)
 
 
 def error_count(mon: Any) -> int | None:
@@ -70,14 +70,14 @@ def error_count(mon: Any) -> int | None:
 
 def exports_next_step(mon: Any) -> bool:
     """Whether distmon's next step is an export step (which copies to the host by design)."""
-    tr = mon._tracker
+    tr = mon._schedule
     return (tr.step + 1) % tr.export_every == 0
 
 
 def activation_watch(mon: Any) -> Any:
     """distmon's forward activation hooks (``activations=True``), switched on and off by hand in
     ``benchmarks/activation_overhead.py``."""
-    return mon._tracker.activations
+    return mon._schedule.activations
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ validated once (``config.py``): the optimizers and the model's reading of the la
 its layout as a whole (``census.py``). :func:`build_rank` builds everything else that can fail,
 nothing installed: the layer groups, the sums the source hands over (``backward.py``), the
 source (``sources/``), the row plan (``rows.py``), the opt-in features, the detector and the
-noise scale, and the step tracker (``tracker.py``). Once every rank agreed,
+noise scale, and the step schedule (``schedule.py``). Once every rank agreed,
 :func:`build_exports` builds the exporters and the export thread that feeds them.
 """
 
@@ -47,7 +47,7 @@ from ..step.loss_scale import LossScale
 from ..step.optimizer_hooks import StepHooks
 from ..step.ring import ExportQueue
 from ..step.rows import RowPlan
-from ..step.tracker import StepTracker
+from ..step.schedule import StepSchedule
 from ..verdicts.detectors import DetectorConfig, DeviceDetector, EventFinder
 from ..verdicts.noise_scale import NoiseScale
 from ..verdicts.precursor import PrecursorDetector
@@ -123,7 +123,7 @@ class Built(NamedTuple):
     optimizers: tuple[torch.optim.Optimizer, ...]  # the torch optimizers that step (unwrapped)
     grouping: Grouping
     plan: RowPlan
-    tracker: StepTracker
+    schedule: StepSchedule
     loss_scale: LossScale
     agreed: dict[str, str]
     coords: Coordinates | None  # this rank's place in each parallel dimension (several of them)
@@ -225,8 +225,8 @@ def build_rank(
     nodes: Nodes | None = None,
     node_group: dist.ProcessGroup | None = None,
 ) -> Built:
-    """The source and the step tracker of one rank, on the layout the job confirmed (raises what is
-    wrong, naming the option). The tracker hands its exports to ``exports``; the export thread
+    """The source and the step schedule of one rank, on the layout the job confirmed (raises what is
+    wrong, naming the option). The schedule hands its exports to ``exports``; the export thread
     that reads it is built later. ``nodes``: where the job's ranks run (its rows hold its node's
     ranks'; None: every rank's), ``node_group`` their group (``hostinfo.node_group``).
     """
@@ -279,7 +279,7 @@ def build_rank(
         declared=[*(cfg.replicated_over or ()), *(cfg.distinct_over or ())],
         stage_group=stage.group if stage is not None else None,
     )
-    tracker = StepTracker(
+    schedule = StepSchedule(
         plan,
         sums=sums,
         source=source,
@@ -316,7 +316,7 @@ def build_rank(
         optimizers=optimizers,
         grouping=grouping,
         plan=plan,
-        tracker=tracker,
+        schedule=schedule,
         loss_scale=loss_scale,
         agreed=agreed,
         direct=direct,
@@ -363,7 +363,7 @@ def build_exports(
     """The exporters of this rank (its endpoint's collector, its JSONL log, the ``on_anomaly``
     ``callbacks``, its trackers) and the export thread that decodes rows for them; the aggregate,
     if it serves. ``peers``: every rank of the job, in rank order."""
-    cfg, tracker = built.cfg, built.tracker
+    cfg, schedule = built.cfg, built.schedule
     aggregate = None
     if opened.server is not None:
         cluster, served = served_ranks(cfg.serve, me, peers)
@@ -386,26 +386,26 @@ def build_exports(
     workers += tracker_workers(opened.trackers, errors)  # tracker= (global rank 0's)
     detect = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
     coords = [info.coords for info in peers]
-    if tracker.judge.detector is not None and any(coords):  # rank outliers: like against like
+    if schedule.judge.detector is not None and any(coords):  # rank outliers: like against like
         groups: dict[tuple[int | None, ...], list[int]] = {}
         for info in peers:
             groups.setdefault(info.coords.peers() if info.coords else (), []).append(info.rank)
-        tracker.judge.detector.compare_within(list(groups.values()))
-        tracker.exchange.cross.compare_within(list(groups.values()))
+        schedule.judge.detector.compare_within(list(groups.values()))
+        schedule.exchange.cross.compare_within(list(groups.values()))
     decoder = RowDecoder(
         built.plan,
         layers=built.grouping.layers,
         run_id=run_id,
-        order=tracker.sums.order,
+        order=schedule.sums.order,
         detector=EventFinder(detect, built.grouping.layers) if cfg.detect is not False else None,
-        watched=tracker.activations.names if tracker.activations else (),
+        watched=schedule.activations.names if schedule.activations else (),
         coords=coords if any(coords) else None,
-        local_figures=tracker.source.local_figures,
+        local_figures=schedule.source.local_figures,
         restart=restart_count(),
         node_ranks=built.node_ranks,
         node=me.node_index,
-        attended=tracker.attention.names if tracker.attention else (),
-        precursor=tracker.judge.precursor.cfg if tracker.judge.precursor else None,
+        attended=schedule.attention.names if schedule.attention else (),
+        precursor=schedule.judge.precursor.cfg if schedule.judge.precursor else None,
     )
     # the job's one line on stderr for a non-finite step: from rank 0, which writes its log
     notice = NonfiniteNotice() if me.rank == 0 else None
@@ -425,9 +425,9 @@ class Hooks:
     """
 
     def __init__(self, built: Built) -> None:
-        cfg, self.tracker = built.cfg, built.tracker
-        self.steps = StepHooks(
-            self.tracker,
+        cfg, self.schedule = built.cfg, built.schedule
+        self.optimizer_hooks = StepHooks(
+            self.schedule,
             optimizers=built.optimizers,
             verdict_column=built.plan.verdict_column,
             guard=cfg.guard,
@@ -436,9 +436,9 @@ class Hooks:
         )
 
     def install(self) -> None:
-        self.steps.install()
+        self.optimizer_hooks.install()
         try:
-            for watch in (self.tracker.activations, self.tracker.attention):
+            for watch in (self.schedule.activations, self.schedule.attention):
                 if watch is not None:
                     watch.install()
         except BaseException:
@@ -446,12 +446,12 @@ class Hooks:
             raise
 
     def commit(self) -> None:
-        self.tracker.source.install()
+        self.schedule.source.install()
 
     def remove(self) -> None:
-        self.tracker.source.remove()
-        self.steps.remove()
-        for watch in (self.tracker.activations, self.tracker.attention):
+        self.schedule.source.remove()
+        self.optimizer_hooks.remove()
+        for watch in (self.schedule.activations, self.schedule.attention):
             if watch is not None:
                 watch.remove()
 

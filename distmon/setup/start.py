@@ -42,7 +42,7 @@ __all__ = ["Started", "start"]
 class Started:
     """A monitor once every rank started: its parts, wired (what ``GradMonitor`` holds)."""
 
-    built: Built  # the options, the layer groups, the step tracker, ...
+    built: Built  # the options, the layer groups, the step schedule, ...
     me: hostinfo.RankInfo
     peers: tuple[Peer, ...]  # every rank's, in rank order (the job's)
     opened: Opened  # this rank's endpoint, log and target file
@@ -133,7 +133,7 @@ def start(model: torch.nn.Module, optimizer: object, options: Mapping[str, objec
     hooks.commit()
     grouping = built.grouping
     warn_uncovered(list(zip(grouping.param_names, grouping.params)), built.optimizers)
-    clip = Clipper(built.tracker, params=grouping.params, loss_scale=built.loss_scale, direct=built.direct)
+    clip = Clipper(built.schedule, params=grouping.params, loss_scale=built.loss_scale, direct=built.direct)
     return Started(
         built=built,
         me=me,

@@ -5,7 +5,7 @@
 ``backward.py``          what the sources hand over in a step's backwards (:class:`BackwardSums`)
 ``loss_scale.py``        the loss scale in force: figures in gradient units
 ``optimizer_hooks.py``   where a step begins and ends (the optimizers' step hooks), the guard
-``tracker.py``           the per-step schedule: fold, keep the row, collective, judge, export
+``schedule.py``          the per-step schedule: fold, keep the row, collective, judge, export
 ``data_path.py``         the global norm's path, hop by hop, from a gradient to its gauge
 ``rows.py``              the row schema: where every figure of a step sits
 ``ring.py``              the device ring of step rows and its non-blocking copy to the host

@@ -101,7 +101,7 @@ class ActivationWatch:
 
     Each step's statistics go to the step row's ``act`` columns (:class:`distmon.step.rows.StepRow`):
     RMS per module, max-abs per module, then the index of the first module (forward order)
-    whose output was non-finite (-1 if none). ``active`` is set by the tracker for the steps
+    whose output was non-finite (-1 if none). ``active`` is set by the schedule for the steps
     whose forwards are watched.
 
     Example:

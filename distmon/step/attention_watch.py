@@ -169,7 +169,7 @@ def find_attention(
 class AttentionWatch:
     """The hooks and device buffers of the attention blocks' query and key norms.
 
-    ``active`` is set by the step tracker for the forwards of sampled steps. Each hooked output
+    ``active`` is set by the step schedule for the forwards of sampled steps. Each hooked output
     is viewed as ``(..., heads, head_dim)`` and its largest head vector norm kept (fp32, device
     ops); :meth:`bounds` writes each block's ``max|q| * max|k| / sqrt(head_dim)`` (NaN/Inf when
     a forward overflowed) and starts the maxima afresh.

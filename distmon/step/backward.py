@@ -3,7 +3,7 @@
 A source (``sources/``) measures gradients where they live and hands the sums of squares
 here, per set of runs (a DDP bucket, an FSDP unit, all of a module's gradients): the *local*
 ones (this rank's gradient before the data-parallel reduction) and the *reduced* ones (what
-the optimizer steps with). The step tracker folds them into per-layer sums when the step
+the optimizer steps with). The step schedule folds them into per-layer sums when the step
 needs them, divided by the loss scale in force for that backward. Failures are recorded per
 side: a rank whose local measurement failed still reports exact reduced figures, and back.
 
@@ -26,7 +26,7 @@ __all__ = ["BackwardSums", "StepState", "LayerOrder", "Pending"]
 
 class StepState(enum.Flag):
     """Where this rank's training step stands (cf. FSDP2's ``TrainingState``): one value, held by
-    :class:`BackwardSums`, which the sources read and the step tracker advances.
+    :class:`BackwardSums`, which the sources read and the step schedule advances.
 
     No flag: between steps. ``BACKWARD``: a backward is handing over its sums (cleared when it
     ends; more may come: gradient accumulation). ``READ``: the step's figures were first needed (the

@@ -18,7 +18,7 @@ import torch
 
 from ..layout.verify import DirectNorm, agrees
 from .loss_scale import LossScale
-from .tracker import StepTracker
+from .schedule import StepSchedule
 
 __all__ = ["Clipper"]
 
@@ -33,13 +33,13 @@ class Clipper:
 
     def __init__(
         self,
-        tracker: StepTracker,
+        schedule: StepSchedule,
         *,
         params: Sequence[torch.nn.Parameter],
         loss_scale: LossScale,
         direct: DirectNorm,
     ) -> None:
-        self.tracker, self.params, self.loss_scale, self.direct = tracker, list(params), loss_scale, direct
+        self.schedule, self.params, self.loss_scale, self.direct = schedule, list(params), loss_scale, direct
         self.checked = False  # the first finite norm was compared with a direct one
         self.fixed_scale_in_grads: bool | None = None  # loss_scale=: did the user unscale by clip time?
 
@@ -66,9 +66,9 @@ class Clipper:
                 f"distmon: clip_grad_norm_ clips by the L2 norm distmon measures; norm_type "
                 f"{norm_type!r} needs torch.nn.utils.clip_grad_norm_"
             )
-        tracker = self.tracker
-        sq = tracker.finish_total_sq()  # in gradient units: the loss scale divided out
-        if not tracker.finish_row_valid():  # not measured (the same on every rank): measured directly
+        schedule = self.schedule
+        sq = schedule.finish_total_sq()  # in gradient units: the loss scale divided out
+        if not schedule.finish_row_valid():  # not measured (the same on every rank): measured directly
             device = sq.device
             total = torch.tensor(math.sqrt(self.direct()), dtype=torch.float32, device=device)
         else:

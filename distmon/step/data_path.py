@@ -33,8 +33,8 @@ class Hop:
     when: str
 
 
-_POST = ("StepHooks._finish", "StepHooks._end", "StepTracker.after_step")  # the optimizer step ends
-_EXPORT = (*_POST, "StepTracker._count", "StepTracker.export")  # ... on an export step
+_POST = ("StepHooks._finish", "StepHooks._end", "StepSchedule.after_step")  # the optimizer step ends
+_EXPORT = (*_POST, "StepSchedule._count", "StepSchedule.export")  # ... on an export step
 _THREAD = ("ExportThread._run", "ExportThread._export")
 
 # what the export thread and a scrape do with a step's row, whatever the layout
@@ -75,13 +75,13 @@ DDP_PATH: tuple[Hop, ...] = (
     ),
     Hop(
         "the per-layer sums, folded into the step's row",
-        (*_POST, "StepTracker.finish_row", "BackwardSums.fold_reduced", "LayerFold.__call__"),
+        (*_POST, "StepSchedule.finish_row", "BackwardSums.fold_reduced", "LayerFold.__call__"),
         "training",
         "the optimizer step ends",
     ),
     Hop(
         "landed with their total, the global norm squared",
-        (*_POST, "StepTracker.finish_row", "DeviceRing.land_reduced"),
+        (*_POST, "StepSchedule.finish_row", "DeviceRing.land_reduced"),
         "training",
         "the optimizer step ends",
     ),
@@ -106,8 +106,8 @@ FSDP_PATH: tuple[Hop, ...] = (
         (
             "StepHooks._pre_hook",
             "StepHooks._begin",
-            "StepTracker.before_step",
-            "StepTracker._pack",
+            "StepSchedule.before_step",
+            "StepSchedule._pack",
             "BackwardSums.fold_reduced",
             "LayerFold.__call__",
         ),
@@ -119,7 +119,7 @@ FSDP_PATH: tuple[Hop, ...] = (
         (
             "StepHooks._pre_hook",
             "StepHooks._begin",
-            "StepTracker.before_step",
+            "StepSchedule.before_step",
             "Exchange.start",
             "RankBuffers.reduce",
         ),
@@ -131,7 +131,7 @@ FSDP_PATH: tuple[Hop, ...] = (
         (
             "StepHooks._pre_hook",
             "StepHooks._begin",
-            "StepTracker.before_step",
+            "StepSchedule.before_step",
             "Exchange.complete",
             "Exchange._land_parts",
             "DeviceRing.land_reduced",

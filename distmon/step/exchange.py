@@ -53,7 +53,7 @@ class RankBuffers:
     ``node_ranks``: the ranks (of ``group``) whose rows the export gathers here, this rank's node's,
     over ``node_group`` (None: this rank alone on its node, or one process).
 
-    :meth:`pack` fills the send row when the step begins (the tracker folds the local per-layer
+    :meth:`pack` fills the send row when the step begins (the schedule folds the local per-layer
     sums straight into :attr:`layer_sq`, its head with ``rank_layers``; ``errors`` and ``valid``
     are written only when they change), :meth:`keep` copies it into the ring of ``n_rows`` rows
     not yet gathered; then :meth:`reduce` (an ordinary step) or :meth:`gather` (an export: the

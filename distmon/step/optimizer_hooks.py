@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..setup.config import GuardMode, Scheduler
-from .tracker import StepTracker
+from .schedule import StepSchedule
 
 Step = Callable[..., object]  # an optimizer's (or a scaler's, a scheduler's) step()
 
@@ -91,7 +91,7 @@ class _Replay:
 
 
 class StepHooks:
-    """Begins and ends the tracker's steps from the monitored optimizers' ``step()`` calls.
+    """Begins and ends the schedule's steps from the monitored optimizers' ``step()`` calls.
 
     Without a guard, step pre- and post-hooks (``Optimizer.register_step_pre_hook``); with
     one, each optimizer's ``step`` is shadowed by an instance attribute, the only way not to
@@ -119,7 +119,7 @@ class StepHooks:
 
     def __init__(
         self,
-        tracker: StepTracker,
+        schedule: StepSchedule,
         *,
         optimizers: Sequence[torch.optim.Optimizer],
         verdict_column: int,
@@ -127,7 +127,7 @@ class StepHooks:
         schedulers: Sequence[Scheduler] = (),
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        self.tracker = tracker
+        self.schedule = schedule
         self.optimizers = tuple(optimizers)
         self.guard = guard
         self.schedulers = tuple(schedulers)
@@ -189,10 +189,10 @@ class StepHooks:
         try:
             if id(opt) in self._stepped:  # stepped again before the others: that training step is over
                 self._end()
-            self.tracker.before_step()
+            self.schedule.before_step()
         except Exception:
-            self.tracker.errors.record("optimizer step pre-hook")
-            self.tracker.begin_anyway()  # its collective, now, as on the other ranks
+            self.schedule.errors.record("optimizer step pre-hook")
+            self.schedule.begin_anyway()  # its collective, now, as on the other ranks
 
     def _finish(self, opt: torch.optim.Optimizer, *hook_args: object) -> None:
         """``opt`` stepped (its post-hook; ``hook_args``: the step's, unused): the training step ends
@@ -205,27 +205,27 @@ class StepHooks:
             if len(self._stepped) == len(self.optimizers):
                 self._end()
         except Exception:
-            self.tracker.errors.record("optimizer step post-hook")
+            self.schedule.errors.record("optimizer step post-hook")
 
     def _end(self) -> None:
         skip = "guard" if self._verdict else "scaler" if self._scaler_skip else ""
         self._stepped.clear()
         self._verdict = None
         self._scaler_skip = False
-        step = self.tracker.step + 1
+        step = self.schedule.step + 1
         try:
-            self.tracker.after_step(skip)
+            self.schedule.after_step(skip)
         except Exception:
-            self.tracker.errors.record("optimizer step post-hook")
-            self.tracker.end_anyway(step, skip)
+            self.schedule.errors.record("optimizer step post-hook")
+            self.schedule.end_anyway(step, skip)
 
     def _refused(self) -> bool:
         if self._verdict is None:
             try:
-                row = self.tracker.judge_now()
+                row = self.schedule.judge_now()
                 self._verdict = row[self._column].item() != 0.0  # the one opt-in host sync per step
             except Exception:
-                self.tracker.errors.record("guard verdict")
+                self.schedule.errors.record("guard verdict")
                 self._verdict = False  # no verdict: the step is taken, as without distmon
         return self._verdict
 
@@ -244,7 +244,7 @@ class StepHooks:
                 result = inner_step(*args, **kwargs)
                 self._finish(opt)
                 return result
-            step = self.tracker.step + 1
+            step = self.schedule.step + 1
             self._hold = {id(s) for s in self.schedulers}
             self._finish(opt)
             if self.guard == "raise":

@@ -399,7 +399,7 @@ class RowPlan:
 
 
 class RowWriter:
-    """Writes figures into step rows by name, as the tracker does (tests and benchmarks fill rows so).
+    """Writes figures into step rows by name, as the schedule does (tests and benchmarks fill rows so).
 
     Example:
         >>> plan = RowPlan.build(n_layers=2, world=2, rank_layers=False)

@@ -5,18 +5,18 @@ A step goes through four points, each called on every rank in the same program o
 1. the source hands each backward's local and reduced sums of squares to
    :class:`~distmon.step.backward.BackwardSums` (from DDP's comm hook, FSDP's reduce-scatter, or
    read at the step);
-2. :meth:`StepTracker.before_step`, when the optimizer step begins (or ``clip_grad_norm_``
+2. :meth:`StepSchedule.before_step`, when the optimizer step begins (or ``clip_grad_norm_``
    or the guard needs the step's figures): the local sums are folded into layers, this
    rank's row is kept for the next export, and the step's one collective starts
    (:class:`~distmon.step.exchange.Exchange`);
-3. :meth:`StepTracker.after_step`, when the optimizer step ends: the reduced sums are folded
+3. :meth:`StepSchedule.after_step`, when the optimizer step ends: the reduced sums are folded
    into the step's ring row; an export step exports;
-4. :meth:`StepTracker.export` (also on ``flush``): rows not yet judged are judged
+4. :meth:`StepSchedule.export` (also on ``flush``): rows not yet judged are judged
    (:class:`~distmon.verdicts.judge.Judge`), copied to the host and handed to the export thread.
 
 Every method catches its own failures, counts them and degrades (the step's figures are
 marked invalid); the collective is issued whatever failed locally (``exchange.py`` says why).
-Should :meth:`StepTracker.before_step` or :meth:`StepTracker.after_step` raise all the same,
+Should :meth:`StepSchedule.before_step` or :meth:`StepSchedule.after_step` raise all the same,
 the step hooks call ``begin_anyway`` / ``end_anyway``: the step still issues its collective and
 is counted, as on every other rank.
 
@@ -52,10 +52,10 @@ from .ring import DeviceRing, ExportBatch, ExportQueue, StepInfo
 from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .update_ratio import UpdateRatio
 
-__all__ = ["StepTracker"]
+__all__ = ["StepSchedule"]
 
 
-class StepTracker:
+class StepSchedule:
     """The per-step schedule of one monitor on one rank.
 
     ``step`` counts finished optimizer steps; the step in progress writes ring row
@@ -75,7 +75,7 @@ class StepTracker:
         >>> plan = RowPlan.build(n_layers=1, world=1)
         >>> sums = BackwardSums(n_layers=1, device=cpu, loss_scale=LossScale(), errors=errors)
         >>> source = PlainSource(net, receiver=sums, grouping=build_grouping(net, None, 8))
-        >>> tracker = StepTracker(plan, sums=sums, source=source, group=None, export_every=10,
+        >>> tracker = StepSchedule(plan, sums=sums, source=source, group=None, export_every=10,
         ...                       errors=errors, exports=ExportQueue())
         >>> tracker.before_step(); tracker.finish_row_valid()   # an optimizer step with no backward before it
         False
