@@ -9,6 +9,7 @@ the shutdown ``lifecycle.py``'s.
 from __future__ import annotations
 
 import queue
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
@@ -28,7 +29,7 @@ from .file_sd import target_host
 from .grouping import GroupSpec
 from .guard import GradientAnomalyError, warn_uncovered
 from .hostinfo import RankInfo
-from .lifecycle import ExitGuard, Prepared, agree, announce, prepare, shut_down
+from .lifecycle import EXIT_GATHER_S, ExitGuard, Prepared, agree, announce, prepare, shut_down
 from .resume import load_monitor_state, monitor_state
 from .ring import ExportBatch
 from .sinks import AnomalyCallbacks
@@ -245,7 +246,10 @@ class GradMonitor:
         self._hooks = hooks
         hooks.commit()
         self._closed = False
-        self._exit = ExitGuard(self._close, rank=me.rank, world=len(peers))  # if close() is never called
+        # if close() is never called; its key is this monitor's in the job's store (rank 0's nonce)
+        self._exit = ExitGuard(
+            self._close, rank=me.rank, world=len(peers), key=f"distmon/exit/{peers[0].nonce}"
+        )
         warn_uncovered(list(zip(built.grouping.param_names, built.grouping.params)), built.optimizers)
         announce(prepared, peers=peers, run_id=self.run_id, url=self.metrics_url, errors=self._errors)
 
@@ -386,11 +390,15 @@ class GradMonitor:
         stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark,
         the linger and the all-gather (the other ranks may not be closing: the steps since the
         last export are exported with this rank's figures only, the others' as not measured),
-        so the run reads as having died. Afterwards ``latest()``, ``step`` and ``flush()`` report
-        the final state, ``clip_grad_norm_`` raises, and the model trains exactly as without
-        distmon. Never called: it runs at exit, said on stderr (``lifecycle.ExitGuard``).
+        so the run reads as having died. Called while an exception propagates (in a ``finally``
+        or ``except`` block) it closes so too, as a ``with`` block does: a peer still blocked in
+        a reduction with this rank never joins a gather, and the job would hang instead of failing.
+        Afterwards ``latest()``, ``step`` and ``flush()`` report the final state,
+        ``clip_grad_norm_`` raises, and the model trains exactly as without distmon. Never called:
+        it runs at exit, said on stderr (``lifecycle.ExitGuard``).
         """
-        self._close(finished, gather=finished)
+        finished = finished and sys.exc_info()[1] is None
+        self._close(finished, gather=finished, timeout_s=None if finished else EXIT_GATHER_S)
 
     def _close(self, finished: bool, gather: bool, timeout_s: float | None = None) -> None:
         if self._closed:
