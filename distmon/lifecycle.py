@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -326,7 +327,6 @@ def shut_down(
 
 
 EXIT_GATHER_S = 30.0  # at exit, how long a rank waits for the others to exit too, then for their rows
-_MEET_POLL_S = 0.05
 
 
 def meet_at_exit(key: str, world: int, timeout_s: float) -> tuple[bool, bool]:
@@ -335,7 +335,8 @@ def meet_at_exit(key: str, world: int, timeout_s: float) -> tuple[bool, bool]:
     Through the default group's store, not a collective: a rank that ended early (``sys.exit(1)``
     after an error) while the others still train must not start a collective they never join (it
     would wait for its timeout, then leave its work in flight and hang the process's exit, and the
-    peer blocked on this rank with it). Each rank counts itself in, waits for the others, then the
+    peer blocked on this rank with it). Each rank counts itself in and waits for the others (one
+    blocking ``wait`` on a key the last one sets: no polling, whatever the number of ranks); the
     first to decide sets the outcome for all (``compare_set``): "gather" once every rank is in,
     "alone" once one gave up waiting. A store that fails (its host rank already gone) means alone.
 
@@ -347,16 +348,23 @@ def meet_at_exit(key: str, world: int, timeout_s: float) -> tuple[bool, bool]:
         return True, True
     try:
         store = default_store()
-        arrived = store.add(f"{key}/arrived", 1)
-        deadline = time.monotonic() + timeout_s
-        while arrived < world and time.monotonic() < deadline:
-            time.sleep(_MEET_POLL_S)
-            arrived = store.add(f"{key}/arrived", 0)
-        everyone = arrived >= world
+        everyone = _all_arrive(store, key, world, timeout_s)
         decided = store.compare_set(f"{key}/decision", "", "gather" if everyone else "alone")
     except Exception:  # no store, or its host gone: this rank closes alone
         return False, False
     return everyone, decided == b"gather"
+
+
+def _all_arrive(store: dist.Store, key: str, world: int, timeout_s: float) -> bool:
+    """Count this rank in; whether all ``world`` ranks are in within ``timeout_s``."""
+    if store.add(f"{key}/arrived", 1) >= world:
+        store.set(f"{key}/all", "1")
+        return True
+    try:
+        store.wait([f"{key}/all"], timedelta(seconds=timeout_s))
+    except Exception:  # timed out: a rank did not come (a store that failed fails the decision too)
+        return False
+    return True
 
 
 class ExitGuard:

@@ -1,4 +1,5 @@
-"""What distmon says when the job fails (issue #39): messages that point at the failure, not at distmon.
+"""What distmon does and says when the job fails (issue #39): messages that point at the failure, not
+at distmon, and an exit that never waits on a peer that is not exiting.
 
 - A program that died of an uncaught exception: the exit notice says it died and that distmon
   closed the monitor, and asks for no ``close()`` (the script may well call it: the exception
@@ -7,18 +8,23 @@
   "Connection closed by peer"): the error names the reduction and a failed peer, not distmon,
   keeps the original as ``__cause__``, whether it comes through the hook's future (the usual
   way), is raised by the wrapped hook itself, or by the wait of a profiled reduction.
+- A rank exiting without ``close()`` gathers with the others only once every rank is exiting
+  (``meet_at_exit``, through the job's store): all in, they gather; one that waited in vain
+  closes alone, and so does every rank after it, consistently.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distmon.lifecycle import ExitGuard
+from distmon import lifecycle
+from distmon.lifecycle import ExitGuard, meet_at_exit
 from distmon.sources.ddp import HookSlot, _bucket_future, monitor_hook
 
 PEER_DIED = "Connection closed by peer [127.0.0.1]:4242"
@@ -83,3 +89,40 @@ def test_a_profiled_reduction_s_failed_wait_reads_as_the_reduction_s_failure():
         slot.wait_profiled()
     _says_the_reduction_failed(raised.value)
     assert str(raised.value.__cause__) == PEER_DIED
+
+
+def _meet(store: dist.Store, monkeypatch, arrivals: list[float], timeout_s: float) -> list[tuple[bool, bool]]:
+    """Each rank of ``arrivals`` (its delay, s) meets at exit on ``store``, on a thread of its own."""
+    monkeypatch.setattr(lifecycle, "default_store", lambda: store)
+    out: list[tuple[bool, bool]] = [(False, False)] * len(arrivals)
+
+    def rank(r: int) -> None:
+        threading.Event().wait(arrivals[r])
+        out[r] = meet_at_exit("exit/test", world=len(arrivals), timeout_s=timeout_s)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(arrivals))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_ranks_that_all_exit_gather(monkeypatch):
+    assert _meet(dist.HashStore(), monkeypatch, [0.0, 0.3, 0.1], timeout_s=10.0) == [(True, True)] * 3
+
+
+def test_a_rank_whose_peer_never_exits_closes_alone_after_its_wait(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setattr(lifecycle, "default_store", lambda: store)
+    assert meet_at_exit("exit/test", world=2, timeout_s=0.3) == (False, False)
+    # the peer exits later: every rank is in, but the first one closed alone: no gather for it either
+    assert meet_at_exit("exit/test", world=2, timeout_s=0.3) == (True, False)
+
+
+def test_without_a_store_a_rank_closes_alone(monkeypatch):
+    def gone() -> dist.Store:
+        raise RuntimeError("Connection refused")  # the store's host, rank 0, already exited
+
+    monkeypatch.setattr(lifecycle, "default_store", gone)
+    assert meet_at_exit("exit/test", world=2, timeout_s=5.0) == (False, False)
