@@ -175,6 +175,7 @@ class Run:
     wall_s: float = 0.0
     load_avg: float = 0.0  # the machine's 1-minute load average as the run began (others' jobs too)
     failure_to_death_s: float | None = None  # the injected failure to the failing worker's exit
+    failure_to_handlers_s: float | None = None  # ... to the end of its exit handlers (distmon's close)
     death_to_exit_s: list[float] = field(default_factory=list)  # to each other worker's exit
     death_to_restart_step_s: float | None = None  # to the restarted attempt's first step
 
@@ -222,6 +223,7 @@ def timings(run: Run, workers: list[Worker], events: list[dict]) -> None:
     failed = [e["t"] for e in events if e["ev"] == "fail"]
     if failed:
         run.failure_to_death_s = round(dead.exited - failed[0], 3)
+    handlers_timing(run, events)
     run.death_to_exit_s = [
         round(w.exited - dead.exited, 3) for r, w in first.items() if r != fail_rank and w.exited
     ]
@@ -230,6 +232,30 @@ def timings(run: Run, workers: list[Worker], events: list[dict]) -> None:
     ]
     if len(resumed) == 2:
         run.death_to_restart_step_s = round(max(resumed) - dead.exited, 3)
+
+
+def handlers_timing(run: Run, events: list[dict]) -> None:
+    """Seconds from the injected failure to the end of the failing worker's exit handlers (the job's
+    last ``atexit`` handler: after distmon's close at exit and the traceback's printing)."""
+    failed = [e for e in events if e["ev"] == "fail"]
+    if failed:
+        done = [e["t"] for e in events if e["ev"] == "atexit" and e["pid"] == failed[0]["pid"]]
+        run.failure_to_handlers_s = round(done[0] - failed[0]["t"], 3) if done else None
+
+
+def rescore(path: str, workdir: Path) -> dict:
+    """An earlier ``path``.json with what its runs' own files hold recomputed (:func:`handlers_timing`)."""
+    with open(path + ".json") as f:
+        result = json.load(f)
+    tuples = ("steps", "job_args")
+    runs = [Run(**{k: tuple(v) if k in tuples else v for k, v in r.items()}) for r in result["runs"]]
+    for run in runs:
+        handlers_timing(run, read_events(workdir / run_dir(run)))
+    said = "Recomputed from the runs' own files (`--rescore`): the failure -> exit handlers column."
+    note = result.get("note", "")
+    result.update(summary=summarize(runs), runs=[asdict(r) for r in runs])
+    result["note"] = note if said in note else f"{note} {said}".strip()
+    return result
 
 
 def kill(pids: list[int], launcher: subprocess.Popen) -> None:
@@ -242,8 +268,12 @@ def kill(pids: list[int], launcher: subprocess.Popen) -> None:
     launcher.wait()
 
 
+def run_dir(run: Run) -> str:
+    return f"{run.mode}-{run.failure}-{'distmon' if run.monitor else 'bare'}-{run.index}"
+
+
 def run_once(run: Run, workdir: Path, timeout: float) -> Run:
-    out = workdir / f"{run.mode}-{run.failure}-{'distmon' if run.monitor else 'bare'}-{run.index}"
+    out = workdir / run_dir(run)
     out.mkdir(parents=True)
     ckpt, fail, last = (str(step) for step in run.steps)
     job_args = FAILURES[run.failure] + ["--ckpt-step", ckpt, "--fail-step", fail, "--steps", last]
@@ -280,7 +310,7 @@ def run_once(run: Run, workdir: Path, timeout: float) -> Run:
 
 
 def median(values: list[float]) -> float | None:
-    return round(statistics.median(values), 2) if values else None
+    return round(statistics.median(values), 3) if values else None
 
 
 def summarize(runs: list[Run]) -> list[dict]:
@@ -301,6 +331,9 @@ def summarize(runs: list[Run]) -> list[dict]:
                 "failure_to_death_s": median(
                     [r.failure_to_death_s for r in some if r.failure_to_death_s is not None]
                 ),
+                "failure_to_handlers_s": median(
+                    [r.failure_to_handlers_s for r in some if r.failure_to_handlers_s is not None]
+                ),
                 "death_to_exit_s": median([s for r in some for s in r.death_to_exit_s]),
                 "death_to_exit_max_s": max((s for r in some for s in r.death_to_exit_s), default=None),
                 "death_to_restart_step_s": median(
@@ -320,23 +353,28 @@ def markdown(result: dict) -> str:
         f"Command: `{result['command']}` ({result['machine']}; torch {result['torch']}; "
         f"{result['load']} busy processes started before the first run and stopped after the last; "
         f"{result['seconds']:.0f} s in all).",
+        *([f"\n{result['note']}"] if result.get("note") else []),
         "",
         "2 gloo ranks, `--max-restarts 1`, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`; a checkpoint after "
         f"step {CKPT_STEP}, the failure at step {FAIL_STEP}, the restarted workers resume to step "
         f"{STEPS}. "
         "Seconds are medians: from the failing worker's death (its process exit) to the other worker's "
         "exit (and the largest), to the restarted attempt's first step; and from the injected failure "
-        "to the failing worker's own exit. Load avg: the machine's 1-minute load average as the runs "
-        "began (median; the busy processes and other users' jobs).",
+        "to the failing worker's own exit, and to the end of its exit handlers (distmon's close at "
+        "exit among them; the rest of the exit is the interpreter's and torch's teardown). Load avg: "
+        "the machine's 1-minute load average as the runs began (median; the busy processes and other "
+        "users' jobs).",
         "",
         "| rendezvous | failure | distmon | finished | hung | failure -> its exit s "
-        "| death -> other's exit s (max) | death -> restarted first step s | load avg |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| failure -> its exit handlers done s | death -> other's exit s (max) "
+        "| death -> restarted first step s | load avg |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["summary"]:
         lines.append(
             f"| {row['mode']} | {row['failure']} | {'yes' if row['monitor'] else 'no'} | "
             f"{row['finished']}/{row['runs']} | {row['hung']} | {cell(row['failure_to_death_s'])} | "
+            f"{cell(row.get('failure_to_handlers_s'))} | "
             f"{cell(row['death_to_exit_s'])} ({cell(row['death_to_exit_max_s'])}) | "
             f"{cell(row['death_to_restart_step_s'])} | {cell(row['load_avg'])} |"
         )
@@ -378,6 +416,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workdir", default=None, help="where the runs' files go (default: a temporary directory)"
     )
     p.add_argument("--out", default=str(HERE / "results" / "restarts"), help="writes OUT.json and OUT.md")
+    p.add_argument("--note", default="", help="a line for OUT.md: which code ran (a commit, say)")
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute OUT.json from its runs' files in --workdir (no runs)",
+    )
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
     args.failures = args.failures.split(",")
@@ -393,6 +437,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     args = parse_args(argv)
+    if args.rescore:
+        return write(rescore(args.out, Path(args.workdir)), args.out)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="restarts-"))
     runs: list[Run] = []
     began = time.monotonic()
@@ -410,13 +456,19 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
         "torch": torch.__version__,
         "load": args.load,
+        "note": args.note,
         "seconds": round(time.monotonic() - began),
         "summary": summarize(runs),
         "runs": [asdict(r) for r in runs],
     }
-    with open(args.out + ".json", "w") as f:
+    return write(result, args.out)
+
+
+def write(result: dict, out: str) -> dict:
+    """``out``.json (every run) and ``out``.md (the tables); the page printed."""
+    with open(out + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(markdown(result))
     print(markdown(result))
     return result
