@@ -54,6 +54,7 @@ __all__ = [
     "fsdp_reduce_scatter_base",
     "fsdp_pre_divide_factor",
     "queue_callback",
+    "default_store",
     "graph_task_id",
     "profiler_enabled",
     "foreach_mul_",
@@ -425,6 +426,16 @@ def ddp_delays_all_reduce(model: torch.nn.Module) -> bool:
 def ddp_python_reducer(model: torch.nn.Module) -> bool:
     """Whether a DDP model reduces through compiled autograd's Python reducer."""
     return bool(getattr(model, "_use_python_reducer", False))
+
+
+# --- the default process group's store ------------------------------------------------------------
+# torch.distributed.distributed_c10d._get_default_store (the store the default group was set up
+# with: torchrun's rendezvous store, a FileStore, a TCPStore); in torch since 1.x, checked on 2.13.
+# Without it: a rank exiting without close() cannot tell whether the other ranks exit too, and
+# gathers with them blindly (a peer still training never answers: up to 30 s more before it exits).
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (raises if there is none)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 # --- FSDP2's parameter groups --------------------------------------------------------------------

@@ -8,6 +8,7 @@ to ``setup/lifecycle.py``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from .options import BY_NAME
 from .serve.file_sd import target_host
 from .setup.config import GuardMode, MonitorConfig, Scheduler, ServeMode
 from .setup.hostinfo import RankInfo
-from .setup.lifecycle import ExitGuard, announce, shut_down
+from .setup.lifecycle import EXIT_GATHER_S, ExitGuard, announce, shut_down
 from .setup.start import start
 from .snapshot import AnomalyEvent, Snapshot
 from .sources import CommHook
@@ -134,8 +135,11 @@ class GradMonitor:
         self.layers = run.built.grouping.layers
         self._run, self._schedule, self._export = run, run.built.schedule, run.export
         self._closed = False
-        # closes the monitor at exit if close() is never called
-        self._exit = ExitGuard(self._close, rank=self.rank, world=self.world_size)
+        # closes the monitor at exit if close() is never called; its key is this monitor's in the
+        # job's store (rank 0's nonce)
+        self._exit = ExitGuard(
+            self._close, rank=self.rank, world=self.world_size, key=f"distmon/exit/{run.peers[0].nonce}"
+        )
         announce(run.opened, peers=run.peers, run_id=self.run_id, url=self.metrics_url, errors=run.errors)
 
     # -- public API -------------------------------------------------------------------------
@@ -280,11 +284,15 @@ class GradMonitor:
         stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark,
         the linger and the all-gather (the other ranks may not be closing: the steps since the
         last export are exported with this rank's figures only, the others' as not measured),
-        so the run reads as having died. Afterwards ``latest()``, ``step`` and ``flush()`` report
-        the final state, ``clip_grad_norm_`` raises, and the model trains exactly as without
-        distmon. Never called: it runs at exit, said on stderr (``lifecycle.ExitGuard``).
+        so the run reads as having died. Called while an exception propagates (in a ``finally``
+        or ``except`` block) it closes so too, as a ``with`` block does: a peer still blocked in
+        a reduction with this rank never joins a gather, and the job would hang instead of failing.
+        Afterwards ``latest()``, ``step`` and ``flush()`` report the final state,
+        ``clip_grad_norm_`` raises, and the model trains exactly as without distmon. Never called:
+        it runs at exit, said on stderr (``lifecycle.ExitGuard``).
         """
-        self._close(finished, gather=finished)
+        finished = finished and sys.exc_info()[1] is None
+        self._close(finished, gather=finished, timeout_s=None if finished else EXIT_GATHER_S)
 
     def _close(self, finished: bool, gather: bool, timeout_s: float | None = None) -> None:
         if self._closed:

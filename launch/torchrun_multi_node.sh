@@ -18,7 +18,9 @@
 #                  only used to say which node hosts the store (NODE_RANK=0 -> is_host).
 #                  Defaults to SLURM_NODEID under srun. Unset: torchrun decides by hostname.
 #   NPROC          processes per node (default: number of GPUs, or 1 without GPUs)
-#   MAX_RESTARTS   torchrun --max-restarts (default 0)
+#   MAX_RESTARTS   torchrun --max-restarts (default 0); restarts use the c10d rendezvous below and
+#                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (set here, as the restarted workers need it:
+#                  docs/deployment.md#torchrun-restarts)
 #
 # distmon settings exported here (override by setting them before calling):
 #   DISTMON_RUN_ID=$RUN_ID  DISTMON_SERVE=node (local rank 0 of each node serves its node's
@@ -44,6 +46,9 @@ if [[ -z "${NPROC:-}" ]]; then
     fi
 fi
 
+# torch's shared rendezvous store hands restarted workers their predecessors' addresses
+# (pytorch/pytorch#135712): each attempt's rank 0 hosts a store of its own instead
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export DISTMON_RUN_ID="${DISTMON_RUN_ID:-${RUN_ID}}"
 export DISTMON_SERVE="${DISTMON_SERVE:-node}"
 export DISTMON_ADDR="${DISTMON_ADDR:-0.0.0.0}"

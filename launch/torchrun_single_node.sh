@@ -7,13 +7,20 @@
 #   NPROC=2 launch/torchrun_single_node.sh --nan-step 120 --nan-rank 1
 #
 # Environment:
-#   NPROC      processes on this node (default: number of GPUs, or 2 without GPUs)
-#   DISTMON_*  monitor settings read by distmon (DISTMON_SERVE, DISTMON_PORT, DISTMON_ADDR,
-#              DISTMON_RUN_ID, DISTMON_LOG_PATH, DISTMON_FILE_SD_DIR, DISTMON_LINGER_S, ...)
+#   NPROC         processes on this node (default: number of GPUs, or 2 without GPUs)
+#   MAX_RESTARTS  torchrun --max-restarts (default 0): restart every worker when one fails, e.g.
+#                 MAX_RESTARTS=3 launch/torchrun_single_node.sh --checkpoint-dir ckpt
+#   DISTMON_*     monitor settings read by distmon (DISTMON_SERVE, DISTMON_PORT, DISTMON_ADDR,
+#                 DISTMON_RUN_ID, DISTMON_LOG_PATH, DISTMON_FILE_SD_DIR, DISTMON_LINGER_S, ...)
 #
 # --standalone runs a private c10d rendezvous on a free local port, so several jobs can
 # share the machine. Metrics are served by rank 0 (this node's first rank) on 127.0.0.1:9290
 # unless configured; a second job on the machine takes the next free port (port_fallback).
+#
+# Restarts need the c10d rendezvous (--standalone is one) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+# set here: with torch's shared store (pytorch/pytorch#135712), or with the static rendezvous
+# (--master-port), restarted workers can be handed the previous attempt's addresses and fail
+# ("Gloo connectFullMesh failed ... Connection refused") or hang: docs/deployment.md#torchrun-restarts.
 set -euo pipefail
 
 script_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,4 +35,6 @@ if [[ -z "${NPROC:-}" ]]; then
     fi
 fi
 
-exec torchrun --standalone --nproc-per-node "${NPROC}" "${script_dir}/train.py" "$@"
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+exec torchrun --standalone --nproc-per-node "${NPROC}" --max-restarts "${MAX_RESTARTS:-0}" \
+    "${script_dir}/train.py" "$@"

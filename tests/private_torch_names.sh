@@ -28,6 +28,7 @@ for v in ${VERSIONS:-2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.1 $PINNED 2.14.1
   chk nn/parallel/distributed.py "def _find_tensors"
   chk nn/parallel/distributed.py "self._module_parameters"
   chk nn/parallel/distributed.py "self._comm_hooks"
+  chk distributed/distributed_c10d.py "def _get_default_store"
   chk nn/parallel/distributed.py "_delay_all_reduce_all_params"
   chk nn/parallel/distributed.py "_use_python_reducer"
   chk distributed/fsdp/_fully_shard/_fsdp_param_group.py "self._reduce_scatter_comm"

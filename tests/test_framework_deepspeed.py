@@ -20,6 +20,8 @@ that do not come from distmon:
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -295,3 +297,39 @@ def test_framework_prometheus_serves_every_gradient_series(frameworks, fw):
     assert _rel(sample_value(samples, "distmon_grad_norm"), norms[-1]) < TOL
     assert sample_value(samples, "distmon_optimizer_steps_total") == len(norms)
     assert sample_value(samples, "distmon_nonfinite_steps_total") == 0
+
+
+# -- run-time notice: per-rank figures that this configuration cannot measure -----------------------
+
+ONE_RANK_ZERO2_ACCUMULATION = """
+import os, sys
+sys.path[:0] = [{root!r}, {examples!r}]
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+import deepspeed_example as ex
+import distmon
+engine, optimizer = ex.build(ex.config(2, accumulation=2))
+mon = distmon.GradMonitor(engine, optimizer, serve="none", export_every=2)
+ex.train(engine, 4)
+print("rank_valid", mon.flush().rank_valid, flush=True)
+mon.close()
+"""
+
+
+def test_zero2_with_accumulation_says_once_why_per_rank_figures_are_nan(tmp_path):
+    """ZeRO-2 reduces every micro-batch: no input holds the step's local gradient, so per-rank figures
+    are NaN (documented, docs/frameworks.md); the run says so once at run time, naming why."""
+    needs("deepspeed")
+    from ddp_harness import free_port
+
+    code = ONE_RANK_ZERO2_ACCUMULATION.format(
+        root=str(ROOT), examples=str(ROOT / "launch" / "examples"), port=free_port()
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTMON_")}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank_valid [False]" in proc.stdout, proc.stdout  # NaN per-rank figures, as documented
+    said = [line for line in proc.stderr.splitlines() if "per-rank local figures" in line]
+    assert len(said) == 1, proc.stderr[-3000:]  # 4 steps of 2 micro-batches: said once
+    assert "ZeRO stage 2" in said[0] and "2 micro-batches" in said[0] and "NaN" in said[0], said

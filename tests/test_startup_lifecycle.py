@@ -333,3 +333,39 @@ def test_a_rank_that_raises_closes_at_once_with_its_own_figures_only():
         mine = out["rank_grad_norms"][rank]
         assert math.isnan(other), out
         assert abs(mine - out["own"]) <= 1e-5 * out["own"], out
+
+
+def _finally_job(rank: int, world: int) -> dict:
+    """Rank 1 raises at step 3 inside ``try: ... finally: mon.close()`` (not a ``with``), while rank
+    0 goes on into step 3's backward, where DDP's all-reduce (through distmon's comm hook) waits for
+    rank 1 until rank 1's process group is gone."""
+    model = DDP(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = distmon.GradMonitor(model, opt, serve="none", export_every=10, export_interval_s=0)
+    began, closed_after, failure = time.monotonic(), None, ""
+    try:
+        try:
+            for step in range(1, 6):
+                if rank == 1 and step == 3:
+                    raise _Died("a rank's own failure")
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            mon.close()
+            closed_after = time.monotonic() - began
+    except RuntimeError as e:  # rank 1: its own; rank 0: the reduction's, once rank 1 was gone
+        failure = str(e)
+    return {"closed_after": closed_after, "failure": failure, "step": mon.latest().step}
+
+
+def test_close_in_a_finally_block_while_an_exception_propagates_gathers_with_no_one():
+    """A ``finally: mon.close()`` on a rank that failed must not start the close's gather: its peer is
+    blocked in the step's all-reduce and never joins it (before: rank 1 waited there until the process
+    group's timeout). Rank 0's reduction error reads as the reduction's, naming a failed peer."""
+    dying, waiting = run_ranks(_finally_job, 2, timeout=60)[::-1]
+    assert dying["closed_after"] < 10.0 and "a rank's own failure" in dying["failure"], dying
+    assert dying["step"] == 2, dying
+    assert "DDP's gradient all-reduce failed" in waiting["failure"], waiting
+    assert "not distmon's" in waiting["failure"] and "peer rank failed" in waiting["failure"], waiting

@@ -374,3 +374,29 @@ def test_multi_node_script_requires_its_settings():
         ["bash", str(LAUNCH / "torchrun_multi_node.sh")], env=env, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode != 0 and "NNODES" in proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_launch_scripts_restart_with_c10d_and_their_own_rank_0_store(script, tmp_path):
+    """Restartable jobs get the configuration whose restarts work (#39, docs/deployment.md): the c10d
+    rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, with MAX_RESTARTS passed on. A stand-in
+    ``torchrun`` (and ``srun``, ``scontrol``) on PATH prints what the script would have run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {
+        "torchrun": 'echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" "$@"',
+        "srun": 'while [[ $1 == --* ]]; do shift; done; exec "$@"',  # its options, then the command
+        "scontrol": "echo node0",
+    }
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in _env().items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", MAX_RESTARTS="3", NPROC="2", NNODES="1")
+    env.update(RDZV_ENDPOINT="127.0.0.1:29400", RUN_ID="job", SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="1")
+    env.update(SLURM_JOB_NODELIST="node0", DISTMON_FILE_SD_DIR=str(tmp_path / "sd"), REPO_DIR=str(ROOT))
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    ran = proc.stdout.strip().splitlines()[-1]
+    assert ran.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "), ran
+    assert "--max-restarts 3" in ran and ("--rdzv-backend c10d" in ran or "--standalone" in ran), ran

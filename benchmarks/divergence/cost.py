@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from distmon.sums import sq_sums
+from distmon.step.sums import sq_sums
 
 from .model import ModelConfig, TinyGPT
 

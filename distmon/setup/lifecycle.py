@@ -16,12 +16,15 @@ import atexit
 import errno
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
 
+from ..compat import default_store
 from ..errors import ErrorCounter, logger
 from ..export.export_thread import ExportThread
 from ..export.jsonl_log import JsonlLog, node_log_path
@@ -59,6 +62,7 @@ class Peer:
     endpoint: str | None  # "host:port" it serves metrics on, if it serves
     failure: tuple[str, int, str] | None = None  # (exception type, errno, message) if it cannot start
     agreed: Mapping[str, str] | None = None  # the options every rank must set alike (config.AGREED)
+    nonce: str = ""  # rank 0's names this monitor's keys in the job's store (ExitGuard)
 
 
 def serves(serve: str, rank: int, lead: bool) -> bool:
@@ -214,9 +218,9 @@ def agree(
     set alike (:meth:`MonitorConfig.agreed`); a difference is a failure of every rank, named
     with each value's ranks. The caller releases what it prepared before the error propagates.
     """
-    everyone: list[Peer] = hostinfo.gather_objects(
-        Peer(me, run_id, endpoint, failure=failure and _describe(failure), agreed=agreed), group
-    )
+    nonce = uuid.uuid4().hex  # rank 0's wins: the key of this monitor's exit in the job's store
+    told = Peer(me, run_id, endpoint, failure=failure and _describe(failure), agreed=agreed, nonce=nonce)
+    everyone: list[Peer] = hostinfo.gather_objects(told, group)
     _raise_failures(everyone, failure)
     differ = differences(everyone)
     if differ is None:
@@ -338,7 +342,45 @@ def shut_down(
         quietly("metrics server shutdown", server.close)
 
 
-EXIT_GATHER_S = 30.0  # at exit, how long a rank waits for the others' rows of the last steps
+EXIT_GATHER_S = 30.0  # at exit, how long a rank waits for the others to exit too, then for their rows
+
+
+def meet_at_exit(key: str, world: int, timeout_s: float) -> tuple[bool, bool]:
+    """Whether every rank of the job reached its exit within ``timeout_s``, and whether they gather.
+
+    Through the default group's store, not a collective: a rank that ended early (``sys.exit(1)``
+    after an error) while the others still train must not start a collective they never join (it
+    would wait for its timeout, then leave its work in flight and hang the process's exit, and the
+    peer blocked on this rank with it). Each rank counts itself in and waits for the others (one
+    blocking ``wait`` on a key the last one sets: no polling, whatever the number of ranks); the
+    first to decide sets the outcome for all (``compare_set``): "gather" once every rank is in,
+    "alone" once one gave up waiting. A store that fails (its host rank already gone) means alone.
+
+    Example:
+        >>> meet_at_exit("distmon/exit/doc", world=1, timeout_s=1.0)   # one rank: nothing to wait for
+        (True, True)
+    """
+    if world == 1:
+        return True, True
+    try:
+        store = default_store()
+        everyone = _all_arrive(store, key, world, timeout_s)
+        decided = store.compare_set(f"{key}/decision", "", "gather" if everyone else "alone")
+    except Exception:  # no store, or its host gone: this rank closes alone
+        return False, False
+    return everyone, decided == b"gather"
+
+
+def _all_arrive(store: dist.Store, key: str, world: int, timeout_s: float) -> bool:
+    """Count this rank in; whether all ``world`` ranks are in within ``timeout_s``."""
+    if store.add(f"{key}/arrived", 1) >= world:
+        store.set(f"{key}/all", "1")
+        return True
+    try:
+        store.wait([f"{key}/all"], timedelta(seconds=timeout_s))
+    except Exception:  # timed out: a rank did not come (a store that failed fails the decision too)
+        return False
+    return True
 
 
 class ExitGuard:
@@ -347,36 +389,64 @@ class ExitGuard:
     Forgetting ``close()`` (a module-level loop like nanoGPT's, which cannot be re-indented into
     a ``with``) must not lose the steps since the last export, nor leave ``distmon_run_finished``
     at 0 after a clean end. At exit, the monitor is closed as ``close()`` would: finished, every
-    rank's rows gathered (each rank exits through the same guard), but the gather gives up after
-    :data:`EXIT_GATHER_S` (a peer that is not exiting never answers) and is skipped when the
-    process group is already destroyed (nanoGPT calls ``destroy_process_group()``; the steps since
-    the last export then carry this rank's figures, the others' as not measured). An uncaught
-    exception ended the program: closed as on an exception (not finished, no gather). Said once
-    on stderr, so the user can add the ``close()``.
+    rank's rows gathered (each rank exits through the same guard). The gather is a collective, so
+    it starts only once every rank is known to be exiting (:func:`meet_at_exit`, up to
+    :data:`EXIT_GATHER_S`): a rank that ended early while the others train (a script that caught
+    its error and called ``sys.exit(1)``) closes with its own figures, not marked finished, and
+    exits; no gather is tried once the process group is destroyed (nanoGPT calls
+    ``destroy_process_group()``; the steps since the last export then carry this rank's figures,
+    the others' as not measured). An uncaught exception ended the program: closed as on an
+    exception (not finished, no gather, no waiting for anyone), and said so. Said once on stderr.
 
     Example:
-        >>> guard = ExitGuard(lambda finished, gather, timeout_s: None, rank=0, world=1)
+        >>> guard = ExitGuard(lambda finished, gather, timeout_s: None, rank=0, world=1, key="doc")
         >>> guard.disarm()   # close() was called
     """
 
-    def __init__(self, close: Callable[[bool, bool, float | None], None], *, rank: int, world: int) -> None:
-        self._close, self.rank, self.world = close, rank, world
+    def __init__(
+        self, close: Callable[[bool, bool, float | None], None], *, rank: int, world: int, key: str
+    ) -> None:
+        self._close, self.rank, self.world, self.key = close, rank, world, key
         atexit.register(self._at_exit)
 
     def disarm(self) -> None:
         atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
-        died = getattr(sys, "last_value", None) is not None  # set by an uncaught exception
-        group = self.world == 1 or (dist.is_available() and dist.is_initialized())
+        if getattr(sys, "last_value", None) is not None:  # set by an uncaught exception
+            logger.warning(
+                "distmon: rank %d: the program died of an uncaught exception; distmon closed its "
+                "monitor (the run is not marked finished: it reads as having died)",
+                self.rank,
+            )
+            self._close(False, False, EXIT_GATHER_S)
+            return
+        if self.world > 1 and not (dist.is_available() and dist.is_initialized()):
+            self._say("process group already destroyed: this rank's own figures of the last steps only")
+            self._close(True, False, EXIT_GATHER_S)
+            return
+        everyone, gather = meet_at_exit(self.key, self.world, EXIT_GATHER_S)
+        if not everyone:
+            logger.warning(
+                "distmon: rank %d exits without GradMonitor.close() while other ranks did not reach "
+                "their exit within %.0f s (the program ended early on this rank): closed it with this "
+                "rank's own figures of the last steps, not marked finished",
+                self.rank,
+                EXIT_GATHER_S,
+            )
+        else:
+            self._say(
+                "every rank's figures gathered, marked finished"
+                if gather
+                else "the other ranks stopped waiting for this one: its own figures of the last steps, "
+                "marked finished"
+            )
+        self._close(everyone, gather, EXIT_GATHER_S)
+
+    def _say(self, how: str) -> None:
         logger.warning(
             "distmon: rank %d exits without GradMonitor.close(): closing it now (%s). Call "
             "mon.close() on every rank when training ends, or build it in a `with` block",
             self.rank,
-            "the program died: not marked finished"
-            if died
-            else "every rank's figures gathered, marked finished"
-            if group
-            else "process group already destroyed: this rank's own figures of the last steps only",
+            how,
         )
-        self._close(not died, not died and group, EXIT_GATHER_S)

@@ -65,6 +65,7 @@ __all__ = [
     "RUN_SLACK",
     "HOOKLESS_BACKENDS",
     "CommHook",
+    "reduction_error",
 ]
 
 # A DDP comm hook: ``hook(state, bucket) -> Future`` (``state``: whatever its author chose)
@@ -116,7 +117,35 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
 
 def _bucket_future(work: dist.Work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """The future a comm hook returns for ``work``, the all-reduce of ``buffer``: the reduced bucket."""
-    return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0], buffer))
+    return work.get_future().then(functools.partial(_reduced, buffer))
+
+
+def _reduced(buffer: torch.Tensor, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    """The bucket an all-reduce of ``buffer`` brought; its failure raised as the reduction's.
+
+    The future's error crosses DDP's C++ reducer as text, headed by the frame that raised it: this
+    one. Raised as it is, a peer's death reads as an error "in distmon" (users looked there first).
+    """
+    try:
+        result = fut.value()[0]
+    except Exception as e:
+        raise reduction_error(e, "DDP's gradient all-reduce") from e
+    return reduced_bucket(result, buffer)
+
+
+def reduction_error(error: Exception, what: str) -> RuntimeError:
+    """``error``, raised by a gradient reduction that distmon's comm hook runs, restated as the
+    reduction's: a collective failing is the job's (a peer rank died or left), not the monitor's.
+
+    Example:
+        >>> str(reduction_error(RuntimeError("Connection closed by peer"), "DDP's gradient all-reduce"))[:60]
+        "DDP's gradient all-reduce failed: RuntimeError: Connection c"
+    """
+    return RuntimeError(
+        f"{what} failed: {type(error).__name__}: {error} (the collective's own error, not distmon's: "
+        "distmon's comm hook runs the reduction and only passes its error on. A reduction fails like "
+        "this when a peer rank failed or left the job: the first error is in that rank's log)"
+    )
 
 
 def ddp_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
@@ -311,7 +340,10 @@ class HookSlot:
         """Complete the all-reduces :meth:`start` issued under the profiler (when a backward ends)."""
         works, self.profiled = self.profiled, []
         for work in works:
-            work.wait()
+            try:
+                work.wait()
+            except Exception as e:
+                raise reduction_error(e, "DDP's gradient all-reduce") from e
 
 
 def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -328,7 +360,11 @@ def monitor_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Futur
     source = slot.source
     if source is not None:
         source.on_bucket(bucket)
-    return slot.start(bucket)
+    try:
+        return slot.start(bucket)
+    except Exception as e:  # the reduction's own failure (on_bucket never raises)
+        hook = getattr(slot.inner_hook, "__qualname__", "the comm hook")
+        raise reduction_error(e, f"DDP's gradient reduction (comm hook {hook})") from e
 
 
 def _registered_slot(model: DistributedDataParallel) -> HookSlot | None:

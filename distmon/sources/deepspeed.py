@@ -57,6 +57,7 @@ from deepspeed.utils import groups as ds_groups
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import queue_callback
+from ..errors import logger
 from ..layout.grouping import Grouping
 from ..step.backward import BackwardSums
 from ..step.sums import Runs, sq_sums
@@ -356,6 +357,7 @@ class DeepSpeedSource:
         self._take, self._allreduce = engine._take_model_step, engine.allreduce_gradients
         self.optimizers = (EngineStep(engine, self._take),)
         self._installed: list[str] = []
+        self._told_summed = False  # said why the per-rank figures are NaN (gradient accumulation)
 
     @staticmethod
     def _first_holder(p: torch.nn.Parameter) -> bool:
@@ -471,6 +473,27 @@ class DeepSpeedSource:
             receiver.local_unmeasured()
         elif len(locals_) > 1:  # several micro-batches, each reduced: their sums name a NaN's rank
             receiver.local_summed()
+            self._tell_summed(len(locals_))
+
+    def _tell_summed(self, backwards: int) -> None:
+        """Say once per run (rank 0: every rank has the same configuration) why this configuration's
+        per-rank figures are NaN: documented, but NaN series with no word at run time read as a fault."""
+        if self._told_summed or self.dp_rank != 0:
+            return
+        self._told_summed = True
+        engine = self.engine
+        overlap = engine.zero_optimization_stage() < 2 and getattr(engine.optimizer, "overlap_comm", False)
+        logger.warning(
+            "distmon: DeepSpeed reduces each micro-batch's gradients as backward produces them (ZeRO "
+            "stage %d%s) and this step had %d micro-batches (gradient accumulation): no single reduction "
+            "input holds a step's local gradient, so per-rank local figures (distmon_rank_grad_norm, "
+            "the rank outlier scores) are NaN on such steps; a rank whose gradient goes non-finite is "
+            "still named, and the global and per-layer figures stay exact. For per-rank figures: one "
+            "micro-batch per step, or ZeRO stage 0 or 1 without overlap_comm",
+            engine.zero_optimization_stage(),
+            " with overlap_comm" if overlap else "",
+            backwards,
+        )
 
     def read_pending(self) -> None:
         """Nothing: every figure is read when the step begins."""

@@ -424,7 +424,9 @@ class Exchange:
         ranks' stay "not measured". ``timeout_s`` bounds the wait for the others (at interpreter
         exit they may never come).
         """
-        self.complete()  # whatever is exported, no collective of distmon's is left in flight
+        # whatever is exported, no collective of distmon's is left in flight (bounded like the gather:
+        # at exit, or after a failure, a peer that died mid-collective may never complete it)
+        self.complete(timeout_s)
         if self.gathered_through >= last:
             return
         first, self.gathered_through = self.gathered_through + 1, last
