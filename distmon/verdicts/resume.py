@@ -36,7 +36,14 @@ if TYPE_CHECKING:  # they import this module for their own state
     from .detectors import DeviceDetector
     from .noise_scale import NoiseScale
 
-__all__ = ["STATE_VERSION", "save_tensors", "load_tensors", "monitor_state", "load_monitor_state"]
+__all__ = [
+    "STATE_VERSION",
+    "save_tensors",
+    "load_tensors",
+    "monitor_state",
+    "disabled_state",
+    "load_monitor_state",
+]
 
 # raise it when a field changes meaning or name; load_monitor_state reads every version up to it
 # (2: the detector's "held" is "spiking")
@@ -98,6 +105,17 @@ def monitor_state(
     }
 
 
+def disabled_state() -> dict[str, object]:
+    """What a disabled monitor (``DISTMON_DISABLE``) saves: it learned nothing, so a monitor that loads
+    it starts afresh.
+
+    Example:
+        >>> disabled_state()
+        {'version': 2, 'disabled': True}
+    """
+    return {"version": STATE_VERSION, "disabled": True}
+
+
 def load_monitor_state(
     state: Mapping[str, object],
     *,
@@ -106,9 +124,10 @@ def load_monitor_state(
     world: int,
     detector: DeviceDetector | None,
     noise: NoiseScale | None,
-) -> tuple[int, int]:
+) -> tuple[int, int] | None:
     """Check ``state`` against this monitor (which measured ``measured_steps`` steps) and load its detector
-    and noise scale. Returns ``(step, scaler_run)`` for the tracker and the decoder.
+    and noise scale. Returns ``(step, scaler_run)`` for the tracker and the decoder, or None for the
+    state of a disabled monitor (:func:`disabled_state`: nothing to resume, said in a warning).
 
     Raises ``ValueError`` for what cannot be mapped (another model or grouping, a newer state
     version, not a state at all) and ``RuntimeError`` once the monitor measured a step.
@@ -120,6 +139,12 @@ def load_monitor_state(
         )
     if not isinstance(state, Mapping) or not isinstance(state.get("version"), int):
         raise ValueError("distmon: load_state_dict takes what GradMonitor.state_dict() returned")
+    if state.get("disabled"):
+        logger.warning(
+            "distmon: the state was saved with distmon off (DISTMON_DISABLE): it holds nothing to "
+            "resume, so steps are counted from 1 and the detectors start cold"
+        )
+        return None
     if state["version"] > STATE_VERSION:
         raise ValueError(
             f"distmon: this state was written by a newer distmon (state version {state['version']}; "
