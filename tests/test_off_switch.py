@@ -127,7 +127,7 @@ def _disabled_job(rank: int, world: int, port: int, tmp: str) -> dict:
     return {
         "identical": all(torch.equal(a, b) for a, b in zip(bare, params)),
         "collectives at construction": [n for n, _, _ in at_build.collectives],
-        "collectives in training": [n for n, _, _ in training.collectives] + [n for n, _, _ in training.syncs],
+        "collectives in training": [n for n, _, _ in training.collectives + training.syncs],
         "hooks": hooks,
         "new threads": [t.name for t in set(threading.enumerate()) - threads],
         "port free": _port_free(port + rank),
