@@ -87,7 +87,10 @@ def _release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a torch version string (``"2.9.1+cu128"``, ``"2.14.0a0+git..."``)."""
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None:
-        raise ImportError(f"distmon: cannot read torch's version {version!r}")
+        raise ImportError(
+            f"distmon: cannot read torch's version {version!r}: reinstall torch "
+            "(pip install --force-reinstall torch)"
+        )
     return int(m.group(1)), int(m.group(2))
 
 

@@ -232,9 +232,10 @@ def _readme() -> str:
 
 
 def test_the_readme_is_a_five_minute_read_that_links_every_page():
-    """At most ~150 lines; the two set-up commands as CI runs them; a link to every docs page."""
+    """At most ~150 lines (the code blocks' run markers aside); the two set-up commands as CI runs them;
+    a link to every docs page."""
     text = _readme()
-    assert len(text.splitlines()) <= 150
+    assert len([line for line in text.splitlines() if not line.startswith("<!-- ")]) <= 150
     for command in ("bash launch/demo.sh      # installs", "bash tests/run.sh        # installs test deps"):
         assert f"\n{command}" in text, command  # tests/fresh_install.sh runs the first; .ci/run the second
     pages = sorted(f for f in os.listdir(DOCS) if f.endswith(".md") and f != "index.md")

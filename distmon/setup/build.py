@@ -150,7 +150,7 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
         if cfg.activations:
             raise ValueError(
                 "distmon: activations= is not supported with pipeline stages yet (each stage watches "
-                "other modules)"
+                "other modules): leave activations= out on a pipeline-parallel job"
             )
         if stage.num_stages != stage.group_size:
             raise ValueError(

@@ -241,7 +241,10 @@ class BucketLayouts:
         for p, g in zip(params, bucket.gradients()):
             offset = (g.data_ptr() - base) // itemsize
             if offset < cursor:
-                raise RuntimeError("distmon: overlapping gradient views in a DDP bucket")
+                raise RuntimeError(
+                    "distmon: overlapping gradient views in a DDP bucket (a bucket layout distmon does not "
+                    "know): report it with your torch version and DDP's arguments"
+                )
             if offset > cursor:
                 chunks.append([offset - cursor, -1, 0])
             slot = self.slot_of.get(id(p))

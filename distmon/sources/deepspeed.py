@@ -270,7 +270,10 @@ def _refuse(engine: DeepSpeedEngine) -> None:
     """Raises why distmon cannot measure this engine exactly, if it cannot."""
     why = _refusal(engine)
     if why is not None:
-        raise ValueError(f"distmon: this DeepSpeed engine cannot be measured exactly: {why}")
+        raise ValueError(
+            f"distmon: this DeepSpeed engine cannot be measured exactly: {why}. Use a configuration "
+            "docs/frameworks.md lists (ZeRO 0-3, bf16 or fp32, no offload, DeepSpeed's data parallelism)"
+        )
 
 
 def engine_counts(

@@ -50,7 +50,8 @@ LIGHTNING_DEEPSPEED = (
     "runs only on CUDA GPUs (Lightning refuses the CPU), where distmon's DeepSpeed support has not been "
     "verified under Lightning yet. distmon measures DeepSpeed exactly on its own (GradMonitor(engine, "
     "optimizer) after deepspeed.initialize), under the Hugging Face Trainer and under accelerate; "
-    "Lightning's DDP and FSDP strategies are measured as usual"
+    "Lightning's DDP and FSDP strategies are measured as usual: use one of those, or DeepSpeed "
+    "outside Lightning"
 )
 
 

@@ -151,7 +151,7 @@ def source_for(
         if comm_hook is not None:
             raise TypeError(
                 "distmon: comm_hook= is a DDP option; a DeepSpeed engine reduces its gradients itself "
-                "(distmon reads DeepSpeed's own partitions)"
+                "(distmon reads DeepSpeed's own partitions): leave comm_hook= out"
             )
         from .deepspeed import DeepSpeedSource
 

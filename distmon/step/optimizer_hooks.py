@@ -249,7 +249,8 @@ class StepHooks:
             self._finish(opt)
             if self.guard == "raise":
                 raise GradientAnomalyError(
-                    f"distmon: non-finite or spiking gradient at step {step}; optimizer step not taken"
+                    f"distmon: non-finite or spiking gradient at step {step}; optimizer step not taken "
+                    "(guard='raise'): catch distmon.GradientAnomalyError to go on, or use guard='skip'"
                 )
             return loss
 

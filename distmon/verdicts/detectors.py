@@ -51,6 +51,22 @@ __all__ = ["DetectorConfig", "DeviceDetector", "EventFinder"]
 class DetectorConfig:
     """Thresholds of the device detectors (defaults measured on the demo model; see docs/detection.md).
 
+    Attributes:
+        warmup_steps: steps before a spike can be reported (the baselines learn meanwhile).
+        ema_alpha: weight of a new step in the EMAs of the log-norms (and of the rank-outlier scale).
+        spike_zscore: a spike's z-score of the log-norm against its EMA must exceed this ...
+        spike_ratio: ... and the norm must exceed this times its reference (the running median
+            of the global norms; a layer's geometric EMA).
+        median_window: global norms in the running median.
+        vanishing_norm: a global norm below this ...
+        vanishing_steps: ... for this many consecutive steps is a ``vanishing`` event.
+        spike_adapt_steps: a lasting explosion is reported (and refused by a guard) for this many
+            consecutive steps, then becomes the new normal.
+        outlier_score: a rank's log local norm this many scales from its peer group's center is a
+            ``rank_outlier`` (3+ ranks).
+        outlier_min_scale: the floor of the rank-outlier scale.
+        scaler_stuck_steps: consecutive ``GradScaler`` skips that make a ``scaler_stuck`` event.
+
     Example:
         >>> DetectorConfig(spike_zscore=8.0).spike_ratio
         3.0

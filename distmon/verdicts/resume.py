@@ -43,11 +43,28 @@ __all__ = [
     "monitor_state",
     "disabled_state",
     "load_monitor_state",
+    "STATE_FIELDS",
+    "state_table",
 ]
 
 # raise it when a field changes meaning or name; load_monitor_state reads every version up to it
 # (2: the detector's "held" is "spiking")
 STATE_VERSION = 2
+
+# GradMonitor.state_dict()'s keys and what each holds (docs/api.md's table is rendered from it; a
+# test compares it with a real state)
+STATE_FIELDS: dict[str, str] = {
+    "version": "int: the format's version, `STATE_VERSION`; a distmon reads every version up to its own",
+    "step": "int: optimizer steps the run had taken; the resumed monitor's next step is this + 1",
+    "layers": "list of str: the layer groups, in model order; must equal the resuming monitor's",
+    "world_size": "int: the job's ranks; another world size keeps all but the rank-outlier scales",
+    "detector": "dict of lists and numbers, or None (detect=False): the detectors' EMAs of every "
+    "log-norm, the median window, the spike and vanishing runs, the rank-outlier scales",
+    "noise": "dict of lists and numbers, or None (no batch_size): the noise scale's EMAs and counts",
+    "scaler_run": "int: consecutive steps the GradScaler skipped (scaler_stuck)",
+    "disabled": "True, only in the state of a disabled monitor (DISTMON_DISABLE), which holds "
+    "`version` and this alone: a monitor that loads it starts afresh",
+}
 
 
 def save_tensors(owner: object, names: Sequence[str]) -> dict[str, list]:
@@ -78,7 +95,8 @@ def load_tensors(
         if value.shape != into.shape:
             raise ValueError(
                 f"distmon: the state's {part}.{name} has shape {tuple(value.shape)}, this monitor's "
-                f"{tuple(into.shape)}: it was taken with another {(why or {}).get(name, 'setting')}"
+                f"{tuple(into.shape)}: it was taken with another {(why or {}).get(name, 'setting')}; resume "
+                "with the setting it was taken with"
             )
     for name, value in values.items():
         getattr(owner, name).copy_(value)
@@ -114,6 +132,17 @@ def disabled_state() -> dict[str, object]:
         {'version': 2, 'disabled': True}
     """
     return {"version": STATE_VERSION, "disabled": True}
+
+
+def state_table() -> str:
+    """The table of ``state_dict()``'s fields in docs/api.md (Markdown), from :data:`STATE_FIELDS`.
+
+    Example:
+        >>> state_table().splitlines()[2].split(" | ")[0]
+        '| `version`'
+    """
+    rows = ["| key | holds |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in STATE_FIELDS.items()]
+    return "\n".join(rows) + "\n"
 
 
 def load_monitor_state(
@@ -158,7 +187,7 @@ def load_monitor_state(
         )
         raise ValueError(
             f"distmon: the state's layers are not this monitor's ({len(theirs)} vs {len(ours)}; first "
-            f"difference {first}): a state resumes the model and groups= it was taken with"
+            f"difference {first}): load it into a monitor of the model and groups= it was taken with"
         )
     notes = []
     same_ranks = state["world_size"] == world
