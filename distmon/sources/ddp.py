@@ -17,7 +17,7 @@ gradient that the reduction divides in place is a bucket read in its own hook.
 Why not more: on a GPU the host must stay ahead of the device queue. A read per bucket inside
 the backward, a Python continuation on each bucket's future and a Python comm hook itself are
 host work between the backward's kernel launches, in full where the backward is launch-bound;
-two fused reads where it ends cost what the one-process path costs (``local.py``). No
+two fused reads where it ends cost what the one-process path costs (``plain.py``). No
 collective is issued here: the monitor's collective waits for the optimizer step, when DDP's
 reduction, and every collective the user's hook started from its callbacks, is complete.
 

@@ -51,6 +51,9 @@ class Clipper:
         foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_``'s result and effect, by the norm already measured."""
+        refusal = getattr(self.tracker.source, "CLIP_REFUSAL", None)  # a source that clips itself
+        if refusal is not None:
+            raise RuntimeError(f"distmon: {refusal}")
         if not (
             isinstance(max_norm, torch.Tensor)
             and max_norm.numel() == 1

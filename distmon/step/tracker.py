@@ -412,8 +412,8 @@ class StepTracker:
         without changing the run: callable on one rank alone (a checkpoint saved by rank 0).
 
         The reduced-figure verdicts of the steps not judged yet are judged on copies (the
-        detector's and the rows'), as the next export will judge them; the verdicts that need
-        every rank's figures (rank outliers, the noise scale) are as of the latest export: the
+        detector's and the rows'), as the next export will judge them; the verdicts that compare
+        ranks (rank outliers, the noise scale) are as of the latest export: the
         other ranks' figures of the steps since are theirs until then. A layout in parts' last
         reduced sums come with its step's collective, already issued on every rank: waited here.
         """
@@ -443,7 +443,8 @@ class StepTracker:
     def export(self, gather: bool = True, timeout_s: float | None = None) -> None:
         """Judge the finished rows not yet exported, copy them to the host (non-blocking), hand them over.
 
-        Every rank's rows of steps not yet gathered are all-gathered first: a collective, so
+        The steps not yet exported are exchanged first (the node's ranks' rows gathered within
+        the node, the job-wide figures in two fixed-size reductions over the job): collectives, so
         with several ranks call it on every rank at the same point. ``gather=False`` (a rank
         closing on an exception, which the others may not share) exports what this rank
         has: its own figures, the other ranks' as not measured. The exported rows are then

@@ -1,7 +1,8 @@
 """Anomaly detectors that run on the device, with state in device tensors and no host sync.
 
 :meth:`DeviceDetector.update` reads a run of finished ring rows (reduced per-layer sums of
-squares and every rank's gathered figures), writes each row's verdicts into its detector
+squares, the node's ranks' gathered rows and the job-wide figures of every rank that the export's
+two reductions brought, ``step/crossrank.py``), writes each row's verdicts into its detector
 columns and advances the running state; the host decodes the columns into
 :class:`~distmon.snapshot.AnomalyEvent` objects when the rows are exported. The tracker runs
 it at export time over the steps since the last export (or on every step, before
@@ -21,10 +22,10 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
   learned baseline stopped reporting a x1e4 explosion after 3 steps). Falling norms
   (early-training decay) only make z negative: never an event;
 - the rank-outlier center is the mean of a peer group's log-norms leaving out the largest and
-  the smallest (the median for 3 and 4 ranks; exact from fixed-size reductions at any world
-  size, ``crossrank.py``), the scale the EMA over steps of the ranks' mean squared deviation
-  from it leaving out the largest one: a rank that stays bad, or is bad from step 1, cannot
-  inflate it; a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate
+  the smallest (the lower median for 3 and 4 ranks; exact from fixed-size reductions at any
+  world size, ``crossrank.py``), the scale the EMA over steps of the ranks' mean squared
+  deviation from it, of the ranks between the two extremes from 5 ranks on, leaving out the
+  largest deviation up to 4: a rank that stays bad, or is bad from step 1, cannot inflate it; a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate
   with 2), and with 2 ranks "which one is odd" has no answer at all;
 - non-finite gradients are flagged by the core per rank and layer; they are reported as an
   event here and never enter the running state.
@@ -497,8 +498,9 @@ class DeviceDetector:
 
     def _scale(self, g: int, spread: torch.Tensor) -> torch.Tensor:
         """Group ``g``'s scale per row: the EMA over steps of its ranks' mean squared deviation from
-        their center leaving out the largest (so a rank that stays bad, or is bad from the start,
-        never inflates it), floored; advances the EMA."""
+        their center, of the ranks between the two extremes from 5 ranks on, leaving out the largest
+        deviation up to 4 (so a rank that stays bad, or is bad from the start, never inflates it),
+        floored; advances the EMA."""
         m2 = spread * self._consistency[g]
         state = self.dev_var[g]
         var0, judged, used = _seed(state, ~torch.isnan(state), m2, torch.isfinite(m2))
