@@ -25,8 +25,9 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
   the smallest (the lower median for 3 and 4 ranks; exact from fixed-size reductions at any
   world size, ``crossrank.py``), the scale the EMA over steps of the ranks' mean squared
   deviation from it, of the ranks between the two extremes from 5 ranks on, leaving out the
-  largest deviation up to 4: a rank that stays bad, or is bad from step 1, cannot inflate it; a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate
-  with 2), and with 2 ranks "which one is odd" has no answer at all;
+  largest deviation up to 4: a rank that stays bad, or is bad from step 1, cannot inflate it;
+  a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate with 2),
+  and with 2 ranks "which one is odd" has no answer at all;
 - non-finite gradients are flagged by the core per rank and layer; they are reported as an
   event here and never enter the running state.
 """

@@ -5,8 +5,8 @@ on the reduced figures as soon as they are needed (at the export, in one batch o
 since the last one; before the optimizer step when a guard or ``clip_grad_norm_`` needs the
 step's figures), and the verdicts that compare ranks (rank outliers, the noise scale) once
 the export's collectives are in: the node's ranks' rows (gathered within the node) and the
-job-wide figures of every rank (two fixed-size reductions over the job, ``step/crossrank.py``). Only runs of valid steps are judged: an invalid row
-keeps the blank row's "no verdict".
+job-wide figures of every rank (two fixed-size reductions over the job, ``step/crossrank.py``).
+Only runs of valid steps are judged: an invalid row keeps the blank row's "no verdict".
 """
 
 from __future__ import annotations
