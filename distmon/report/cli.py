@@ -17,7 +17,7 @@ from .log_lines import MAX_LINE_BYTES, LogError
 from .log_reader import describe_runs, describe_skips, read_log
 from .pictures import missing_ranks, write_report
 
-__all__ = ["main", "expand_logs"]
+__all__ = ["main", "parser", "expand_logs"]
 
 
 def _positive(text: str) -> int:
@@ -55,9 +55,13 @@ def expand_logs(paths: Sequence[str]) -> list[str]:
     return [p for p in files if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m distmon report LOG... -o DIR [--run-id ID | --run N]``, ``python -m
-    distmon check``, ``python -m distmon --version``."""
+def parser() -> argparse.ArgumentParser:
+    """``python -m distmon``'s arguments (the docs' test reads its flags here).
+
+    Example:
+        >>> sorted(parser()._subparsers._group_actions[0].choices)
+        ['check', 'report']
+    """
     parser = argparse.ArgumentParser(prog="python -m distmon", description="distmon tools")
     parser.add_argument("--version", action="version", version=f"distmon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,7 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=MAX_LINE_BYTES / 2**20,
         help=f"skip lines longer than this, unread (default: {MAX_LINE_BYTES / 2**20:g})",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m distmon report LOG... -o DIR [--run-id ID | --run N]``, ``python -m
+    distmon check``, ``python -m distmon --version``."""
+    args = parser().parse_args(argv)
     if args.command == "check":
         from ..setup.selfcheck import run_check
 
