@@ -1,9 +1,11 @@
 """The docs document every option and every metric the code has (no silent drift).
 
-The tables of ``docs/`` (options, metrics, the bucket-to-gauge hops) and ``GradMonitor``'s
-``Args:`` are rendered from the code (``distmon/doc_tables.py``, ``distmon/options.py``); these
-tests fail when what is rendered differs from what the code renders now, when a default is
-declared twice, and when the site does not build strictly.
+The tables of ``docs/`` (options, metrics, the bucket-to-gauge hops, the error catalogue, the
+JSONL log schema, ``state_dict()``'s keys, the extras) and ``GradMonitor``'s ``Args:`` are
+rendered from the code (``distmon/doc_tables.py``, ``distmon/options.py``); these tests fail when
+what is rendered differs from what the code renders now, when a default is declared twice, and
+when the site (its API reference rendered from the docstrings included) does not build strictly.
+The other pages' names: ``test_doc_drift.py``; their code blocks: ``test_doc_snippets.py``.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def test_public_api_is_small_and_documented():
 
 
 def test_every_generated_table_of_the_docs_is_what_the_code_renders_now():
-    """The options, metrics and hop tables of docs/ are the code's (METRICS, OPTIONS, tracker.py)."""
+    """The generated tables of docs/ are the code's (distmon/doc_tables.py's TABLES)."""
     from distmon.doc_tables import stale_tables
 
     assert stale_tables(DOCS) == [], "stale: run python -m distmon.doc_tables --write"
@@ -180,8 +182,9 @@ def test_an_option_is_written_in_options_py_and_the_signature_only():
 
 
 def test_the_docs_site_builds_strictly(tmp_path):
-    """mkdocs build --strict: a broken link, anchor or page fails it (CI=true: mkdocs is required)."""
-    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+    """mkdocs build --strict: a broken link, anchor or page fails it (CI=true: mkdocs is required); the
+    API reference renders ``GradMonitor``'s options from its docstring."""
+    if any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "mkdocstrings_handlers")):
         if os.environ.get("CI") == "true":
             pytest.fail("mkdocs is not installed: pip install -e '.[docs]' (launch/install.sh --test does)")
         pytest.skip("mkdocs not installed (pip install -e '.[docs]')")
@@ -196,6 +199,8 @@ def test_the_docs_site_builds_strictly(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "site" / "how-it-works" / "index.html").exists()
+    api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
+    assert "DISTMON_EXPORT_INTERVAL_S" in api and "{options}" not in api  # GradMonitor's Args rendered
 
 
 def _script(text: str) -> str:
