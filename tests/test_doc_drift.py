@@ -526,6 +526,23 @@ def test_every_backticked_name_is_distmon_s_or_a_known_foreign_one():
     assert bad == [], f"pages name things distmon does not have (or add a foreign name to FOREIGN): {bad}"
 
 
+def test_the_options_every_rank_must_set_alike_are_the_agreed_ones():
+    """docs/options.md's two lists: the options every rank must set alike are ``AGREED``
+    (``agreed=True`` in distmon/options.py), the ones that may differ are all the others."""
+    from distmon.options import AGREED
+
+    section = pages()["docs/options.md"].split("## Options every rank must set alike", 1)[1]
+    alike, rest = section.split(" shape\n", 1) if " shape\n" in section else section.split(" shape ", 1)
+    differ = rest.split("Options that may\ndiffer:", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"`(\w+)`", alike)) == set(AGREED)
+    assert set(re.findall(r"`(\w+)`", differ)) == options() - set(AGREED)
+
+
+def test_the_home_page_links_every_page():
+    linked = set(re.findall(r"\]\(([\w-]+\.md)\)", pages()["docs/index.md"]))
+    assert {p[len("docs/") :] for p in pages() if p.startswith("docs/")} - linked == {"index.md"}
+
+
 @pytest.mark.parametrize("kind", ["options", "detector thresholds", "metrics", "variables"])
 def test_the_closed_lists_are_not_empty(kind):
     """Each list the checks above compare with holds what it should (a broken reader would pass them)."""

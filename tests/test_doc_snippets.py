@@ -123,6 +123,7 @@ def test_the_yaml_blocks_parse():
             assert yaml.safe_load(code), f"{page}:{line}"
 
 
+@pytest.mark.slow
 def test_the_python_blocks_marked_run_run_as_written(tmp_path):
     """Every ``run`` block, in one process (each in a fresh namespace after the prelude), with the
     monitor's endpoint on an ephemeral port and no linger."""

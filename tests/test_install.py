@@ -43,6 +43,7 @@ def test_python_m_distmon_version_names_the_package_version():
     assert run.returncode == 0 and run.stdout.strip() == f"distmon {distmon.__version__}", run
 
 
+@pytest.mark.slow
 def test_python_m_distmon_check_prints_a_snapshot():
     """Exit status 0, the versions line, and the snapshot the page shows (the same seeded model)."""
     run = _run("-m", "distmon", "check")
