@@ -115,7 +115,7 @@ def require_supported(version: str) -> tuple[int, int]:
     return release
 
 
-TORCH = require_supported(str(torch.__version__))  # refused at import: nothing runs half-way
+TORCH = require_supported(str(torch.__version__))  # refused when first imported (a public name used)
 
 
 # --- the sum of squares of every gradient (the hot path) ----------------------------------------

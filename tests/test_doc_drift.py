@@ -145,8 +145,9 @@ def source_index() -> dict[str, set[str]]:
                         if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
                             if sub.value.id == "self" and isinstance(sub.ctx, ast.Store):
                                 cls.add(sub.attr)
-                elif isinstance(node, ast.Assign) and node in tree.body:
-                    names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node in tree.body:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names = {t.id for t in targets if isinstance(t, ast.Name)}
                     index[""].update(names)
                     members.update(names)
     return index
@@ -455,8 +456,21 @@ def test_every_repository_file_a_page_names_exists():
 
 
 def _resolves(dotted: str) -> bool:
-    """Whether ``dotted`` (``distmon.x.y``, ``torch.x.y``) is a module or a name in one."""
+    """Whether ``dotted`` is a module or a name in one: ``distmon.*`` from the source (no import: the
+    integrations would import their frameworks), ``torch.*`` imported."""
     parts = dotted.split(".")
+    if parts[0] == "distmon":
+        import distmon
+
+        for i in range(len(parts), 0, -1):
+            base = os.path.join(ROOT, *parts[:i])
+            if os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py")):
+                rest = parts[i:]
+                if not rest:
+                    return True
+                members = [*distmon.__all__, "__all__"] if i == 1 else source_index().get(parts[i - 1], set())
+                return rest[0] in members and all(r in source_index().get(rest[0], {r}) for r in rest[1:2])
+        return False
     for i in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
