@@ -39,6 +39,7 @@ STAGES: dict[str, str] = {
     "sources": "Building a monitor",
     "monitor.py": "The monitor's methods",
     "step": "During training",
+    "errors.py": "During training",  # the errors caught in distmon's own code: counted, logged once
     "verdicts": "Detectors and checkpoints",
     "export": "Exporting: the log and the callbacks",
     "serve": "Serving /metrics",
