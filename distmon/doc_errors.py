@@ -343,6 +343,7 @@ def _title(text: str) -> str:
     body = _body(text)
     head = re.split(r"(?<=\S)[:;](?=\s)|\s\(|\. ", body, maxsplit=1)[0].strip()
     head = head if len(head) <= 90 else head[:87].rsplit(" ", 1)[0] + " …"
+    head = _PLACEHOLDER.sub(lambda m: "‹" + m[0][1:-1] + "›", head)  # braces would end the {#anchor}
     return head.replace("`", "'").replace("<", "&lt;").replace("*", "\\*").replace("_", "\\_")
 
 

@@ -35,8 +35,8 @@ def _page(name: str) -> str:
 
 def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
     """GradMonitor's signature, MonitorConfig's fields and the docs' table all follow distmon.options."""
-    from distmon.setup.config import MonitorConfig
     from distmon.options import OPTIONS, options_table
+    from distmon.setup.config import MonitorConfig
 
     declared = [o.name for o in OPTIONS]
     params = [n for n in inspect.signature(distmon.GradMonitor).parameters if n not in ("model", "optimizer")]
@@ -47,8 +47,8 @@ def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
 
 
 def test_every_environment_variable_is_read_through_the_declaration(monkeypatch):
-    from distmon.setup.config import MonitorConfig
     from distmon.options import OPTIONS
+    from distmon.setup.config import MonitorConfig
 
     for o in OPTIONS:
         if o.env is None or o.name.startswith("tls") or o.name == "basic_auth_file":
@@ -201,6 +201,10 @@ def test_the_docs_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "how-it-works" / "index.html").exists()
     api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     assert "DISTMON_EXPORT_INTERVAL_S" in api and "{options}" not in api  # GradMonitor's Args rendered
+    from distmon.doc_errors import messages  # every catalogue entry has its stable anchor on the site
+
+    errors = (tmp_path / "site" / "errors" / "index.html").read_text(encoding="utf-8")
+    assert [m.anchor for m in messages() if f'id="{m.anchor}"' not in errors] == []
 
 
 def _script(text: str) -> str:
