@@ -4,7 +4,7 @@ Three lines in a DDP training script::
 
     import distmon
     model = DDP(net, ...)
-    mon = distmon.GradMonitor(model, optimizer)   # wraps DDP's comm hook, hooks optimizer.step
+    mon = distmon.GradMonitor(model, optimizer)   # reads DDP's gradients, hooks optimizer.step
     ...                                            # the training loop is unchanged
     snap = mon.latest()   # newest Snapshot (None before the first export)
     mon.flush()           # export every finished step now (may sync; tests, end of training)
@@ -17,7 +17,8 @@ precursor's settings), :class:`GradientAnomalyError` (``guard="raise"``).
 
 The names are imported on first use, so ``import distmon`` and ``python -m distmon report``
 do not import torch. distmon runs on torch 2.6 and newer (complete from 2.9,
-:mod:`distmon.compat`); the first use of a name refuses an older torch with an ImportError.
+:mod:`distmon.compat`); the first use of a public name refuses an older torch with an ImportError.
+``DISTMON_DISABLE=1`` makes every ``GradMonitor(...)`` a no-op (docs/options.md).
 """
 
 from __future__ import annotations

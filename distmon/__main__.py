@@ -1,7 +1,8 @@
-"""``python -m distmon report LOG... -o DIR`` (see :mod:`distmon.report`)."""
+"""``python -m distmon``: ``report LOG... -o DIR``, ``check``, ``--version`` (:mod:`distmon.report.cli`)."""
 
 import sys
 
 from .report import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not on import (the docs' API reference imports every module)
+    sys.exit(main())

@@ -31,10 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # FSDP2's and DTensor's types, for annotations only (imported where used)
+# Private types for annotations only, never imported at run time (a release without them changes
+# no behaviour): FSDP2's _fsdp_param/_fsdp_param_group, DTensor's _dtensor_spec, pipelining's
+# _PipelineStageBase. The other modules import them from here.
+if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
@@ -88,7 +92,10 @@ def _release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a torch version string (``"2.9.1+cu128"``, ``"2.14.0a0+git..."``)."""
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None:
-        raise ImportError(f"distmon: cannot read torch's version {version!r}")
+        raise ImportError(
+            f"distmon: cannot read torch's version {version!r}: reinstall torch "
+            "(pip install --force-reinstall torch)"
+        )
     return int(m.group(1)), int(m.group(2))
 
 
@@ -113,7 +120,7 @@ def require_supported(version: str) -> tuple[int, int]:
     return release
 
 
-TORCH = require_supported(str(torch.__version__))  # refused at import: nothing runs half-way
+TORCH = require_supported(str(torch.__version__))  # refused when first imported (a public name used)
 
 
 # --- the sum of squares of every gradient (the hot path) ----------------------------------------
@@ -387,7 +394,7 @@ def scaler_optimizer_states(scaler: object) -> dict[int, dict[str, object]]:
 # torch.distributed.pipelining.stage._PipelineStageBase: the base of PipelineStage and of the
 # stages the schedules build; checked on 2.6-2.14 (read from sys.modules: never imported for it).
 # Without it: a pipeline stage is not recognised (its module measured as a whole job).
-def pipeline_stage_base() -> type | None:
+def pipeline_stage_base() -> type[PipelineStage] | None:
     """The base class of ``torch.distributed.pipelining`` stages, None when pipelining is not imported."""
     return getattr(sys.modules.get("torch.distributed.pipelining.stage"), "_PipelineStageBase", None)
 

@@ -23,14 +23,15 @@ from .serve.file_sd import target_host
 from .setup.config import GuardMode, MonitorConfig, Scheduler, ServeMode
 from .setup.hostinfo import RankInfo
 from .setup.lifecycle import EXIT_GATHER_S, ExitGuard, announce, shut_down
+from .setup.off_switch import agreed_off
 from .setup.start import start
 from .snapshot import AnomalyEvent, Snapshot
-from .sources import CommHook
+from .sources import CommHook, process_group, trained_module
 from .step.activations import ActivationSpec
 from .step.optimizer_hooks import GradientAnomalyError
 from .verdicts.detectors import DetectorConfig
 from .verdicts.precursor import PrecursorConfig
-from .verdicts.resume import load_monitor_state, monitor_state
+from .verdicts.resume import disabled_state, load_monitor_state, monitor_state
 
 __all__ = ["GradMonitor", "GradientAnomalyError"]
 
@@ -48,6 +49,11 @@ class GradMonitor:
     rank: if anything fails on any rank (an option, a port, the log file, the file_sd
     directory), every rank releases what it prepared and raises the same error, naming the
     rank, the option and the path.
+
+    ``DISTMON_DISABLE=1`` on every rank turns it off without a code change: the constructor
+    then installs, serves, writes and starts nothing (one small all-reduce at construction agrees
+    the switch across ranks; ranks that disagree are refused), and each method says below what
+    it does on such a monitor (docs/options.md#turning-distmon-off).
 
     Every option after ``optimizer`` is keyword-only and declared once, in ``distmon/options.py``
     (these entries are rendered from it): one not given is read from its ``DISTMON_*`` variable if
@@ -78,12 +84,13 @@ class GradMonitor:
         (3, 4.472)
     """
 
-    config: MonitorConfig  # the options, validated
+    config: MonitorConfig | None  # the options, validated (None when disabled: nothing is read)
     run_id: str  # rank 0's: every series' run_id label
     rank: int  # this process's rank in the job
     world_size: int  # the job's ranks
     rank_infos: tuple[RankInfo, ...]  # who each rank is, in rank order
     layers: tuple[str, ...]  # the layer groups reported, in model order
+    disabled: bool  # DISTMON_DISABLE turned it off: it measures, serves and writes nothing
 
     def __init__(
         self,
@@ -127,16 +134,20 @@ class GradMonitor:
         precursor: bool | PrecursorConfig | None = None,
     ) -> None:
         self._closed = True  # until every rank has started
-        # the options as given (None: not given), named in the signature only: options.py has the rest
-        # (the comprehension's first iterable, locals(), is evaluated here, in __init__'s scope)
-        run = start(model, optimizer, {name: value for name, value in locals().items() if name in BY_NAME})
+        # the options as given (None: not given); locals() is evaluated here, in __init__'s scope
+        given = {name: value for name, value in locals().items() if name in BY_NAME}
+        off = agreed_off(process_group(given.get("job_group")))  # one collective, on every rank
+        self.disabled = off is not None
+        if off is not None:  # DISTMON_DISABLE: nothing is built, installed or started
+            self.config, self.run_id, self.rank, self.world_size = None, "", off.rank, off.world_size
+            self.rank_infos, self.layers, self._model = (), (), model
+            return
+        run = start(model, optimizer, given)
         self.config, self.run_id, self.rank = run.built.cfg, run.run_id, run.me.rank
         self.world_size, self.rank_infos = len(run.peers), tuple(p.info for p in run.peers)
         self.layers = run.built.grouping.layers
-        self._run, self._schedule, self._export = run, run.built.schedule, run.export
-        self._closed = False
-        # closes the monitor at exit if close() is never called; its key is this monitor's in the
-        # job's store (rank 0's nonce)
+        self._run, self._schedule, self._export, self._closed = run, run.built.schedule, run.export, False
+        # closes the monitor at exit if close() is never called; keyed in the store by rank 0's nonce
         self._exit = ExitGuard(
             self._close, rank=self.rank, world=self.world_size, key=f"distmon/exit/{run.peers[0].nonce}"
         )
@@ -150,14 +161,16 @@ class GradMonitor:
 
         Runs on a thread of its own when the step is exported (up to ``export_every`` steps
         later), behind a bounded queue: a slow callback never holds training (decisions before
-        the step: ``guard``). Exceptions are counted and logged once.
+        the step: ``guard``). Exceptions are counted and logged once. A disabled monitor
+        (``DISTMON_DISABLE``) never calls ``fn``.
 
         Example:
             >>> @mon.on_anomaly                                       # doctest: +SKIP
             ... def page(event, snap):
             ...     print(event.kind, event.step, event.rank, event.layer)
         """
-        self._run.callbacks.add(fn)
+        if not self.disabled:
+            self._run.callbacks.add(fn)
         return fn
 
     def clip_grad_norm_(
@@ -172,6 +185,9 @@ class GradMonitor:
         Call on every rank, after ``backward()`` and before the optimizer step (with a
         ``GradScaler``, before or after ``scaler.unscale_(opt)``, like torch's). No pass over
         the gradients and no host sync, but once (``clip.py`` says why); a closed monitor raises.
+        A disabled monitor (``DISTMON_DISABLE``) calls ``torch.nn.utils.clip_grad_norm_`` over the
+        trainable parameters of the model it was given, so the loop clips as it would without
+        distmon (on DDP, FSDP2 and one process the same norm; a pipeline stage clips by its own).
 
         Example:
             >>> scaler.scale(loss).backward()      # doctest: +SKIP
@@ -179,6 +195,11 @@ class GradMonitor:
             >>> norm = mon.clip_grad_norm_(1.0)    # doctest: +SKIP
             >>> scaler.step(opt); scaler.update()  # doctest: +SKIP
         """
+        if self.disabled:
+            params = [p for p in trained_module(self._model).parameters() if p.requires_grad]
+            return torch.nn.utils.clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+            )
         if self._closed:
             raise RuntimeError(
                 "distmon: clip_grad_norm_ on a closed GradMonitor (it no longer measures "
@@ -188,23 +209,29 @@ class GradMonitor:
 
     @property
     def port(self) -> int | None:
-        """The port this process serves metrics on, or None if it does not serve (or is closed)."""
+        """The port this process serves metrics on, or None if it does not serve (or is closed or
+        disabled)."""
+        if self.disabled:
+            return None
         server = self._run.opened.server
         return server.port if server and not self._closed else None
 
     @property
     def metrics_url(self) -> str | None:
         """Where this process serves its metrics (``http(s)://host:port/metrics``), or None."""
-        server = self._run.opened.server
-        return server.url(target_host(self.config.addr)) if server and self.port is not None else None
+        if self.port is None:
+            return None
+        return self._run.opened.server.url(target_host(self.config.addr))
 
     @property
     def step(self) -> int:
-        """Training steps finished so far (the first is 1): what a snapshot's ``step`` counts."""
-        return self._schedule.step
+        """Training steps finished so far (the first is 1): what a snapshot's ``step`` counts (0 on a
+        disabled monitor, which counts nothing)."""
+        return 0 if self.disabled else self._schedule.step
 
     def latest(self) -> Snapshot | None:
-        """The newest exported snapshot (None before the first export). Never blocks.
+        """The newest exported snapshot (None before the first export, and always on a disabled
+        monitor). Never blocks.
 
         Example:
             >>> net = torch.nn.Linear(2, 1)
@@ -213,7 +240,7 @@ class GradMonitor:
             True
             >>> mon.close()
         """
-        return self._export.latest
+        return None if self.disabled else self._export.latest
 
     def state_dict(self) -> dict[str, object]:
         """What the run carries across a restart: its step count, what the detectors and the noise
@@ -224,7 +251,8 @@ class GradMonitor:
         checkpoint), at any step: no collective, and the run goes on as if it had not been called.
         The rank-outlier scales and the noise scale are as of the latest export (at most
         ``export_every - 1`` steps before: the other ranks' figures of the steps since are theirs
-        until the next export); the rest is as of the latest step.
+        until the next export); the rest is as of the latest step. A disabled monitor returns
+        ``{"version": STATE_VERSION, "disabled": True}``: a monitor that loads it starts afresh.
 
         Example:
             >>> if rank == 0:                                                  # doctest: +SKIP
@@ -232,6 +260,8 @@ class GradMonitor:
             >>> mon = GradMonitor(model, opt)                                  # doctest: +SKIP
             >>> mon.load_state_dict(torch.load(path)["distmon"])               # doctest: +SKIP
         """
+        if self.disabled:
+            return disabled_state()
         detector, noise, precursor = self._schedule.learned()
         return monitor_state(
             step=self.step,
@@ -247,9 +277,12 @@ class GradMonitor:
         """Resume from :meth:`state_dict`'s ``state``: the next step is its step + 1, judged against what
         the run had learned. On every rank, right after building the monitor, before the first step.
         Another model or ``groups=`` is refused (``ValueError``); another world size keeps all but the
-        rank-outlier scales."""
+        rank-outlier scales. A state a disabled monitor saved starts the run afresh (said in a warning);
+        a disabled monitor ignores ``state``."""
+        if self.disabled:
+            return
         judge, decoder = self._schedule.judge, self._export.decoder
-        step, scaler_run = load_monitor_state(
+        resumed = load_monitor_state(
             state,
             measured_steps=self._schedule.measured_steps,
             layers=self.layers,
@@ -258,6 +291,9 @@ class GradMonitor:
             noise=judge.noise,
             precursor=judge.precursor,
         )
+        if resumed is None:  # saved by a disabled monitor: nothing to resume
+            return
+        step, scaler_run = resumed
         self._schedule.resume_at(step)
         self._schedule.scaler_run = scaler_run
         decoder.resumed_from = step
@@ -269,8 +305,10 @@ class GradMonitor:
 
         May synchronize with the device: call it in tests, at evaluation points or at the
         end of training, not every step. Call it on every rank at the same point of the loop:
-        the other ranks' figures of the steps since the last export come in one all-gather.
-        After ``close()`` it only returns :meth:`latest`.
+        the other ranks' figures of the steps since the last export come in the export's
+        collectives (the node's ranks' rows gathered within the node, the job-wide figures in two
+        fixed-size reductions over the job: a snapshot holds its own node's ranks). After
+        ``close()``, and on a disabled monitor, it only returns :meth:`latest`.
         """
         if not self._closed:
             self._schedule.export(gather=True)
@@ -282,14 +320,15 @@ class GradMonitor:
 
         Call on every rank at the same point of training (the monitor's per-step collective
         stops with it). ``finished=False`` (used on an exception) skips the clean-finish mark,
-        the linger and the all-gather (the other ranks may not be closing: the steps since the
+        the linger and the export's collectives (the other ranks may not be closing: the steps since the
         last export are exported with this rank's figures only, the others' as not measured),
         so the run reads as having died. Called while an exception propagates (in a ``finally``
         or ``except`` block) it closes so too, as a ``with`` block does: a peer still blocked in
         a reduction with this rank never joins a gather, and the job would hang instead of failing.
         Afterwards ``latest()``, ``step`` and ``flush()`` report the final state,
         ``clip_grad_norm_`` raises, and the model trains exactly as without distmon. Never called:
-        it runs at exit, said on stderr (``lifecycle.ExitGuard``).
+        it runs at exit, said on stderr (``lifecycle.ExitGuard``). On a disabled monitor it does
+        nothing.
         """
         finished = finished and sys.exc_info()[1] is None
         self._close(finished, gather=finished, timeout_s=None if finished else EXIT_GATHER_S)

@@ -76,7 +76,8 @@ class Snapshot:
             figures can be lost while the global ones are exact: a failure in its local
             measurement, or FSDP2 reduce-scattering on every micro-batch (no single
             reduce-scatter input holds the step's local gradient).
-        run_id, world_size: the run this step belongs to.
+        run_id: the run this step belongs to (the ``run_id`` label of every series).
+        world_size: the number of ranks of the job.
         scores: detector scores: "zscore" and "median_ratio" of the global norm (NaN until an
             earlier export gave the running median its first norms), "layer_zmax" the largest
             layer z-score, "rank_outlier_worst" the job's largest rank-outlier score (NaN without
@@ -114,9 +115,10 @@ class Snapshot:
         resumed_from: on the first step exported after ``GradMonitor.load_state_dict``, the step
             the run resumed after (the steps after it in the log before this line were rolled
             back with the checkpoint); None on every other step.
-        skipped: the optimizer did not take this step; ``skip_reason`` says who kept it:
-            ``"guard"`` (``guard="skip"``) or ``"scaler"`` (the ``GradScaler`` found an Inf/NaN
-            gradient: counted in ``distmon_scaler_skipped_steps_total``, not as non-finite).
+        skipped: the optimizer did not take this step; ``skip_reason`` says who kept it.
+        skip_reason: who kept the optimizer from taking the step: ``"guard"`` (``guard="skip"``),
+            ``"scaler"`` (the ``GradScaler`` found an Inf/NaN gradient: counted in
+            ``distmon_scaler_skipped_steps_total``, not as non-finite), or ``""`` (nobody).
     """
 
     step: int

@@ -233,6 +233,13 @@ def test_what_cannot_be_measured_exactly_is_refused_at_construction_on_every_ran
         assert says in said and "did not start on any rank" in said, said
 
 
+def test_clip_grad_norm_is_refused_on_an_engine_naming_gradient_clipping(grid):
+    for rank in grid["ranks"]:
+        said = rank["refusals"]["clip_grad_norm_"]
+        assert said.startswith("RuntimeError: distmon: clip_grad_norm_ on a DeepSpeed engine"), said
+        assert "set gradient_clipping in the DeepSpeed config" in said, said
+
+
 def test_the_engine_s_module_passed_is_measured_as_the_engine(grid):
     """``GradMonitor(engine.module, optimizer)``: the engine that holds it is found and measured (#27)."""
     assert all(rank["refusals"]["the engine's module"] == "built" for rank in grid["ranks"])

@@ -170,6 +170,35 @@ def test_the_blocks_are_found_by_the_names_common_models_use():
     assert [b.name for b in find_attention(model, queries=r"^c\.c_attn$")] == ["c"]
 
 
+def test_blocks_named_in_the_config_are_read():
+    """docs/detection.md's configuration: projections named ``attn.wq``/``attn.wk`` (no name the
+    search knows, no head count), the head size given; the bound is the float64 one of their outputs."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq, self.wk = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.wq(x) * self.wk(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"attn": Block()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = PrecursorConfig(queries=r"attn\.wq$", keys=r"attn\.wk$", head_dim=128, every=1)
+    mon = distmon.GradMonitor(model, opt, serve="none", export_every=1, precursor=config)
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        q, k = (m(x).double().reshape(-1, 128) for m in (model.attn.wq, model.attn.wk))
+    model.attn(x).sum().backward()
+    opt.step()
+    snap = mon.flush()
+    mon.close()
+    expected = float(q.norm(dim=1).max() * k.norm(dim=1).max()) / math.sqrt(128)
+    assert list(snap.attention_logit_bound) == ["attn"]
+    assert abs(snap.attention_logit_bound["attn"] - expected) <= 1e-5 * expected
+
+
 def test_what_the_precursor_cannot_read_is_refused_at_construction():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
     opt = torch.optim.SGD(mlp.parameters(), lr=0.1)

@@ -27,7 +27,7 @@ SINK_WAIT_S = 10.0
 class ExportThread:
     """The background thread that decodes exports into snapshots and feeds every sink, in order.
 
-    It reads the export ``queue`` the step tracker puts into. The ``aggregate`` this rank's
+    It reads the export ``queue`` the step schedule puts into. The ``aggregate`` this rank's
     endpoint serves (in-memory, bounded work) and the job's one-line ``notice`` of a non-finite
     step (rank 0's) are fed on this thread; ``workers`` (the JSONL log, callbacks: file systems
     and user code) get the snapshots through their own bounded queues, so nothing they do can
@@ -54,7 +54,7 @@ class ExportThread:
         self.workers = workers
         self.errors = errors
         self.latest: Snapshot | None = None
-        self._queue = queue  # the tracker puts its exports there
+        self._queue = queue  # the schedule puts its exports there
         self._thread = threading.Thread(target=self._run, name="distmon-export", daemon=True)
         self._thread.start()
 

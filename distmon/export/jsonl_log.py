@@ -1,5 +1,6 @@
 """JSONL exporter: one strict-JSON line per optimizer step, written by rank 0 (and by the first rank
-of every other node, for its node's ranks: :func:`node_log_path`)."""
+of every other node, for its node's ranks: :func:`node_log_path`). The fields and their version:
+``log_schema.py`` (``docs/log-schema.md``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from collections.abc import Sequence
 
 from ..snapshot import Snapshot, to_jsonable
+from .log_schema import LOG_SCHEMA_VERSION
 
 __all__ = ["JsonlLog", "node_log_path"]
 
@@ -27,7 +29,8 @@ def node_log_path(path: str, node: int) -> str:
 
 
 class JsonlLog:
-    """Appends each snapshot as a JSON object line (non-finite floats as "nan"/"inf").
+    """Appends each snapshot as a JSON object line (non-finite floats as "nan"/"inf"), its schema
+    version last (``"schema"``: a line starts with ``{"step":``, which the report's reader relies on).
 
     The file is opened (and its directory created) by the constructor, so an unusable path
     fails the monitor's start-up; :meth:`discard` undoes that when the start-up does not
@@ -50,7 +53,8 @@ class JsonlLog:
 
     def __call__(self, snaps: Sequence[Snapshot]) -> None:
         for snap in snaps:
-            self._file.write(json.dumps(to_jsonable(snap), allow_nan=False) + "\n")
+            line = {**to_jsonable(snap), "schema": LOG_SCHEMA_VERSION}
+            self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

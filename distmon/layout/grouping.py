@@ -90,7 +90,9 @@ def validate_groups(groups: GroupSpec) -> GroupFn:
             try:
                 re.compile(rule[0])
             except re.error as e:
-                raise ValueError(f"distmon: bad regex {rule[0]!r} in groups: {e}") from None
+                raise ValueError(
+                    f"distmon: bad regex {rule[0]!r} in groups: {e}; fix the pattern (Python's re syntax)"
+                ) from None
         return _rules_fn(groups)
     raise TypeError(
         f"distmon: groups must be None, a callable or a list of (regex, group) pairs, "
@@ -126,7 +128,10 @@ def build_grouping(
         names.append(name)
         labels.append(label)
     if not params:
-        raise ValueError("distmon: the model has no trainable parameters to monitor")
+        raise ValueError(
+            "distmon: the model has no trainable parameters to monitor: build the monitor on a model "
+            "whose parameters require a gradient (after unfreezing the ones you train)"
+        )
     order: dict[str, int] = {}
     for label in layers if layers is not None else labels:
         order.setdefault(label, len(order))

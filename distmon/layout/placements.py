@@ -130,7 +130,8 @@ def copy_reason(
     if spec is not None and any(placement.is_partial() for placement in spec.placements):
         raise ValueError(
             "distmon: a parameter placed as Partial has no local part whose sum of squares is "
-            "its own; distmon measures Shard and Replicate placements"
+            "its own; distmon measures Shard and Replicate placements: use FSDP2 over the data-parallel "
+            "dimension, which turns such gradients whole before the optimizer steps (as torchtitan does)"
         )
     if replicated is not None and replicated[0] != 0:
         return f"rank {replicated[0]} of {replicated[1]} (its rank 0 counts it)"

@@ -1,6 +1,6 @@
 """The first-step check of a layout: distmon's reading of it against the job's norm counted by value.
 
-distmon adds up, over the job, the parts of the reduced gradient each rank counts (``layout.py``,
+distmon adds up, over the job, the parts of the reduced gradient each rank counts (``placements.py``,
 confirmed at start-up by :mod:`distmon.layout.census`). Once, on the first step whose figures are finite
 and measured on every rank, when the optimizer step begins, that sum is taken again from the
 gradients as they are then (each rank's counted parts, one all-reduce over the job) and computed

@@ -1,6 +1,7 @@
-"""``python -m distmon report LOG... -o DIR``: the report's command line (:mod:`distmon.report.pictures`).
+"""``python -m distmon``'s command line: ``report LOG... -o DIR`` (:mod:`distmon.report.pictures`),
+``check`` (:mod:`distmon.setup.selfcheck`) and ``--version``.
 
-Neither this module nor ``python -m distmon`` imports torch.
+Neither this module nor ``python -m distmon report`` (or ``--version``) imports torch.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .._version import __version__
 from .log_lines import MAX_LINE_BYTES, LogError
 from .log_reader import describe_runs, describe_skips, read_log
 from .pictures import missing_ranks, write_report
 
-__all__ = ["main", "expand_logs"]
+__all__ = ["main", "parser", "expand_logs"]
 
 
 def _positive(text: str) -> int:
@@ -43,7 +45,9 @@ def expand_logs(paths: Sequence[str]) -> list[str]:
         if os.path.isdir(path):
             found = sorted(e.path for e in os.scandir(path) if e.name.endswith(".jsonl") and e.is_file())
             if not found:
-                raise LogError(f"no *.jsonl file in the directory {path}")
+                raise LogError(
+                    f"no *.jsonl file in the directory {path}: pass the logs, or the directory holding them"
+                )
             files += found
         else:
             files.append(path)
@@ -51,10 +55,22 @@ def expand_logs(paths: Sequence[str]) -> list[str]:
     return [p for p in files if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m distmon report LOG... -o DIR [--run-id ID | --run N]``."""
+def parser() -> argparse.ArgumentParser:
+    """``python -m distmon``'s arguments (the docs' test reads its flags here).
+
+    Example:
+        >>> sorted(parser()._subparsers._group_actions[0].choices)
+        ['check', 'report']
+    """
     parser = argparse.ArgumentParser(prog="python -m distmon", description="distmon tools")
+    parser.add_argument("--version", action="version", version=f"distmon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "check",
+        help="self-check of the install: a monitor in this process, three steps, the snapshot printed",
+        description="Build a GradMonitor on a small model in this process (no torch.distributed, no "
+        "endpoint, no log), train three steps and print the last snapshot. Exit status 0: the install works.",
+    )
     rep = sub.add_parser(
         "report",
         help="pictures and a summary of a run's JSONL log (log_path=)",
@@ -81,7 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=MAX_LINE_BYTES / 2**20,
         help=f"skip lines longer than this, unread (default: {MAX_LINE_BYTES / 2**20:g})",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m distmon report LOG... -o DIR [--run-id ID | --run N]``, ``python -m
+    distmon check``, ``python -m distmon --version``."""
+    args = parser().parse_args(argv)
+    if args.command == "check":
+        from ..setup.selfcheck import run_check
+
+        return run_check()
 
     def fail(message: str) -> int:
         print(f"distmon report: {message}", file=sys.stderr)
@@ -95,7 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LogError as e:
         return fail(str(e))
     except OSError as e:
-        return fail(f"cannot read {e.filename or ' '.join(args.logs)}: {e.strerror or e}")
+        return fail(
+            f"cannot read {e.filename or ' '.join(args.logs)}: {e.strerror or e}; pass the JSONL log "
+            "the monitor wrote (log_path=)"
+        )
     run = log.run
     if log.run_count > 1:
         held = paths[0] if len(paths) == 1 else f"the {len(paths)} logs"
@@ -120,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         files = write_report(log, args.out)
     except OSError as e:
-        return fail(f"cannot write the report to {args.out}: {e.strerror or e}")
+        return fail(
+            f"cannot write the report to {args.out}: {e.strerror or e}; pass another directory with -o"
+        )
     print(f"distmon report: wrote {', '.join(files)} to {args.out}")
     return 0

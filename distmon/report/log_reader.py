@@ -259,7 +259,7 @@ def read_log(
     its ``filename`` the file) when there is none."""
     paths = [path] if isinstance(path, str) else list(path)
     if not paths:
-        raise LogError("no log to read")
+        raise LogError("no log to read: pass the JSONL log the monitor wrote (log_path=)")
     shown = ", ".join(paths) if len(paths) <= 3 else f"{paths[0]} and {len(paths) - 1} more logs"
     skipped: Counter[str] = Counter()
     first_skipped: dict[str, int | str] = {}
@@ -310,14 +310,22 @@ def read_log(
             if current is not None:
                 current.add(obj, [(i, line.obj) for i, line in parts])
     if not any(log.lines for log in logs):
-        raise LogError(f"{shown} {'is' if len(paths) == 1 else 'are'} empty")
+        raise LogError(
+            f"{shown} {'is' if len(paths) == 1 else 'are'} empty: pass the log of a run that exported a "
+            "step (the first export comes after export_every steps)"
+        )
     if span is None:
-        raise LogError(f"no valid snapshot in {shown}: {describe_skips(skipped, first_skipped)}")
+        raise LogError(
+            f"no valid snapshot in {shown}: {describe_skips(skipped, first_skipped)}; pass the JSONL log "
+            "the monitor wrote (log_path=)"
+        )
     runs: list[RunSpan | None] = [*head, *([None] if span.index > len(head) + len(tail) else []), *tail]
     if kept is None:
         wanted = f"no run {run_id!r}" if run_index is None else f"no run #{run_index}"
         holds = "it holds" if len(paths) == 1 else "they hold"
-        raise LogError(f"{wanted} in {shown}; {holds} {describe_runs(runs, span.index)}")
+        raise LogError(
+            f"{wanted} in {shown}; {holds} {describe_runs(runs, span.index)}: pick one with --run-id or --run"
+        )
     return LogRead(
         run=kept,
         runs=runs,

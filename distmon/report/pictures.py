@@ -204,7 +204,8 @@ def _ranks_section(log: LogRead) -> list[str]:
         top = sorted(scored, key=lambda r: -run.rank_score[r])[:LISTED]
         lines += [
             "",
-            f"Most outlying ranks (largest `rank_outlier_score` of the run, {len(top)} of {len(scored)}):",
+            f"Most outlying ranks (largest of `rank_outlier_scores` over the run, {len(top)} of "
+            f"{len(scored)}):",
             "",
         ]
         lines += ["| rank | largest outlier score | at step |", "|---:|---:|---:|"]

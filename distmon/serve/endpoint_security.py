@@ -182,7 +182,9 @@ def _read_users(path: str, bcrypt: ModuleType) -> _Users:
             stamp = _stamp(os.fstat(f.fileno()))
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"distmon: {where} cannot be read: {e}") from e
+        raise ValueError(
+            f"distmon: {where} cannot be read: {e}; give a readable file of 'user:bcrypt-hash' lines"
+        ) from e
     hashes: dict[str, bytes] = {}
     for number, line in enumerate(lines, 1):
         line = line.strip()
@@ -191,11 +193,13 @@ def _read_users(path: str, bcrypt: ModuleType) -> _Users:
         user, sep, hashed = line.partition(":")
         if not (sep and user and _BCRYPT_HASH.fullmatch(hashed)):  # not echoed: it may hold a password
             raise ValueError(
-                f"distmon: {where} line {number} is not 'user:bcrypt-hash' (a $2a$, $2b$ or "
-                f"$2y$ hash, as `htpasswd -nbB user password` prints)"
+                f"distmon: {where} line {number} is not 'user:bcrypt-hash': write it as "
+                f"`htpasswd -nbB user password` prints it (a $2a$, $2b$ or $2y$ hash)"
             )
         if user in hashes:
-            raise ValueError(f"distmon: {where} line {number}: user {user!r} is listed twice")
+            raise ValueError(
+                f"distmon: {where} line {number}: user {user!r} is listed twice; keep one line per user"
+            )
         hashes[user] = hashed.encode()
     if not hashes:
         raise ValueError(

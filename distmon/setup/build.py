@@ -56,7 +56,7 @@ from .hostinfo import Nodes, RankInfo, restart_count
 from .lifecycle import Opened, served_ranks
 
 if TYPE_CHECKING:  # for annotations only: imported where used
-    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
+    from ..compat import PipelineStage
 
 __all__ = [
     "Built",
@@ -152,7 +152,8 @@ def read_rank(model: torch.nn.Module, optimizer: object, cfg: MonitorConfig) -> 
         if cfg.activations or cfg.precursor:
             raise ValueError(
                 f"distmon: {'activations=' if cfg.activations else 'precursor='} is not supported with "
-                "pipeline stages yet (each stage watches other modules)"
+                "pipeline stages yet (each stage watches other modules): leave it out on a "
+                "pipeline-parallel job"
             )
         if stage.num_stages != stage.group_size:
             raise ValueError(

@@ -88,7 +88,7 @@ class _Checked:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(f"distmon: unknown option(s) {unknown}; known: {sorted(known)}")
+            raise TypeError(f"distmon: unknown option(s) {unknown}; use one of {sorted(known)}")
         values: dict[str, object] = {}
         for name, value in options.items():
             env = BY_NAME[name].env
@@ -98,7 +98,10 @@ class _Checked:
                     try:
                         value = BY_NAME[name].parse(text)
                     except ValueError as e:
-                        raise ValueError(f"distmon: bad {env}={text!r}: {e}") from None
+                        raise ValueError(
+                            f"distmon: bad {env}={text!r}: {e}; set it to a value of {name}'s type, "
+                            "or unset it"
+                        ) from None
             if value is not None:
                 values[name] = value
         cfg = cls(**values)  # type: ignore[arg-type]  # checked by validate()
@@ -204,7 +207,11 @@ class _Checked:
         )
         check_tracker(self.tracker)
         if self.file_sd_dir is not None:
-            need(self.serve != "none", "file_sd_dir needs a served endpoint; serve='none' was given")
+            need(
+                self.serve != "none",
+                "file_sd_dir needs a served endpoint; serve='none' was given: leave file_sd_dir out, "
+                "or serve",
+            )
         need(
             self.scaler is None or isinstance(self.scaler, torch.amp.GradScaler),
             f"scaler must be a torch.amp.GradScaler (the one whose scale() the loss goes through), "
@@ -271,12 +278,13 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
             raise ValueError(
                 "distmon: batch_size= turns on the gradient noise scale, which needs each rank's "
                 f"local gradient: FSDP2 hands it to distmon from torch 2.9 (this is torch "
-                f"{torch.__version__})"
+                f"{torch.__version__}): upgrade torch, or leave batch_size= out"
             )
         if source.divide_factor_set:
             raise ValueError(
                 "distmon: the gradient noise scale needs the reduced gradient to be the mean of "
-                "the ranks' gradients; an FSDP gradient divide factor changes that"
+                "the ranks' gradients; an FSDP gradient divide factor changes that: leave "
+                "set_gradient_divide_factor alone, or leave batch_size= out"
             )
         size = cfg.batch_size
         batch_of_step = size if callable(size) else lambda: size
@@ -284,14 +292,18 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
     if cfg.activations:
         watched = select_modules(source.module, cfg.activations)
         if not watched:
-            raise ValueError(f"distmon: activations={cfg.activations!r} selects no module of the model")
+            raise ValueError(
+                f"distmon: activations={cfg.activations!r} selects no module of the model: give module "
+                "types or name patterns (regexes over qualified names) that match, or True"
+            )
         watch = ActivationWatch(watched, device=source.device, errors=errors)
     ratio = None
     if cfg.update_ratio:
         if source.in_parts:
             raise ValueError(
                 "distmon: update_ratio=True is not supported when ranks hold parts of the model "
-                "(FSDP, tensor or pipeline parallelism) yet: a layer's weights are spread over ranks"
+                "(FSDP, tensor or pipeline parallelism) yet: a layer's weights are spread over ranks. "
+                "Leave update_ratio=False with this layout"
             )
         ratio = UpdateRatio(
             list(grouping.params),

@@ -17,7 +17,7 @@ gradient that the reduction divides in place is a bucket read in its own hook.
 Why not more: on a GPU the host must stay ahead of the device queue. A read per bucket inside
 the backward, a Python continuation on each bucket's future and a Python comm hook itself are
 host work between the backward's kernel launches, in full where the backward is launch-bound;
-two fused reads where it ends cost what the one-process path costs (``local.py``). No
+two fused reads where it ends cost what the one-process path costs (``plain.py``). No
 collective is issued here: the monitor's collective waits for the optimizer step, when DDP's
 reduction, and every collective the user's hook started from its callbacks, is complete.
 
@@ -270,7 +270,10 @@ class BucketLayouts:
         for p, g in zip(params, bucket.gradients()):
             offset = (g.data_ptr() - base) // itemsize
             if offset < cursor:
-                raise RuntimeError("distmon: overlapping gradient views in a DDP bucket")
+                raise RuntimeError(
+                    "distmon: overlapping gradient views in a DDP bucket (a bucket layout distmon does not "
+                    "know): report it with your torch version and DDP's arguments"
+                )
             if offset > cursor:
                 chunks.append([offset - cursor, -1, 0])
             slot = self.slot_of.get(id(p))

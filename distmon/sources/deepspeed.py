@@ -271,7 +271,10 @@ def _refuse(engine: DeepSpeedEngine) -> None:
     """Raises why distmon cannot measure this engine exactly, if it cannot."""
     why = _refusal(engine)
     if why is not None:
-        raise ValueError(f"distmon: this DeepSpeed engine cannot be measured exactly: {why}")
+        raise ValueError(
+            f"distmon: this DeepSpeed engine cannot be measured exactly: {why}. Use a configuration "
+            "docs/frameworks.md lists (ZeRO 0-3, bf16 or fp32, no offload, DeepSpeed's data parallelism)"
+        )
 
 
 def engine_counts(
@@ -294,6 +297,9 @@ def engine_counts(
 class DeepSpeedSource:
     """Measurements of a model trained by a DeepSpeed engine (ZeRO stages 0-3, fp32 or bf16).
 
+    ``GradMonitor.clip_grad_norm_`` is refused on it (:attr:`CLIP_REFUSAL`): the engine clips
+    inside ``engine.step()``, and at stages 1-3 no ``p.grad`` holds the gradient to clip.
+
     Built on the engine, it refuses what it cannot measure exactly; :meth:`install` shadows the
     engine's ``_take_model_step`` (and ``allreduce_gradients`` where the local gradient is read
     there) on the instance, :meth:`remove` takes them out again. ``optimizers`` are what the
@@ -303,6 +309,12 @@ class DeepSpeedSource:
         >>> engine, opt, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=cfg)  # doctest: +SKIP
         >>> mon = distmon.GradMonitor(engine, opt)                                         # doctest: +SKIP
     """
+
+    CLIP_REFUSAL = (
+        "clip_grad_norm_ on a DeepSpeed engine: DeepSpeed clips inside engine.step() (at ZeRO "
+        "stages 1-3 no p.grad holds the gradient to clip): set gradient_clipping in the DeepSpeed "
+        "config, which clips by the norm distmon serves"
+    )
 
     divide_factor_set = False
     local_figures = True

@@ -172,14 +172,17 @@ class FSDPSource:
             if groups:
                 self.units.append((m, groups[0]))
         if not self.units:
-            raise ValueError("distmon: no fully_shard module holds parameters in this model")
+            raise ValueError(
+                "distmon: no fully_shard module holds parameters in this model: pass the model "
+                "fully_shard was applied to"
+            )
         # each unit's shard group (units may shard over different meshes: experts over theirs)
         self._shard_world = [compat.fsdp_reduce_scatter_group(g).size() for _, g in self.units]
         if min(self._shard_world) < 2:  # a world of one is measured as one process (source_for)
             raise ValueError(
                 "distmon: an FSDP unit's shard group has one rank on a job of several (nothing is "
                 "reduce-scattered, so no rank's local gradient can be read): shard over two or more "
-                "ranks, or use DistributedDataParallel, which distmon measures in its comm hook"
+                "ranks, or use DistributedDataParallel, which distmon measures where its backward ends"
             )
         # set_gradient_divide_factor: the reduced gradient is no longer the ranks' mean
         self.divide_factor_set = any(compat.fsdp_divide_factor_set(g) for _, g in self.units)
@@ -208,7 +211,7 @@ class FSDPSource:
         self._inner: list[_Comm] = []
         self._post_backward: list[_NotingPostBackward] = []
         self._seen: dict[int, None] = {}  # units reduce-scattered in this step, in that order
-        self._order: tuple[int, ...] = ()  # the backward order of the units, as last told to the tracker
+        self._order: tuple[int, ...] = ()  # the backward order of the units, as last told to the schedule
         self._grads: GradSums | None = None
         self._pre: dict[tuple[int, torch.dtype], float | None] = {}
         for _, g in self.units:
@@ -347,7 +350,8 @@ class FSDPSource:
                 if layout is None or flat.numel() != layout.per_rank * self._shard_world[unit]:
                     raise RuntimeError(
                         "distmon: an FSDP unit's reduce-scatter input does not match its parameters "
-                        "with gradients: its local figures are not measured"
+                        "with gradients: its local figures are not measured (the global ones stay exact); "
+                        "report it with your torch version and the unit's fully_shard arguments"
                     )
             if not layout.layer_ids:
                 return

@@ -18,7 +18,8 @@ from ..compat import pipeline_stage_base, uncompiled
 
 if TYPE_CHECKING:  # for annotations only: imported where used
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
+
+    from ..compat import PipelineStage
 
 __all__ = [
     "is_fsdp",
@@ -50,7 +51,8 @@ LIGHTNING_DEEPSPEED = (
     "runs only on CUDA GPUs (Lightning refuses the CPU), where distmon's DeepSpeed support has not been "
     "verified under Lightning yet. distmon measures DeepSpeed exactly on its own (GradMonitor(engine, "
     "optimizer) after deepspeed.initialize), under the Hugging Face Trainer and under accelerate; "
-    "Lightning's DDP and FSDP strategies are measured as usual"
+    "Lightning's DDP and FSDP strategies are measured as usual: use one of those, or DeepSpeed "
+    "outside Lightning"
 )
 
 

@@ -21,7 +21,8 @@ from .models import LIGHTNING_DEEPSPEED, is_deepspeed, is_fsdp, trained_module, 
 
 if TYPE_CHECKING:  # for annotations only: imported where used
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
+
+    from ..compat import PipelineStage
 
 __all__ = ["LayoutReading", "read_layout"]
 

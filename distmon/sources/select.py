@@ -22,7 +22,7 @@ from .plain import PlainSource
 from .reading import LayoutReading
 
 if TYPE_CHECKING:  # for annotations only: imported where used
-    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStage
+    from ..compat import PipelineStage
 
 __all__ = ["source_for", "CompositeSource", "PipelineSource"]
 
@@ -151,7 +151,7 @@ def source_for(
         if comm_hook is not None:
             raise TypeError(
                 "distmon: comm_hook= is a DDP option; a DeepSpeed engine reduces its gradients itself "
-                "(distmon reads DeepSpeed's own partitions)"
+                "(distmon reads DeepSpeed's own partitions): leave comm_hook= out"
             )
         from .deepspeed import DeepSpeedSource
 

@@ -80,7 +80,8 @@ def validate_activations(spec: object) -> None:
                 re.compile(s)
             except re.error as e:
                 raise ValueError(
-                    f"distmon: activations pattern {s!r} is not a regular expression: {e}"
+                    f"distmon: activations pattern {s!r} is not a regular expression: {e}; fix the pattern "
+                    "(Python's re syntax)"
                 ) from e
         elif not (isinstance(s, type) and issubclass(s, torch.nn.Module)):
             raise TypeError(

@@ -27,7 +27,7 @@ class Clipper:
     """Clips the monitored parameters' gradients by the step's measured global norm.
 
     Example:
-        >>> clip = Clipper(tracker, params=params, loss_scale=loss_scale, direct=direct)  # doctest: +SKIP
+        >>> clip = Clipper(schedule, params=params, loss_scale=loss_scale, direct=direct)  # doctest: +SKIP
         >>> norm = clip(1.0)                                                 # doctest: +SKIP
     """
 
@@ -51,6 +51,9 @@ class Clipper:
         foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_``'s result and effect, by the norm already measured."""
+        refusal = getattr(self.schedule.source, "CLIP_REFUSAL", None)  # a source that clips itself
+        if refusal is not None:
+            raise RuntimeError(f"distmon: {refusal}")
         if not (
             isinstance(max_norm, torch.Tensor)
             and max_norm.numel() == 1

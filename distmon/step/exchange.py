@@ -239,10 +239,10 @@ class InFlight:
 
 
 class Exchange:
-    """The per-step collective's schedule: export votes, issue, completion, where every rank's rows land.
+    """The per-step collective's schedule: export votes, issue, completion, where the node's rows land.
 
     ``in_parts``: each rank holds a part of the reduced gradient (shards, a pipeline stage): the
-    step's all-reduce adds up the per-layer sums of every rank's counted parts (``layout.py``);
+    step's all-reduce adds up the per-layer sums of every rank's counted parts (``layout/``);
     otherwise every rank holds the whole reduced gradient and measures it alone. ``node_group``
     and ``node_ranks``: the ranks whose rows an export gathers here (:class:`RankBuffers`); ``order``
     the layers' backward order, for the first non-finite layer's key.
@@ -295,7 +295,7 @@ class Exchange:
         self._quiet_until = 0  # rank 0 voted: no new vote before the export it asked for
         self._reduces = self.collective and f.reduced.stop > f.reduced.start
         self._in_flight: InFlight | None = None
-        self.gathered_through = 0  # every rank's rows of the steps up to here are in the ring
+        self.gathered_through = 0  # the steps up to here were exchanged: node rows, job-wide figures
         self._export_at = 0  # the step whose collective was its export's gather
         self.started = 0  # the latest step whose collective was issued (or is none)
         self.last_export = time.monotonic()

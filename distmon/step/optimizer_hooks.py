@@ -109,11 +109,11 @@ class StepHooks:
 
     Nothing raised in distmon's code here reaches the training loop: it is counted, logged
     once, and the step goes on (a guard that cannot judge a step lets it be taken); the
-    tracker still begins and ends the step (its collective issued, the step counted) as on
+    schedule still begins and ends the step (its collective issued, the step counted) as on
     every other rank.
 
     Example:
-        >>> hooks = StepHooks(tracker, optimizers=[opt], verdict_column=col)   # doctest: +SKIP
+        >>> hooks = StepHooks(schedule, optimizers=[opt], verdict_column=col)   # doctest: +SKIP
         >>> hooks.install(); ...; hooks.remove()                               # doctest: +SKIP
     """
 
@@ -249,7 +249,8 @@ class StepHooks:
             self._finish(opt)
             if self.guard == "raise":
                 raise GradientAnomalyError(
-                    f"distmon: non-finite or spiking gradient at step {step}; optimizer step not taken"
+                    f"distmon: non-finite or spiking gradient at step {step}; optimizer step not taken "
+                    "(guard='raise'): catch distmon.GradientAnomalyError to go on, or use guard='skip'"
                 )
             return loss
 

@@ -63,7 +63,7 @@ class ExportBatch:
 
 
 class ExportQueue(queue.Queue["ExportBatch | None"]):
-    """Where the step tracker hands its exports to the export thread, which reads them in order
+    """Where the step schedule hands its exports to the export thread, which reads them in order
     (``None``: stop). Unbounded: the ring's two host copies bound what is ever in it."""
 
 

@@ -88,7 +88,8 @@ class Verdict(IntEnum):
     SPIKE_LAYER_Z = 5  # its z-score
     VANISHING = 6  # 1: the vanishing run reached its length this step
     BLOCK = 7  # 1: a guard must not take this step (non-finite or spiking reduced gradient)
-    # from here on: the per-rank verdicts, judged once every rank's rows are in
+    # from here on: the per-rank verdicts, judged once the export's collectives are in (the node's
+    # ranks' rows, the job-wide reductions of every rank's figures)
     OUTLIER = 8  # 1: a rank is an outlier
     OUTLIER_RANK = 9  # the rank with the largest outlier score
     OUTLIER_SCORE = 10  # its score

@@ -75,11 +75,11 @@ class StepSchedule:
         >>> plan = RowPlan.build(n_layers=1, world=1)
         >>> sums = BackwardSums(n_layers=1, device=cpu, loss_scale=LossScale(), errors=errors)
         >>> source = PlainSource(net, receiver=sums, grouping=build_grouping(net, None, 8))
-        >>> tracker = StepSchedule(plan, sums=sums, source=source, group=None, export_every=10,
-        ...                       errors=errors, exports=ExportQueue())
-        >>> tracker.before_step(); tracker.finish_row_valid()   # an optimizer step with no backward before it
+        >>> schedule = StepSchedule(plan, sums=sums, source=source, group=None, export_every=10,
+        ...                        errors=errors, exports=ExportQueue())
+        >>> schedule.before_step(); schedule.finish_row_valid()   # an optimizer step, no backward before
         False
-        >>> tracker.after_step(); tracker.step
+        >>> schedule.after_step(); schedule.step
         1
     """
 
@@ -442,8 +442,9 @@ class StepSchedule:
         without changing the run: callable on one rank alone (a checkpoint saved by rank 0).
 
         The reduced-figure verdicts of the steps not judged yet are judged on copies (the
-        detector's and the rows'), as the next export will judge them; the verdicts that need
-        every rank's figures (rank outliers, the noise scale, the precursor) are as of the latest export: the
+        detector's and the rows'), as the next export will judge them; the verdicts that compare
+        ranks (rank outliers, the noise scale, the precursor's MAX over the ranks) are as of the
+        latest export: the
         other ranks' figures of the steps since are theirs until then. A layout in parts' last
         reduced sums come with its step's collective, already issued on every rank: waited here.
         """
@@ -473,7 +474,8 @@ class StepSchedule:
     def export(self, gather: bool = True, timeout_s: float | None = None) -> None:
         """Judge the finished rows not yet exported, copy them to the host (non-blocking), hand them over.
 
-        Every rank's rows of steps not yet gathered are all-gathered first: a collective, so
+        The steps not yet exported are exchanged first (the node's ranks' rows gathered within
+        the node, the job-wide figures in two fixed-size reductions over the job): collectives, so
         with several ranks call it on every rank at the same point. ``gather=False`` (a rank
         closing on an exception, which the others may not share) exports what this rank
         has: its own figures, the other ranks' as not measured. The exported rows are then

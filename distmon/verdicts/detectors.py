@@ -1,9 +1,10 @@
 """Anomaly detectors that run on the device, with state in device tensors and no host sync.
 
 :meth:`DeviceDetector.update` reads a run of finished ring rows (reduced per-layer sums of
-squares and every rank's gathered figures), writes each row's verdicts into its detector
+squares, the node's ranks' gathered rows and the job-wide figures of every rank that the export's
+two reductions brought, ``step/crossrank.py``), writes each row's verdicts into its detector
 columns and advances the running state; the host decodes the columns into
-:class:`~distmon.snapshot.AnomalyEvent` objects when the rows are exported. The tracker runs
+:class:`~distmon.snapshot.AnomalyEvent` objects when the rows are exported. The step schedule runs
 it at export time over the steps since the last export (or on every step, before
 ``optimizer.step()``, when a guard needs the verdict).
 
@@ -21,11 +22,12 @@ it in step with :class:`DetectorConfig`). Why each is built the way it is:
   learned baseline stopped reporting a x1e4 explosion after 3 steps). Falling norms
   (early-training decay) only make z negative: never an event;
 - the rank-outlier center is the mean of a peer group's log-norms leaving out the largest and
-  the smallest (the median for 3 and 4 ranks; exact from fixed-size reductions at any world
-  size, ``crossrank.py``), the scale the EMA over steps of the ranks' mean squared deviation
-  from it leaving out the largest one: a rank that stays bad, or is bad from step 1, cannot
-  inflate it; a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate
-  with 2), and with 2 ranks "which one is odd" has no answer at all;
+  the smallest (the lower median for 3 and 4 ranks; exact from fixed-size reductions at any
+  world size, ``crossrank.py``), the scale the EMA over steps of the ranks' mean squared
+  deviation from it, of the ranks between the two extremes from 5 ranks on, leaving out the
+  largest deviation up to 4: a rank that stays bad, or is bad from step 1, cannot inflate it;
+  a per-step MAD is no scale for a handful of ranks (biased low with 4, degenerate with 2),
+  and with 2 ranks "which one is odd" has no answer at all;
 - non-finite gradients are flagged by the core per rank and layer; they are reported as an
   event here and never enter the running state.
 """
@@ -50,6 +52,22 @@ __all__ = ["DetectorConfig", "DeviceDetector", "EventFinder"]
 @dataclass(frozen=True)
 class DetectorConfig:
     """Thresholds of the device detectors (defaults measured on the demo model; see docs/detection.md).
+
+    Attributes:
+        warmup_steps: steps before a spike can be reported (the baselines learn meanwhile).
+        ema_alpha: weight of a new step in the EMAs of the log-norms (and of the rank-outlier scale).
+        spike_zscore: a spike's z-score of the log-norm against its EMA must exceed this ...
+        spike_ratio: ... and the norm must exceed this times its reference (the running median
+            of the global norms; a layer's geometric EMA).
+        median_window: global norms in the running median.
+        vanishing_norm: a global norm below this ...
+        vanishing_steps: ... for this many consecutive steps is a ``vanishing`` event.
+        spike_adapt_steps: a lasting explosion is reported (and refused by a guard) for this many
+            consecutive steps, then becomes the new normal.
+        outlier_score: a rank's log local norm this many scales from its peer group's center is a
+            ``rank_outlier`` (3+ ranks).
+        outlier_min_scale: the floor of the rank-outlier scale.
+        scaler_stuck_steps: consecutive ``GradScaler`` skips that make a ``scaler_stuck`` event.
 
     Example:
         >>> DetectorConfig(spike_zscore=8.0).spike_ratio
@@ -269,7 +287,7 @@ class DeviceDetector:
 
     :meth:`update` judges the reduced figures (spikes, vanishing, the guard's verdict),
     :meth:`update_ranks` the per-rank ones (rank outliers), once the export's reductions
-    brought the job's peer-group figures. Without a guard the tracker hands over all valid rows
+    brought the job's peer-group figures. Without a guard the schedule hands over all valid rows
     since the last export at once; a guard needs each reduced verdict before its step, so there
     every run of :meth:`update` is one row. Both give the step-by-step recurrence: the running
     mean and variance before each row of a run come in closed form from prefix sums
@@ -481,8 +499,9 @@ class DeviceDetector:
 
     def _scale(self, g: int, spread: torch.Tensor) -> torch.Tensor:
         """Group ``g``'s scale per row: the EMA over steps of its ranks' mean squared deviation from
-        their center leaving out the largest (so a rank that stays bad, or is bad from the start,
-        never inflates it), floored; advances the EMA."""
+        their center, of the ranks between the two extremes from 5 ranks on, leaving out the largest
+        deviation up to 4 (so a rank that stays bad, or is bad from the start, never inflates it),
+        floored; advances the EMA."""
         m2 = spread * self._consistency[g]
         state = self.dev_var[g]
         var0, judged, used = _seed(state, ~torch.isnan(state), m2, torch.isfinite(m2))

@@ -4,8 +4,9 @@ A row is *judged* once its figures are final: its reduced total and the detector
 on the reduced figures as soon as they are needed (at the export, in one batch over the steps
 since the last one; before the optimizer step when a guard or ``clip_grad_norm_`` needs the
 step's figures), and the verdicts that compare ranks (rank outliers, the noise scale) once
-the export brought every rank's rows. Only runs of valid steps are judged: an invalid row
-keeps the blank row's "no verdict".
+the export's collectives are in: the node's ranks' rows (gathered within the node) and the
+job-wide figures of every rank (two fixed-size reductions over the job, ``step/crossrank.py``).
+Only runs of valid steps are judged: an invalid row keeps the blank row's "no verdict".
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ class Judge:
             self.errors.record("detectors")
 
     def judge_ranks(self, rows: torch.Tensor, valid: Sequence[bool], slot: int = 0, first: int = 1) -> None:
-        """Update the verdicts that need every rank's figures (rank outliers, noise scale, the
-        precursor's samples), once the export's reductions landed (``slot``: the ring slot of
-        ``rows[0]``, ``first``: its step)."""
+        """Update the verdicts that compare ranks (rank outliers, noise scale, the precursor's
+        samples), once the export's reductions of every rank's figures landed (``slot``: the ring
+        slot of ``rows[0]``, ``first``: its step)."""
         if self.detector is not None and self.cross is not None:
             try:
                 for start, stop in valid_runs(valid):

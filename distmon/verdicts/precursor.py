@@ -152,7 +152,9 @@ class PrecursorDetector:
         self.n = n_signals
         bounds = list(bounds) if bounds is not None else [self.cfg.bound] * n_signals
         if len(bounds) != n_signals:
-            raise ValueError(f"distmon: {len(bounds)} precursor bounds for {n_signals} signals")
+            raise ValueError(
+                f"distmon: precursor bounds must be one per signal ({n_signals}), got {len(bounds)}"
+            )
         rises = list(rises) if rises is not None else [b is None for b in bounds]
         f32 = dict(dtype=torch.float32, device=device)
         self._log_bound = torch.tensor(
@@ -213,6 +215,10 @@ class PrecursorDetector:
         for name in self._STATE:
             value = torch.tensor(state[name], dtype=torch.float32, device=self.ema.device)
             if value.shape != (self.n,):
-                raise ValueError(f"distmon: precursor state {name} is {tuple(value.shape)}, not ({self.n},)")
+                raise ValueError(
+                    f"distmon: the precursor state's {name} is {tuple(value.shape)}, this model has "
+                    f"{self.n} attention blocks: load a state saved with the same blocks, or drop its "
+                    f"'precursor' entry"
+                )
             getattr(self, name).copy_(value)
         self.samples = int(state["samples"])

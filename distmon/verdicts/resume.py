@@ -38,11 +38,37 @@ if TYPE_CHECKING:  # they import this module for their own state
     from .noise_scale import NoiseScale
     from .precursor import PrecursorDetector
 
-__all__ = ["STATE_VERSION", "save_tensors", "load_tensors", "monitor_state", "load_monitor_state"]
+__all__ = [
+    "STATE_VERSION",
+    "save_tensors",
+    "load_tensors",
+    "monitor_state",
+    "disabled_state",
+    "load_monitor_state",
+    "STATE_FIELDS",
+    "state_table",
+]
 
 # raise it when a field changes meaning or name; load_monitor_state reads every version up to it
 # (2: the detector's "held" is "spiking")
 STATE_VERSION = 2
+
+# GradMonitor.state_dict()'s keys and what each holds (docs/api.md's table is rendered from it; a
+# test compares it with a real state)
+STATE_FIELDS: dict[str, str] = {
+    "version": "int: the format's version, `STATE_VERSION`; a distmon reads every version up to its own",
+    "step": "int: optimizer steps the run had taken; the resumed monitor's next step is this + 1",
+    "layers": "list of str: the layer groups, in model order; must equal the resuming monitor's",
+    "world_size": "int: the job's ranks; another world size keeps all but the rank-outlier scales",
+    "detector": "dict of lists and numbers, or None (detect=False): the detectors' EMAs of every "
+    "log-norm, the median window, the spike and vanishing runs, the rank-outlier scales",
+    "noise": "dict of lists and numbers, or None (no batch_size): the noise scale's EMAs and counts",
+    "precursor": "dict of lists and numbers, or None (precursor off): the divergence precursor's "
+    "EMAs of each attention block's log logit bound, its runs and its sample count",
+    "scaler_run": "int: consecutive steps the GradScaler skipped (scaler_stuck)",
+    "disabled": "True, only in the state of a disabled monitor (DISTMON_DISABLE), which holds "
+    "`version` and this alone: a monitor that loads it starts afresh",
+}
 
 
 def save_tensors(owner: object, names: Sequence[str]) -> dict[str, list]:
@@ -73,7 +99,8 @@ def load_tensors(
         if value.shape != into.shape:
             raise ValueError(
                 f"distmon: the state's {part}.{name} has shape {tuple(value.shape)}, this monitor's "
-                f"{tuple(into.shape)}: it was taken with another {(why or {}).get(name, 'setting')}"
+                f"{tuple(into.shape)}: it was taken with another {(why or {}).get(name, 'setting')}; resume "
+                "with the setting it was taken with"
             )
     for name, value in values.items():
         getattr(owner, name).copy_(value)
@@ -103,6 +130,28 @@ def monitor_state(
     }
 
 
+def disabled_state() -> dict[str, object]:
+    """What a disabled monitor (``DISTMON_DISABLE``) saves: it learned nothing, so a monitor that loads
+    it starts afresh.
+
+    Example:
+        >>> disabled_state()
+        {'version': 2, 'disabled': True}
+    """
+    return {"version": STATE_VERSION, "disabled": True}
+
+
+def state_table() -> str:
+    """The table of ``state_dict()``'s fields in docs/api.md (Markdown), from :data:`STATE_FIELDS`.
+
+    Example:
+        >>> state_table().splitlines()[2].split(" | ")[0]
+        '| `version`'
+    """
+    rows = ["| key | holds |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in STATE_FIELDS.items()]
+    return "\n".join(rows) + "\n"
+
+
 def load_monitor_state(
     state: Mapping[str, object],
     *,
@@ -112,9 +161,10 @@ def load_monitor_state(
     detector: DeviceDetector | None,
     noise: NoiseScale | None,
     precursor: PrecursorDetector | None = None,
-) -> tuple[int, int]:
+) -> tuple[int, int] | None:
     """Check ``state`` against this monitor (which measured ``measured_steps`` steps) and load its detector
-    and noise scale. Returns ``(step, scaler_run)`` for the tracker and the decoder.
+    and noise scale. Returns ``(step, scaler_run)`` for the schedule and the decoder, or None for the
+    state of a disabled monitor (:func:`disabled_state`: nothing to resume, said in a warning).
 
     Raises ``ValueError`` for what cannot be mapped (another model or grouping, a newer state
     version, not a state at all) and ``RuntimeError`` once the monitor measured a step.
@@ -126,6 +176,12 @@ def load_monitor_state(
         )
     if not isinstance(state, Mapping) or not isinstance(state.get("version"), int):
         raise ValueError("distmon: load_state_dict takes what GradMonitor.state_dict() returned")
+    if state.get("disabled"):
+        logger.warning(
+            "distmon: the state was saved with distmon off (DISTMON_DISABLE): it holds nothing to "
+            "resume, so steps are counted from 1 and the detectors start cold"
+        )
+        return None
     if state["version"] > STATE_VERSION:
         raise ValueError(
             f"distmon: this state was written by a newer distmon (state version {state['version']}; "
@@ -139,7 +195,7 @@ def load_monitor_state(
         )
         raise ValueError(
             f"distmon: the state's layers are not this monitor's ({len(theirs)} vs {len(ours)}; first "
-            f"difference {first}): a state resumes the model and groups= it was taken with"
+            f"difference {first}): load it into a monitor of the model and groups= it was taken with"
         )
     notes = []
     same_ranks = state["world_size"] == world

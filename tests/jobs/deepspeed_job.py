@@ -262,12 +262,17 @@ def refusals() -> dict[str, str]:
             said[case] = "built"
         except Exception as e:
             said[case] = f"{type(e).__name__}: {e}"
-    with distmon.GradMonitor(engine, optimizer, serve="none"):
+    with distmon.GradMonitor(engine, optimizer, serve="none") as mon:
         try:
             distmon.GradMonitor(engine, optimizer, serve="none").close()
             said["a second monitor"] = "built"
         except Exception as e:
             said["a second monitor"] = f"{type(e).__name__}: {e}"
+        try:  # DeepSpeed clips itself (gradient_clipping): refused, saying so (docs/frameworks.md)
+            mon.clip_grad_norm_(1.0)
+            said["clip_grad_norm_"] = "clipped"
+        except Exception as e:
+            said["clip_grad_norm_"] = f"{type(e).__name__}: {e}"
     return said
 
 
