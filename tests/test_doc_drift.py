@@ -78,15 +78,22 @@ NOT_FILES = frozenset(
 
 
 @functools.cache
-def pages() -> dict[str, str]:
+def raw_pages() -> dict[str, str]:
+    """The README and every page of docs/, as written (generated tables included)."""
     names = ["README.md"] + [f"docs/{f}" for f in sorted(os.listdir(DOCS)) if f.endswith(".md")]
     out = {}
     for name in names:
         with open(os.path.join(ROOT, name), encoding="utf-8") as f:
-            text = f.read()
-        # the generated tables are the code's own (test_docs.py compares them)
-        out[name] = re.sub(r"<!-- generated: (\w+).*?<!-- end: \1 -->", "", text, flags=re.S)
+            out[name] = f.read()
     return out
+
+
+def pages() -> dict[str, str]:
+    """The pages without their generated tables: those are the code's own (test_docs.py compares them)."""
+    return {
+        name: re.sub(r"<!-- generated: (\w+).*?<!-- end: \1 -->", "", text, flags=re.S)
+        for name, text in raw_pages().items()
+    }
 
 
 def prose(text: str) -> str:
@@ -402,9 +409,7 @@ def test_every_distmon_variable_a_page_names_is_read_and_every_one_read_is_docum
     """Generated tables included (the options table names the options' variables)."""
     read = env_read()
     named: dict[str, str] = {}
-    for page in pages():
-        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
-            text = f.read()
+    for page, text in raw_pages().items():
         for var in _ENV.findall(text):
             named.setdefault(var, page)
     assert {v: p for v, p in named.items() if v not in read} == {}, "named by a page, read by no code"
@@ -650,3 +655,41 @@ def test_the_closed_lists_are_not_empty(kind):
         "variables": len(env_read()),
     }
     assert sizes[kind] >= 10, sizes
+
+
+# -- each check fails on a page that names what does not exist -----------------------------------
+
+# a check -> the line of a page that must fail it (a renamed option, a stale default, ...)
+_MUTANTS = {
+    "test_every_option_a_page_sets_exists": "Set `export_evry=10`.",
+    "test_every_default_a_page_states_is_the_code_s": "`port` (9291) is where it serves.",
+    "test_every_metric_and_label_a_page_names_exists": "Read `distmon_grad_norms{run_id}`.",
+    "test_every_distmon_variable_a_page_names_is_read_and_every_one_read_is_documented": (
+        "Set `DISTMON_EXPORT_EVRY`."
+    ),
+    "test_every_flag_a_page_gives_a_command_exists": "Run `python -m distmon report --no-such-flag`.",
+    "test_every_repository_file_a_page_names_exists": "See `distmon/step/no_such_module.py`.",
+    "test_every_module_and_name_a_page_names_exists": "Call `distmon.step.schedule.no_such_function`.",
+    "test_every_backticked_name_is_distmon_s_or_a_known_foreign_one": "Call `no_such_helper()`.",
+    "test_every_tracker_name_a_page_names_exists": "Its chart is `distmon/no_such_figure`.",
+    "test_the_home_page_links_every_page": "A page docs/index.md does not link.",
+}
+
+
+@pytest.mark.parametrize("check", sorted(_MUTANTS))
+def test_each_check_fails_on_a_page_that_names_what_does_not_exist(check, monkeypatch):
+    """The checks above, each given one page more (``docs/mutant.md``, unlinked) holding a line
+    that names something distmon does not have: each must fail on it."""
+    pages_now = {**raw_pages(), "docs/mutant.md": f"# Mutant\n\n{_MUTANTS[check]}\n"}
+    monkeypatch.setattr(f"{__name__}.raw_pages", lambda: pages_now)
+    with pytest.raises(AssertionError):
+        globals()[check]()
+
+
+def test_the_alike_list_fails_when_an_agreed_option_is_left_out(monkeypatch):
+    head, section = raw_pages()["docs/options.md"].split("## Options every rank must set alike", 1)
+    section = section.replace("`precursor`", "precursor", 1)  # an agreed option, no longer listed
+    pages_now = {**raw_pages(), "docs/options.md": f"{head}## Options every rank must set alike{section}"}
+    monkeypatch.setattr(f"{__name__}.raw_pages", lambda: pages_now)
+    with pytest.raises(AssertionError):
+        test_the_options_every_rank_must_set_alike_are_the_agreed_ones()
