@@ -583,6 +583,7 @@ def make_monitor(
         "batch_size": args.batch_size * args.seq_len * args.grad_accum if world_size > 1 else None,
         "activations": True,  # each transformer block's output, every export_every steps
         "update_ratio": True,  # |update| / |weights| per layer, every export_every steps
+        "precursor": True,  # each attention block's logit bound, warned on before the loss diverges
     }
     return distmon.GradMonitor(model, opt, **{k: v for k, v in options.items() if v is not None})
 

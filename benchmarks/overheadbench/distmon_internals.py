@@ -59,13 +59,14 @@ def instrument(mon: Any, timer: SelfTimer, export_times: list[float]) -> list[st
 
 
 def kept_state(mon: Any) -> Any:
-    """What distmon keeps between steps (walked for the kept-state column): its step tracker."""
+    """What distmon keeps between steps (walked for the kept-state column): its step schedule."""
     return getattr(mon, "_schedule", None)
 
 
-def error_count(mon: Any) -> int | None:
-    """Errors distmon caught and counted (None where the counter is not found)."""
-    return getattr(getattr(mon, "_errors", None), "count", None)
+def error_count(mon: Any) -> int:
+    """Errors distmon caught and counted (an AttributeError here means the counter moved: update
+    this file rather than report no errors)."""
+    return mon._run.errors.count
 
 
 def exports_next_step(mon: Any) -> bool:

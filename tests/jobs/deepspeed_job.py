@@ -217,7 +217,7 @@ def run(cfg: dict[str, object], kind: str, out: str) -> dict[str, object]:
         "skipped_steps": engine.skipped_steps,
         "global_steps": engine.global_steps,
         "seconds": seconds,
-        "monitor_errors": monitor._errors.count if monitor is not None else 0,
+        "monitor_errors": monitor._run.errors.count if monitor is not None else 0,
     }
     if refs is not None:
         result.update(steps=refs.steps, layers=refs.layers, experts=refs.experts)

@@ -107,7 +107,7 @@ def run(strategy: str, kind: str, out: str) -> dict[str, object]:
         "refs": refs.steps if refs is not None else None,
         "module": type(model).__name__,
         "inner": type(model._forward_module).__name__,
-        "errors": monitor._errors.count if monitor is not None else 0,
+        "errors": monitor._run.errors.count if monitor is not None else 0,
         "max_grad_norm": fabric_example.MAX_GRAD_NORM,
     }
 
