@@ -77,7 +77,9 @@ def test_the_folders_show_the_stages_and_each_maps_what_it_holds():
     modules (a short map a newcomer reads first)."""
     top = [name for name in os.listdir(os.path.join(ROOT, "distmon")) if name.endswith(".py")]
     assert len(top) <= 12, sorted(top)
-    folders = [e.path for e in os.scandir(os.path.join(ROOT, "distmon")) if e.is_dir() and e.name != "__pycache__"]
+    folders = [
+        e.path for e in os.scandir(os.path.join(ROOT, "distmon")) if e.is_dir() and e.name != "__pycache__"
+    ]
     assert len(folders) >= 6, folders
     for folder in folders:
         with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:

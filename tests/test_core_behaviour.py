@@ -32,21 +32,19 @@ import urllib.request
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import (
+from ddp_harness import SyncRecorder, distmon_dir, run_ranks
+from fault_injection import FailureInjector
+from helpers import (
     BUCKET_CAP_MB,
+    GPT,
     VOCAB,
-    SyncRecorder,
-    TinyLM,
     close,
-    distmon_dir,
     lm_loss,
     make_batch,
     reference_norms,
-    run_ranks,
     snapshot_dict,
     sync_twin,
 )
-from fault_injection import FailureInjector
 from prometheus_client.parser import text_string_to_metric_families
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -65,7 +63,7 @@ LAYERS = ["emb", "blocks.0.ln", "blocks.0.fc", "blocks.1.ln", "blocks.1.fc", "no
 
 def _setup(seed=0):
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = GPT()
     twin = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -753,12 +751,12 @@ def _fault_job(rank, world_size):
     import distmon
 
     torch.manual_seed(0)
-    init_state = copy.deepcopy(TinyLM().state_dict())
+    init_state = copy.deepcopy(GPT().state_dict())
 
     def run(monitored):
         # The data comes from the global RNG, seeded once: the monitor must not disturb it.
         torch.manual_seed(1234 + rank)
-        model = TinyLM()
+        model = GPT()
         model.load_state_dict(init_state)
         twin = copy.deepcopy(model)
         ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)

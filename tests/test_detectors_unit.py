@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from distmon.step.crossrank import CrossRank
-from distmon.verdicts.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
-from distmon.step.rows import Head, RowPlan, RowWriter
 from distmon.snapshot import Snapshot
+from distmon.step.crossrank import CrossRank
+from distmon.step.rows import Head, RowPlan, RowWriter
+from distmon.verdicts.detectors import DetectorConfig, DetectorDecoder, DeviceDetector
 
 DEFAULTS = DetectorConfig()
 LAYERS = ("embed", "block0", "block1", "head")

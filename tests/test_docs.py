@@ -33,8 +33,8 @@ def _page(name: str) -> str:
 
 def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
     """GradMonitor's signature, MonitorConfig's fields and the docs' table all follow distmon.options."""
-    from distmon.setup.config import MonitorConfig
     from distmon.options import OPTIONS, options_table
+    from distmon.setup.config import MonitorConfig
 
     declared = [o.name for o in OPTIONS]
     params = [n for n in inspect.signature(distmon.GradMonitor).parameters if n not in ("model", "optimizer")]
@@ -45,8 +45,8 @@ def test_every_option_is_declared_once_and_the_docs_table_is_rendered_from_it():
 
 
 def test_every_environment_variable_is_read_through_the_declaration(monkeypatch):
-    from distmon.setup.config import MonitorConfig
     from distmon.options import OPTIONS
+    from distmon.setup.config import MonitorConfig
 
     for o in OPTIONS:
         if o.env is None or o.name.startswith("tls") or o.name == "basic_auth_file":
@@ -179,9 +179,9 @@ def test_help_gradmonitor_documents_every_option():
 
 def test_every_default_is_declared_once_with_its_option():
     """MonitorConfig's defaults are OPTIONS' (read from them: no field states a literal default)."""
+    from distmon.options import BY_NAME
     from distmon.setup import config
     from distmon.setup.config import MonitorConfig
-    from distmon.options import BY_NAME
 
     for f in dataclasses.fields(MonitorConfig):
         assert f.default == BY_NAME[f.name].default, f.name

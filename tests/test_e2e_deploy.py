@@ -98,7 +98,8 @@ KILL_AFTER_STEPS = 40  # e2e-killed: Prometheus has scraped this many steps when
 NODES_STEPS = 120  # e2e-nodes: ~30 s
 # e2e-restarted (torchrun --max-restarts 1, its run id torchrun's --rdzv-id): rank 1 fails at step
 # CRASH_STEP on the first attempt, before training it; every worker restarts and resumes from the
-# last checkpoint, of step CKPT_EVERY * ((CRASH_STEP - 1) // CKPT_EVERY); RESTART_STEPS in all (~40 s of steps)
+# last checkpoint, of step CKPT_EVERY * ((CRASH_STEP - 1) // CKPT_EVERY); RESTART_STEPS in all
+# (~40 s of steps)
 RESTARTED, RESTART_STEPS, CRASH_STEP, CKPT_EVERY = "e2e-restarted", 160, 60, 20
 LINGER_EXPLODE, LINGER_NODES = 5, 8  # >= 2 scrape intervals
 
@@ -306,8 +307,23 @@ def jobs(stack):
     js["restarted"] = TorchrunJob(
         "restarted",
         w,
-        [*common, "--port", str(restart_port), "--steps", str(RESTART_STEPS), "--log-path", str(w / "restarted.jsonl")]
-        + ["--crash-step", str(CRASH_STEP), "--crash-rank", "1", "--checkpoint-dir", str(w / "restarted-ckpt")]
+        [
+            *common,
+            "--port",
+            str(restart_port),
+            "--steps",
+            str(RESTART_STEPS),
+            "--log-path",
+            str(w / "restarted.jsonl"),
+        ]
+        + [
+            "--crash-step",
+            str(CRASH_STEP),
+            "--crash-rank",
+            "1",
+            "--checkpoint-dir",
+            str(w / "restarted-ckpt"),
+        ]
         + ["--checkpoint-every", str(CKPT_EVERY), "--linger", "5"],
         # torchrun's shared rendezvous store hands restarted gloo/NCCL ranks their predecessors'
         # addresses (pytorch/pytorch#135712: 2 of 3 restarts fail here without this)
@@ -338,7 +354,9 @@ def jobs(stack):
     try:
         for job in js.values():
             job.start()
-        watch = js["restarted"].watch = EndpointWatch(f"http://127.0.0.1:{restart_port}/metrics", js["restarted"])
+        watch = js["restarted"].watch = EndpointWatch(
+            f"http://127.0.0.1:{restart_port}/metrics", js["restarted"]
+        )
         yield js
     finally:
         if watch is not None:
@@ -981,7 +999,9 @@ def test_a_restarted_job_comes_back_on_its_port_and_pages_only_the_restart(stack
     read = read_log(str(stack.workdir / "restarted.jsonl"))
     assert read.run_count == 1 and list(read.run.steps) == list(range(1, RESTART_STEPS + 1)), read.runs
     assert len(read.run.restarts) == 1
-    wait_for(lambda: rec.prom_alert("DistmonRunRestarted", RESTARTED, "firing"), 60, "DistmonRunRestarted", diag)
+    wait_for(
+        lambda: rec.prom_alert("DistmonRunRestarted", RESTARTED, "firing"), 60, "DistmonRunRestarted", diag
+    )
     for name in ("DistmonNonFiniteGradients", "DistmonTrainingStalled", "DistmonGradientExplosion"):
         assert not rec.prom_alert(name, RESTARTED), (name, diag())
     assert scalar(prom, f'max_over_time(distmon_restart_count{{run_id="{RESTARTED}"}}[10m])') == 1, diag()

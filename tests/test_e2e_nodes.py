@@ -52,14 +52,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import test_e2e_deploy
 from e2e_stack import ROOT, TorchrunJob, free_port, parse_rfc3339, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import scrape_metrics
 from test_e2e_deploy import (
     SCRAPE_S,
     STARTUP_S,
@@ -129,13 +128,7 @@ def stop(job: TorchrunJob) -> list[int]:
 
 def scrape(address: str) -> dict[str, list]:
     """The samples an endpoint serves, by family: {family: [Sample, ...]} (counters: ``_total``)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(family.name + ("_total" if family.type == "counter" else ""), []).append(s)
-    return out
+    return scrape_metrics(address, timeout=5, by_family=True)
 
 
 def counts(samples: dict[str, list]) -> dict[str, int]:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_harness import sample_value
 from framework_jobs import jsonl_rows, needs, torchrun_job
+from helpers import sample_value
 from test_framework_hf import NORM_SERIES  # what the Trainer and accelerate serve without DeepSpeed
 
 pytestmark = pytest.mark.slow  # real ranks and frameworks

@@ -29,8 +29,8 @@ from ddp_harness import free_port
 from prometheus_client.core import GaugeMetricFamily
 from secure_endpoint import Pki, make_pki, run_openssl, write_htpasswd
 
-from distmon.setup.config import MonitorConfig
 from distmon.serve.http_server import MAX_CONNECTIONS, EndpointSecurity, MetricServer
+from distmon.setup.config import MonitorConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import endpoint_attacks  # noqa: E402
@@ -466,7 +466,9 @@ def test_bind_errors_say_what_they_are():
                     s.listen(1)
             last_resort = MetricServer.bind("127.0.0.1", server.port, True, tries=3)
             try:
-                assert last_resort.port not in (server.port, server.port + 1, server.port + 2), last_resort.port
+                assert last_resort.port not in (server.port, server.port + 1, server.port + 2), (
+                    last_resort.port
+                )
                 assert last_resort.port > 0
             finally:
                 last_resort.close()

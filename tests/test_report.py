@@ -300,9 +300,9 @@ def test_thousands_of_layers_and_a_giant_line_take_bounded_time_and_memory(tmp_p
 
 
 def test_layers_past_the_cap_fold_into_other_as_the_exporter_folds_them(tmp_path):
-    from distmon.setup.config import MonitorConfig
     from distmon.report.log_lines import MAX_LAYERS, OTHER
     from distmon.report.log_reader import read_log
+    from distmon.setup.config import MonitorConfig
 
     assert MAX_LAYERS == MonitorConfig().max_layers
     snaps = _wide_log(tmp_path / "wide.jsonl", layers=300, ranks=2, steps=5)

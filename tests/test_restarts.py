@@ -80,7 +80,9 @@ def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(t
     args += ["--log-path", str(log), "--export-every", str(EXPORT_EVERY)]
     job = TorchrunJob("sigterm", tmp_path, args, {}).start()
     try:
-        wait_for(lambda: log.exists() and log.read_text().count("\n") >= 20, 180, "20 logged steps", job.log_tail)
+        wait_for(
+            lambda: log.exists() and log.read_text().count("\n") >= 20, 180, "20 logged steps", job.log_tail
+        )
         workers = job.worker_pids()
         assert len(workers) == 2, job.log_tail()
         sent = time.monotonic()
@@ -89,6 +91,7 @@ def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(t
         wait_for(lambda: not any(map(_alive, workers)), 30, "the workers to exit", job.log_tail)
         took = time.monotonic() - sent
         assert took <= 5.0, f"{took:.1f} s to exit after SIGTERM\n{job.log_tail()}"
+
         # No process of the job (the agent, a worker, anything they started) still listens there. A
         # bind is not the test: another process's outgoing connection or server may draw the freed
         # port as an ephemeral one, which is not distmon's (named here when it happens).

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import SyncRecorder, free_port, sample_value, scrape_metrics
+from ddp_harness import SyncRecorder, free_port
+from helpers import sample_value, scrape_metrics
 
 import distmon
 

@@ -13,7 +13,7 @@ parameters (``torch.equal``). References come from Lightning's hooks, never from
   the reduced shards, gathered), before Lightning's or the user's clipping;
 * ``on_train_batch_end``: the norm the model logged (Lightning's ``grad_norm``).
 
-All in float64 (``ddp_harness.reference_norms``). Each rank writes ``OUT/rank{r}.json``; rank 0's
+All in float64 (``helpers.reference_norms``). Each rank writes ``OUT/rank{r}.json``; rank 0's
 distmon writes ``OUT/{case}.jsonl`` and its metrics, scraped over HTTP before the monitor
 closes, go to ``OUT/{case}.metrics.json``.
 """
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "launch" / "examples"), str(ROOT / "tests")]  # this checkout's distmon
 import lightning_example as example  # noqa: E402
-from ddp_harness import reference_norms, scrape_metrics  # noqa: E402
+from helpers import reference_norms, scrape_metrics, whole  # noqa: E402
 
 from distmon.integrations.lightning import DistmonCallback  # noqa: E402
 
@@ -46,10 +46,6 @@ CASES = {
 }
 SINGLE = {"single": (None, {})}
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -79,14 +75,14 @@ class Reference(L.Callback):
         if self._before is not None:
             self.unchanged.append(all(map(torch.equal, params, self._before)))
         self._before = params
-        full = {k: _full(v) for k, v in pl_module.state_dict().items()}
+        full = {k: whole(v) for k, v in pl_module.state_dict().items()}
         self._twin.load_state_dict(full)
         self._twin.zero_grad(set_to_none=True)
         self._twin.loss(batch).backward()
         self.steps.append({"local": _norms([(n, p.grad) for n, p in self._twin.named_parameters()])})
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        grads = [(n, _full(p.grad)) for n, p in pl_module.named_parameters()]
+        grads = [(n, whole(p.grad)) for n, p in pl_module.named_parameters()]
         self.steps[-1]["reduced"] = _norms(grads)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
