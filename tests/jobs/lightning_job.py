@@ -110,7 +110,7 @@ class ScrapeAtEnd(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         mon = self.monitor.monitor
-        mon.flush()  # every rank: the others' figures of the last steps arrive in its all-gather
+        mon.flush()  # every rank: its node's figures of the last steps arrive in the export's gather
         if trainer.global_rank == 0:
             self.path.write_text(json.dumps(scrape_metrics(mon.port)))
 
