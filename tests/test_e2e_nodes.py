@@ -1,8 +1,8 @@
 """End to end, issue #28: one job of 4 torchrun agents ("nodes") x 2 gloo ranks, serve="node".
 
-The deployment of ``tests/test_e2e_deploy.py`` (its ``stack`` fixture: a real Prometheus running
-``deploy/prometheus`` with the shipped recording and alert rules, unmodified, 1 s scrape and
-evaluation; a real Alertmanager) discovers the job through its ``file_sd`` target file alone.
+The deployment of ``tests/deploy_stack.py`` (its ``stack`` fixture, this module's own: a real
+Prometheus running ``deploy/prometheus`` with the shipped recording and alert rules, unmodified,
+1 s scrape and evaluation; a real Alertmanager) discovers the job through its ``file_sd`` target file alone.
 The four agents share one c10d rendezvous on 127.0.0.1 (the first hosts the store); every
 agent's two ranks are one node. distmon runs at its defaults (``serve="node"``: each node's
 first rank serves its node's per-rank series, global rank 0 also the job-wide ones).
@@ -55,11 +55,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import deploy_stack
 import pytest
-import test_e2e_deploy
-from e2e_stack import ROOT, TorchrunJob, free_port, parse_rfc3339, wait_for
-from helpers import scrape_metrics
-from test_e2e_deploy import (
+from deploy_stack import (
     SCRAPE_S,
     STARTUP_S,
     STEP_S,
@@ -69,6 +67,8 @@ from test_e2e_deploy import (
     scalar,
     targets_of,
 )
+from e2e_stack import ROOT, TorchrunJob, free_port, parse_rfc3339, wait_for
+from helpers import scrape_metrics
 
 from distmon.report.log_reader import read_log
 from distmon.serve.prometheus_exporter import METRICS, RANK_LABELS
@@ -77,7 +77,7 @@ pytestmark = pytest.mark.slow
 
 yaml = pytest.importorskip("yaml")
 
-stack = test_e2e_deploy.stack  # the deployment's module fixture: this module gets a stack of its own
+stack = deploy_stack.stack  # the module fixture: a deployment of this module's own
 
 RUN, REFERENCE = "e2e-nodes4", "e2e-nodes4-ref"
 NODES, PER_NODE = 4, 2
