@@ -70,7 +70,9 @@ for version in $TIERS; do
   [ -n "${pys[$version]:-}" ] || continue
   start=$SECONDS
   if [ "$version" = "$NEWEST" ]; then jobs=("${NEWER[@]}"); else jobs=("${OLDER[@]}"); fi
-  "${pys[$version]}" -m pytest -q -p no:cacheprovider ${DURATIONS:+--durations=$DURATIONS} "${jobs[@]}" || failed=1
+  # on 2 xdist workers, a module at a time each (as tests/run.sh): the jobs' waits overlap
+  "${pys[$version]}" -m pytest -q -p no:cacheprovider -n "${WORKERS:-2}" --dist loadscope \
+    ${DURATIONS:+--durations=$DURATIONS} "${jobs[@]}" || failed=1
   echo "[tiers] torch $version: parity jobs $((SECONDS - start)) s"
 done
 exit $failed

@@ -342,6 +342,7 @@ def test_basic_auth_without_bcrypt_says_how_to_install_it(users, monkeypatch):
 # --------------------------------------------------------------------------- bounds and timeouts
 
 
+@pytest.mark.serial  # served within the timeout: run alone
 def test_idle_and_stalled_connections_hold_no_threads_and_time_out(pki, users):
     timeout_s = 2.0
     security = EndpointSecurity(pki.server_cert, pki.server_key, basic_auth_file=users)
@@ -381,6 +382,7 @@ def test_idle_and_stalled_connections_hold_no_threads_and_time_out(pki, users):
             s.close()
 
 
+@pytest.mark.serial  # dropped within 0.8-2.5 s: run alone
 def test_a_client_that_dribbles_bytes_is_dropped_at_the_deadline():
     with serving(timeout_s=1.0) as server:
         sock = socket.create_connection(("127.0.0.1", server.port))

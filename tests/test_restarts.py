@@ -30,7 +30,7 @@ from e2e_stack import EndpointWatch, TorchrunJob, wait_for
 
 from distmon.report.log_reader import read_log
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # bounds of 5 and 10 s: run alone
 
 EXPORT_EVERY = 5
 

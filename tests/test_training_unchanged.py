@@ -245,6 +245,7 @@ def _profiled_job(rank, world, workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # profiled durations compared: run alone
 def test_profiler_windows_closing_at_step_ends_hold_distmons_gather_whole(tmp_path):
     """A profiler window that closed while distmon's per-step gather was in flight recorded a
     corrupt (negative) duration for it and could crash the process (SIGSEGV on gloo's thread:
