@@ -120,9 +120,12 @@ def run(feed: Feeder, steps) -> list:
     return events + feed.flush()
 
 
-# a guard's step-by-step judging of 2,000 steps takes seconds each: the slow tier's
+# a guard's step-by-step judging of 2,000 steps takes seconds each: the slow tier's; so do the
+# runs of 10 steps of seeds 1 and 2 (seed 0 of each curve keeps the path in the fast tier)
 @pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 10])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("start,tau,noise", [(50.0, 300.0, 0.15), (200.0, 60.0, 0.3), (5.0, 2000.0, 0.4)])
 def test_no_false_positives_on_decaying_noisy_series(seed, start, tau, noise, block):
     """Zero events over 2,000 steps of decay + log-normal noise up to sigma 0.4 (defaults:

@@ -276,6 +276,7 @@ _MEASURE = (
 )
 
 
+@pytest.mark.slow  # a 200-step log of 5,000 layers and a 9 MiB line, measured in a subprocess
 def test_thousands_of_layers_and_a_giant_line_take_bounded_time_and_memory(tmp_path):
     """3,000 layers x 8 ranks, then a line of a million layers: folded, skipped, not loaded."""
     log = tmp_path / "wide.jsonl"
