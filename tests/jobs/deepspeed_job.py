@@ -76,9 +76,10 @@ def is_expert(p: torch.nn.Parameter) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-class References:
-    """Float64 per-layer sums of squares of each step's reduced (DeepSpeed's gathered) and local
-    (autograd's, summed over the micro-batches) gradients, and DeepSpeed's own norm of the step."""
+class GradsAtBoundary:
+    """Float64 per-layer sums of squares (``helpers.layer_sq``) of each step's reduced (DeepSpeed's
+    gathered, read at the accumulation boundary) and local (``helpers.LocalGrads``: autograd's,
+    summed over the micro-batches) gradients, and DeepSpeed's own norm of the step."""
 
     def __init__(self, engine: object) -> None:
         from deepspeed.utils import safe_get_full_grad
@@ -174,7 +175,7 @@ def run(cfg: dict[str, object], kind: str, out: str) -> dict[str, object]:
     nan, nan_step = kind.startswith("nan"), cfg["nan_step"]
     steps = nan_step + 1 if nan else cfg["steps"]
     snaps = Snapshots(engine, {nan_step - 1, nan_step})
-    refs = References(engine) if kind == "monitored" else None
+    refs = GradsAtBoundary(engine) if kind == "monitored" else None
     monitor = None
     if kind != "plain":
         options: dict[str, object] = {"serve": "none", "export_every": EXPORT_EVERY}

@@ -34,8 +34,9 @@ NAN_STEP, NAN_RANK = 6, 1
 STRATEGIES = ("ddp", "fsdp")
 
 
-class References:
-    """Per step, float64 per-layer sums of squares of the reduced and (DDP) local gradients."""
+class GradsBeforeClip:
+    """Per step, float64 per-layer sums of squares (``helpers.layer_sq``) of the reduced gradients
+    read just before Fabric clips, and (DDP) of the local ones (``helpers.LocalGrads``)."""
 
     def __init__(self, model: torch.nn.Module, local: bool) -> None:
         self.named = list(model.named_parameters())  # the user's module: the names distmon reports
@@ -53,7 +54,7 @@ def run(strategy: str, kind: str, out: str) -> dict[str, object]:
     import fabric_example  # Lightning: imported by the ranks, not by the test that reads STEPS here
 
     fabric, model, optimizer = fabric_example.setup(strategy)
-    refs = References(model._original_module, local=strategy == "ddp") if kind == "measured" else None
+    refs = GradsBeforeClip(model._original_module, local=strategy == "ddp") if kind == "measured" else None
     monitor = None
     if kind != "plain":
         log = os.path.join(out, f"fabric-{strategy}-{kind}.jsonl") if fabric.global_rank == 0 else None

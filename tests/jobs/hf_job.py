@@ -13,7 +13,7 @@ runs, in one process per rank, each configuration of each framework, as the exam
   local gradient on rank 1 in step :data:`NAN_STEP` (a tensor hook, as ``launch/train.py
   --nan-step`` does).
 
-References, taken from the framework and autograd, never from distmon (:class:`Reference`):
+References, taken from the framework and autograd, never from distmon (:class:`GradsAtClip`):
 
 - the reduced gradient before clipping: ``accelerator.clip_grad_norm_`` (what the Trainer's
   ``max_grad_norm`` and the accelerate example call) is wrapped on the instance; the wrapper
@@ -64,8 +64,9 @@ NAN_LAYER = {"hf": "transformer.h.1.mlp.c_fc", "accelerate": "encoder.0"}
 MAX_GRAD_NORM = {"hf": hf_trainer_example.MAX_GRAD_NORM, "accelerate": accelerate_example.MAX_GRAD_NORM}
 
 
-class Reference:
-    """Float64 gradients of every optimizer step, from autograd and the framework's clipping.
+class GradsAtClip:
+    """Float64 gradients of every optimizer step, read where the framework clips (its
+    ``clip_grad_norm_`` wrapped on the instance) and from autograd (``helpers.LocalGrads``).
 
     ``steps[i]``: ``reduced`` and ``local`` (float64 vectors in model order), ``post_clip``
     (float64 norm of the clipped gradient), ``params_before`` (the parameters before that step's
@@ -184,7 +185,7 @@ def run_hf(config: str, out: str) -> dict[str, object]:
             if config == "nan" and trainer.accelerator.process_index == NAN_RANK
             else None
         )
-        reference = Reference(trainer.model, trainer.accelerator, inject)
+        reference = GradsAtClip(trainer.model, trainer.accelerator, inject)
         trainer.train()
         return {
             **reference.result(),
@@ -208,7 +209,7 @@ def run_accelerate(config: str, out: str) -> dict[str, object]:
         if config == "nan" and accelerator.process_index == NAN_RANK
         else None
     )
-    reference = Reference(module, accelerator, inject)
+    reference = GradsAtClip(module, accelerator, inject)
     monitor = distmon.GradMonitor(model, optimizer, **measure_options(out, "accelerate", config))
     norms = accelerate_example.train(accelerator, model, optimizer, loader)
     samples = scrape_after_flush(monitor) if config == "measured" else None

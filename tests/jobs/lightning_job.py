@@ -57,8 +57,9 @@ def _norms(named_grads: list[tuple[str, torch.Tensor | None]]) -> dict[str, obje
     return {"total": total, "layers": layers}
 
 
-class Reference(L.Callback):
-    """Each step's float64 figures, taken from Lightning's hooks (see the module docstring)."""
+class GradsFromHooks(L.Callback):
+    """Each step's float64 figures (``helpers.reference_norms``), read in Lightning's hooks (see the
+    module docstring)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, object]] = []
@@ -90,7 +91,7 @@ class Reference(L.Callback):
 
 
 class NanOnRank(L.Callback):
-    """Puts a NaN into one input of ``rank``'s batch at ``step`` (before the Reference sees it)."""
+    """Puts a NaN into one input of ``rank``'s batch at ``step`` (before GradsFromHooks sees it)."""
 
     def __init__(self, step: int, rank: int) -> None:
         self.step, self.rank = step, rank
@@ -118,7 +119,7 @@ class ScrapeAtEnd(L.Callback):
 def monitored(name: str, out: Path, guard: str | None, nan: bool = False, **train: bool) -> dict[str, object]:
     """Fit with DistmonCallback and the references; the figures and the final parameters."""
     cb = DistmonCallback(guard=guard, port=0, linger_s=0, log_path=str(out / f"{name}.jsonl"))
-    ref = Reference()
+    ref = GradsFromHooks()
     callbacks = [NanOnRank(NAN_STEP, rank=1)] if nan else []
     callbacks += [cb, ref, ScrapeAtEnd(cb, out / f"{name}.metrics.json")]
     model = example.train(callbacks=callbacks, **train)
