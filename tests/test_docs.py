@@ -104,6 +104,7 @@ def test_the_metrics_table_renders_every_declaration():
         assert cells[3].replace("\\|", "|") == spec.help
 
 
+@pytest.mark.slow  # runs series_count for every row of the table (~3 s)
 def test_the_sizing_table_is_what_series_count_prints():
     """docs/deployment.md's series counts are benchmarks/series_count.py's (real /metrics bodies), and
     a node's endpoint serves each per-rank family of METRICS once per rank of the node."""

@@ -206,6 +206,7 @@ def _status_within(server: MetricServer, auth: str, status: int, seconds: float 
     return got
 
 
+@pytest.mark.slow  # waits out the users file's reload (~4 s)
 def test_a_rotated_users_file_takes_effect_without_a_restart(tmp_path):
     users = write_htpasswd(tmp_path / "users", {USER: "old password"})
     with serving(EndpointSecurity(basic_auth_file=users)) as server:

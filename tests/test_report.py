@@ -56,6 +56,7 @@ def _single_process_log(path, steps=40, nan_step=30, run_id=None):
             opt.zero_grad()
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_a_report_of_pictures_and_a_summary_also_from_a_cut_log(tmp_path):
     log = tmp_path / "run.jsonl"
     _single_process_log(log)
@@ -205,6 +206,7 @@ def test_every_unusable_input_is_one_line_on_stderr_and_exit_code_2(tmp_path):
         assert lines[0].startswith(f"distmon report: {expected}"), (expected, lines)
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_a_restarted_job_s_log_is_reported_one_run_at_a_time(tmp_path):
     """Two real monitors appending to one log: the report is of the latest unless told."""
     log = tmp_path / "run.jsonl"
@@ -345,6 +347,7 @@ ODD_LINES = [
 ]
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_odd_lines_are_skipped_and_odd_but_valid_logs_are_drawn(tmp_path, capsys):
     from distmon.report import main
 
@@ -399,6 +402,7 @@ assert GradientAnomalyError and DetectorConfig and AnomalyEvent
 """
 
 
+@pytest.mark.slow  # fresh interpreters, one per import (~3 s)
 def test_the_report_and_import_distmon_do_not_import_torch(tmp_path):
     log = tmp_path / "run.jsonl"
     _write(log, [_snap(1), _snap(2)])
@@ -563,6 +567,7 @@ def test_node_logs_read_together_are_the_whole_job_s_log_over_generated_jobs(tmp
         assert [part.rank_invalid[r] for r in kept] == [reference.rank_invalid[r] for r in kept], case
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_mixed_old_and_new_lines_a_node_log_s_own_fields_and_disagreements(tmp_path):
     """An appended log whose first run is an older distmon's (no "ranks": the whole job) and whose
     second run has node logs; a node's own fields differ without counting; a job-wide field that
