@@ -27,7 +27,6 @@ import threading
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +35,7 @@ from typing import Any
 
 import pytest
 from ddp_harness import free_port
+from helpers import http_get
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from train import torchrun_command  # noqa: E402  (launch/train.py)
@@ -136,13 +136,12 @@ def parse_rfc3339(text: str) -> float:
     return _dt.datetime.fromisoformat(text).timestamp()
 
 
-def http_get(url: str, params: Mapping[str, Any] | None = None, timeout: float = 5.0) -> Any:
-    """GET a JSON document."""
+def get_json(url: str, params: Mapping[str, Any] | None = None, timeout: float = 5.0) -> Any:
+    """GET a JSON document (no proxy: helpers.http_get)."""
     if params:
         url += "?" + urllib.parse.urlencode(params, doseq=True)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return json.loads(r.read())
+        return json.loads(http_get(url, timeout)[2])
     except urllib.error.HTTPError as e:  # Prometheus explains a bad query in the body
         raise AssertionError(
             f"GET {urllib.parse.unquote(url)} -> {e.code}: {e.read().decode(errors='replace')[:2000]}"
@@ -261,9 +260,8 @@ class ServerProcess:
                     pytrace=False,
                 )
             try:
-                with urllib.request.urlopen(self.ready_url, timeout=2) as r:
-                    if r.status == 200:
-                        return
+                if http_get(self.ready_url, timeout=2)[0] == 200:
+                    return
             except (OSError, urllib.error.URLError):
                 pass
             if time.monotonic() > deadline:
@@ -308,7 +306,7 @@ class Prometheus(ServerProcess):
         )
 
     def api(self, path: str, **params: Any) -> Any:
-        doc = http_get(self.url + "/api/v1/" + path, params)
+        doc = get_json(self.url + "/api/v1/" + path, params)
         assert doc.get("status") == "success", doc
         return doc["data"]
 
@@ -358,7 +356,7 @@ class Alertmanager(ServerProcess):
 
     def alerts(self) -> list[dict]:
         """``GET /api/v2/alerts``: active alerts, including inhibited (state "suppressed") ones."""
-        return http_get(self.url + "/api/v2/alerts")
+        return get_json(self.url + "/api/v2/alerts")
 
 
 # --------------------------------------------------------------------------- recorder
@@ -584,8 +582,7 @@ class EndpointWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                with urllib.request.urlopen(self.url, timeout=1) as r:
-                    body = r.read().decode()
+                body = http_get(self.url, timeout=1)[2]
                 found = re.search(r"^distmon_restart_count\{[^}]*\} (\S+)$", body, re.M)
                 self.scrapes.append((time.time(), float(found[1]) if found else -1.0))
             except OSError:

@@ -33,20 +33,22 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from ddp_harness import SyncRecorder, close, layer_of, make_batch, scrape_metrics
+from ddp_harness import SyncRecorder
+from helpers import GPT, close, layer_of, lm_loss, make_batch, scrape_metrics
 from torch import nn
 
 VOCAB, DIM, HIDDEN = 24, 8, 16
+# the layouts' GPT (helpers.GPT): MLP blocks, which tensor parallelism shards (fc1, fc2)
+MODEL = {"vocab": VOCAB, "dim": DIM, "hidden": HIDDEN}
 STEPS = 4  # compared steps; then SPY_STEPS ordinary steps under the spy, then the NaN step
 SPY_STEPS = 3
 BATCH = 4
 LAYERS = (
     "emb",
-    "blocks.0.norm",
+    "blocks.0.ln",
     "blocks.0.fc1",
     "blocks.0.fc2",
-    "blocks.1.norm",
+    "blocks.1.ln",
     "blocks.1.fc1",
     "blocks.1.fc2",
     "norm",
@@ -55,39 +57,6 @@ LAYERS = (
 # one endpoint on an ephemeral port, exports only when flushed, no lingering for Prometheus
 MONITORED = {"serve": "rank0", "port": 0, "export_every": 1000, "export_interval_s": 0, "linger_s": 0}
 NAN_LAYER = "blocks.1.fc2"  # its output's gradient is poisoned on one rank: the first NaN in backward
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
-
-
-class GPT(nn.Module):
-    """Embedding, two residual MLP blocks, final norm, head. A pipeline stage is a copy with the
-    other stages' modules set to None (torchtitan's way: the names stay the model's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleDict({str(i): Block() for i in range(2)})
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x) if self.emb is not None else x
-        for block in self.blocks.values():
-            h = block(h)
-        return self.head(self.norm(h)) if self.head is not None else h
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def make_stage(model: GPT, stage: int) -> GPT:
@@ -151,7 +120,7 @@ class Built:
             "dp", coord.get("dp_replicate", 0) * layout.dims.get("dp_shard", 1) + coord.get("dp_shard", 0)
         )
         torch.manual_seed(0)
-        full = GPT().to(layout.dtype)
+        full = GPT(**MODEL).to(layout.dtype)
         self.module = make_stage(full, self.stage) if self.stage is not None else full
         self._parallelize()
         # taken now: torch's TP support in DDP leaves the tensor-parallel parameters out of
@@ -212,7 +181,7 @@ class Built:
             group = self.mesh["tp"].get_group()
         else:  # every rank claims its copy is its own: a misdeclared layout
             group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-        return {"replicated_over": {r"^(emb|norm|head)\.|\.norm\.": group}}
+        return {"replicated_over": {r"^(emb|norm|head)\.|\.ln\.": group}}
 
     def named_params(self) -> list[tuple[str, torch.Tensor]]:
         return self._named
@@ -302,7 +271,7 @@ def tp_part(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def local_reference(built: Built, weights: dict[str, torch.Tensor], step: int) -> dict[str, float]:
     """This rank's pre-reduction sum of squares per parameter, from a float64 twin on its batch."""
-    twin = GPT().double()
+    twin = GPT(**MODEL).double()
     twin.load_state_dict(weights)
     x, y = make_batch(built.dp, step, batch=BATCH, vocab=VOCAB)
     lm_loss(twin(x), y).backward()

@@ -2,13 +2,13 @@
 gloo ranks, trained bare and with distmon, and judged against a reference made another way.
 
 A :class:`Case` combines a device mesh (``pp``, ``dp`` or HSDP's ``dp_replicate``/``dp_shard``,
-``tp``, or an expert mesh ``edp`` x ``ep``; one or two pipeline stages), what reduces over the data-parallel ranks (DDP,
-FSDP2, HSDP or nothing), tensor parallelism (``fc1`` column-wise, ``fc2`` row-wise, the plain
-parameters declared replicated over ``tp`` or not, or misdeclared), pipeline stages (the
-``PipelineStage`` or the stage's module passed), mixture-of-experts layers (DTensor experts on an
-``ep`` mesh, or plain per-rank tensors inside FSDP2 or outside every wrapper, declared or not),
-the parameters' dtype, and the object handed to ``GradMonitor`` (the wrapper, or the module a
-user has in hand: a stage's module, DDP's ``.module``). :func:`cases` generates them.
+``tp``, or an expert mesh ``edp`` x ``ep``; one or two pipeline stages), what reduces over the
+data-parallel ranks (DDP, FSDP2, HSDP or nothing), tensor parallelism (``fc1`` column-wise,
+``fc2`` row-wise, the plain parameters declared replicated over ``tp`` or not, or misdeclared),
+pipeline stages (the ``PipelineStage`` or the stage's module passed), mixture-of-experts layers
+(DTensor experts on an ``ep`` mesh, or plain per-rank tensors inside FSDP2 or outside every
+wrapper, declared or not), the parameters' dtype, and the object handed to ``GradMonitor`` (the
+wrapper, or the module a user has in hand: a stage's module, DDP's ``.module``). :func:`cases` generates them.
 
 :func:`space_job` runs many cases in one spawn (every rank, one after the other). Per case and
 rank it returns what the property needs, judged by :func:`judge_case` outside the ranks:
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from ddp_harness import close, layer_of, make_batch, rel_err
-from layout_harness import GPT, VOCAB, full_grad, lm_loss, make_stage
+from helpers import GPT, close, layer_of, lm_loss, make_batch, rel_err
+from layout_harness import MODEL, VOCAB, full_grad, make_stage
 from moe_layouts import EP, EXPERT_WEIGHTS, MoEGPT
 from torch import nn
 
@@ -172,7 +172,7 @@ class SpaceBuilt:
         for k in dp_dims:
             self.dp = self.dp * dict(case.dims)[k] + self.coord[k]
         torch.manual_seed(0)
-        full = (MoEGPT() if case.experts else GPT()).to(self.dtype)
+        full = (MoEGPT() if case.experts else GPT(**MODEL)).to(self.dtype)
         self.stages = dict(case.dims).get("pp", 0)
         self.module = make_stage(full, self.stage) if self.stages > 1 else full
         self.groups: dict[str, dist.ProcessGroup] = {}

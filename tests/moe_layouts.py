@@ -34,20 +34,19 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from ddp_harness import make_batch
+from helpers import GPT, lm_loss, make_batch
 from layout_harness import (
     BATCH,
     DIM,
-    GPT,
     HIDDEN,
     LAYERS,
+    MODEL,
     VOCAB,
     Built,
     Layout,
     _poison_output_gradient,
     full_weights,
     layout_job,
-    lm_loss,
 )
 from torch import nn
 
@@ -106,7 +105,7 @@ class MoEGPT(GPT):
     """The harness's GPT with a residual MoE layer after its blocks."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(**MODEL)
         self.moe = MoE()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ NEWER=(-m slow tests/test_fsdp.py tests/test_layouts.py
   tests/test_framework_lightning.py tests/test_framework_hf.py tests/test_framework_fabric.py)
 # The fast tier less the modules that never reach torch (Prometheus rules through promtool, the
 # deploy manifests, the docs site, the report and the HTTP server, the last two tested to import no
-# torch, the collective-scaling model): they cannot differ between torch releases and run once,
-# in the pinned suite. Also left out: the detectors' and the cross-rank reductions' long
+# torch, the collective-scaling model, the test suite's own shape): they cannot differ between
+# torch releases and run once, in the pinned suite. Also left out: the detectors' and the cross-rank reductions' long
 # generated series (elementwise tensor math only, the slowest fast modules); they run once, in
 # the pinned suite; the parity jobs (test_torch_versions) compare real jobs' snapshots
 # across the releases. The docs' drift checks too: a page names torch's functions as the pinned
@@ -33,7 +33,7 @@ NEWER=(-m slow tests/test_fsdp.py tests/test_layouts.py
 TORCHLESS=(--ignore=tests/test_alert_rules.py --ignore=tests/test_deploy_manifests.py
   --ignore=tests/test_docs.py --ignore=tests/test_doc_drift.py
   --ignore=tests/test_report.py --ignore=tests/test_http_server.py
-  --ignore=tests/test_collective_model.py
+  --ignore=tests/test_collective_model.py --ignore=tests/test_suite_shape.py
   --ignore=tests/test_detectors_unit.py --ignore=tests/test_crossrank.py)
 # The fast tiers run side by side (each is one in-process pytest, ~1 core: on CI's 2 cores the
 # three take ~1.5x one's time instead of 3x), each in a temporary folder of its own; the parity
@@ -72,7 +72,9 @@ for version in $TIERS; do
   [ -n "${pys[$version]:-}" ] || continue
   start=$SECONDS
   if [ "$version" = "$NEWEST" ]; then jobs=("${NEWER[@]}"); else jobs=("${OLDER[@]}"); fi
-  "${pys[$version]}" -m pytest -q -p no:cacheprovider ${DURATIONS:+--durations=$DURATIONS} "${jobs[@]}" || failed=1
+  # on 2 xdist workers, a module at a time each (as tests/run.sh): the jobs' waits overlap
+  "${pys[$version]}" -m pytest -q -p no:cacheprovider -n "${WORKERS:-2}" --dist loadscope \
+    ${DURATIONS:+--durations=$DURATIONS} "${jobs[@]}" || failed=1
   echo "[tiers] torch $version: parity jobs $((SECONDS - start)) s"
 done
 exit $failed

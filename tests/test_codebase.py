@@ -3,12 +3,14 @@
 Calls pass at most four arguments by position (more is wiring nobody can read: name them);
 no parameter or attribute is typed ``Any``; the composition root stays wiring only; no source
 file of the benchmarks or the deployment grows past a size one can read; ``import distmon``
-pulls in no FSDP and no DeepSpeed (a single process must not pay ~2 s, ~4 s for them).
+pulls in no FSDP and no DeepSpeed (a single process must not pay ~2 s, ~4 s for them); the
+whole repository passes the configured ruff rules and ruff's formatting (pinned in the test extra).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -77,7 +79,9 @@ def test_the_folders_show_the_stages_and_each_maps_what_it_holds():
     modules (a short map a newcomer reads first)."""
     top = [name for name in os.listdir(os.path.join(ROOT, "distmon")) if name.endswith(".py")]
     assert len(top) <= 12, sorted(top)
-    folders = [e.path for e in os.scandir(os.path.join(ROOT, "distmon")) if e.is_dir() and e.name != "__pycache__"]
+    folders = [
+        e.path for e in os.scandir(os.path.join(ROOT, "distmon")) if e.is_dir() and e.name != "__pycache__"
+    ]
     assert len(folders) >= 6, folders
     for folder in folders:
         with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
@@ -111,3 +115,15 @@ def test_import_distmon_pulls_in_no_fsdp(code):
 def test_import_distmon_pulls_in_no_deepspeed(code):
     """DeepSpeed takes ~4 s to import (and starts its accelerator): only a job that uses it pays."""
     assert _imported(code, "deepspeed") == "[]"
+
+
+@pytest.mark.parametrize("args", [("check", "."), ("format", "--check", ".")], ids=["lint", "format"])
+def test_the_repository_passes_ruff(args):
+    """``ruff check .`` and ``ruff format --check .`` with pyproject.toml's rules (import order, line
+    length, ...): what a reviewer would otherwise point out by hand."""
+    if importlib.util.find_spec("ruff") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("ruff is not installed: pip install -e '.[test]' (launch/install.sh --test does)")
+        pytest.skip("ruff not installed (pip install -e '.[test]')")
+    out = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout}{out.stderr}"

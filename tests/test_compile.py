@@ -34,16 +34,8 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import (
-    TinyLM,
-    close,
-    lm_loss,
-    make_batch,
-    reference_norms,
-    run_ranks,
-    sample_value,
-    scrape_metrics,
-)
+from ddp_harness import run_ranks
+from helpers import GPT, close, lm_loss, make_batch, reference_norms, sample_value, scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distmon.compat import TORCH
@@ -111,14 +103,14 @@ def _build(kind, config, backend):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    net = TinyLM(checkpoint=config.endswith("torch_checkpoint"))
+    net = GPT(checkpoint=config.endswith("torch_checkpoint"))
     if config.startswith("compiled_blocks"):
-        for i, block in enumerate(net.blocks):
+        for i, block in list(net.blocks.items()):
             if config.endswith("checkpoint_wrapper"):
                 block = checkpoint_wrapper(block)
             net.blocks[i] = torch.compile(block, backend=backend)
     if kind == "fsdp":
-        for block in net.blocks:
+        for block in net.blocks.values():
             fully_shard(block)
         fully_shard(net)
         return net, torch.compile(net, backend=backend) if config == "compiled_model" else net
@@ -135,7 +127,7 @@ def _train_monitored(rank, kind, config, backend):
     torch._dynamo.reset()  # each configuration compiles (and counts) its own graphs
     before = RUNS.copy()
     net, model = _build(kind, config, backend)
-    twin = TinyLM()  # eager, unwrapped, unsharded: this rank's local gradient
+    twin = GPT()  # eager, unwrapped, unsharded: this rank's local gradient
     names = [n for n, _ in twin.named_parameters()]  # the model's own names
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {"error": None, "steps": []}
@@ -249,7 +241,7 @@ def _refused_run(rank, case, attempt, backend):
     torch._dynamo.reset()
     with torch._dynamo.config.patch(**REFUSED[case]):
         torch.manual_seed(0)
-        ddp = DDP(TinyLM())
+        ddp = DDP(GPT())
         model, opt = torch.compile(ddp, backend=backend), torch.optim.SGD(ddp.parameters(), lr=0.1)
         out = {"refusal": None, "raised": None, "losses": []}
         if attempt:
@@ -292,9 +284,9 @@ def _fsdp_compiled_autograd(rank, monitored):
     torch._dynamo.reset()
     captures = torch._dynamo.utils.counters["compiled_autograd"]["captures"]
     torch.manual_seed(0)
-    net, twin = TinyLM(), TinyLM()
+    net, twin = GPT(), GPT()
     names = [n for n, _ in twin.named_parameters()]
-    for block in net.blocks:
+    for block in net.blocks.values():
         fully_shard(block)
     fully_shard(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

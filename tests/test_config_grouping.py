@@ -12,9 +12,9 @@ import torch.nn as nn
 from ddp_harness import run_ranks
 
 import distmon
-from distmon.setup.config import MonitorConfig
-from distmon.serve.file_sd import TargetFile
 from distmon.layout.grouping import OTHER, build_grouping
+from distmon.serve.file_sd import TargetFile
+from distmon.setup.config import MonitorConfig
 
 
 @pytest.mark.parametrize(

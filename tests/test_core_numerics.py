@@ -1,6 +1,6 @@
 """distmon's numbers against independent references, in every DDP configuration.
 
-With 2 and 3 ranks, `grad_norm` equals `torch.nn.utils.get_total_norm` over the
+With 2 and 3 ranks, `grad_norm` equals the float64 norm of the
 reduced `p.grad` (relative error <= 1e-5), and `rank_grad_norms[r]` equals the
 norm of rank r's local gradient computed independently (a twin un-wrapped model
 on each rank); per-layer norms likewise.
@@ -16,7 +16,7 @@ How the references are computed (never with distmon code):
 * every rank runs real DDP (gloo, spawned processes) on its own data, with tiny
   buckets (several per step) so the per-bucket logic is exercised, including
   DDP's bucket rebuild after the first iteration;
-* global / per-layer reference: `torch.nn.utils.get_total_norm` in float64 over
+* global / per-layer reference: float64 norms (`helpers.reference_norms`) of
   the reduced `p.grad` of the DDP module after backward (None counts as 0),
   grouped by the module that owns each parameter (`blocks.1.fc.weight` ->
   `blocks.1.fc`), the spec's default grouping;
@@ -45,16 +45,16 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import (
+from ddp_harness import ddp_own_reduction, run_ranks
+from helpers import (
     BUCKET_CAP_MB,
-    TinyLM,
+    GPT,
     as_float64,
+    claims_nonfinite,
     close,
-    ddp_own_reduction,
     lm_loss,
     make_batch,
     reference_norms,
-    run_ranks,
     snapshot_dict,
     sync_twin,
 )
@@ -132,7 +132,7 @@ def _run_variant(rank, world_size, name, steps):
     cfg = VARIANTS[name]
     accum = cfg.get("accum", 1)
     torch.manual_seed(0)
-    model = TinyLM(**cfg.get("model", {}))
+    model = GPT(**cfg.get("model", {}))
     if cfg.get("dtype") == "bf16":
         model = model.to(torch.bfloat16)
     for pname, p in model.named_parameters():
@@ -267,7 +267,7 @@ def check_numerics(results, name, world_size):
                 problems.append(f"{where}: snapshot.world_size = {snap['world_size']!r}")
             if not close(snap["grad_norm"], rec["ref_total"], REL):
                 problems.append(
-                    f"{where}: grad_norm {_fmt(snap['grad_norm'])} != get_total_norm(reduced p.grad) "
+                    f"{where}: grad_norm {_fmt(snap['grad_norm'])} != float64 norm of the reduced p.grad "
                     f"{_fmt(rec['ref_total'])}"
                 )
             lg = snap["layer_grad_norms"]
@@ -312,16 +312,8 @@ def check_numerics(results, name, world_size):
                                 f"{where}: rank_layer_grad_norms[{q}][{j}] ({layer}) {_fmt(rl[q][j])} "
                                 f"!= rank {q}'s local layer norm {_fmt(exp_layers[layer])}"
                             )
-            if (
-                snap["nonfinite"] is not False
-                or snap["nonfinite_ranks"] != []
-                or snap["first_nonfinite"] is not None
-            ):
-                problems.append(
-                    f"{where}: finite step reported nonfinite={snap['nonfinite']!r}, "
-                    f"nonfinite_ranks={snap['nonfinite_ranks']!r}, "
-                    f"first_nonfinite={snap['first_nonfinite']!r}"
-                )
+            if claim := claims_nonfinite(snap):
+                problems.append(f"{where}: {claim}")
     return problems
 
 

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from ddp_harness import as_float64, reference_norms, run_ranks, snapshot_dict
+from ddp_harness import run_ranks
+from helpers import as_float64, reference_norms, snapshot_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distmon.step.sums import sq_sums

@@ -7,7 +7,6 @@ DDP training steps: forward, backward, optimizer step, in four settings), a Grad
 and the demo on one NCCL rank under torchrun. Then ``python benchmarks/overhead.py --gpu``.
 """
 
-import math
 import os
 import re
 import subprocess
@@ -15,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from helpers import reference_norms
 
 import distmon
 
@@ -29,7 +29,8 @@ def make_net():
 
 
 def reference(net):
-    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in net.parameters()))
+    """The float64 norm of the gradients as they are now (helpers.reference_norms)."""
+    return reference_norms((n, p.grad) for n, p in net.named_parameters())[0]
 
 
 def backward(net, opt, scaler, n):

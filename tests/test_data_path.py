@@ -20,7 +20,8 @@ import threading
 
 import pytest
 import torch
-from ddp_harness import free_port, run_ranks, scrape_metrics
+from ddp_harness import free_port, run_ranks
+from helpers import scrape_metrics
 
 import distmon
 from distmon.step.data_path import PATHS

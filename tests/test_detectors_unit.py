@@ -2,7 +2,7 @@
 
 Series are generated here from closed-form curves with log-normal noise; each step's row is
 filled the way the tracker fills it (sums of squares, gathered per-rank totals) and the real
-DeviceDetector + DetectorDecoder turn it into events. Thresholds are the defaults of
+DeviceDetector + EventFinder turn it into events. Thresholds are the defaults of
 DetectorConfig, stated below, unless a test says otherwise.
 """
 
@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from distmon.step.crossrank import CrossRank
-from distmon.verdicts.detectors import DetectorConfig, EventFinder, DeviceDetector
-from distmon.step.rows import Head, RowPlan, RowWriter
 from distmon.snapshot import Snapshot
+from distmon.step.crossrank import CrossRank
+from distmon.step.rows import Head, RowPlan, RowWriter
+from distmon.verdicts.detectors import DetectorConfig, DeviceDetector, EventFinder
 
 DEFAULTS = DetectorConfig()
 LAYERS = ("embed", "block0", "block1", "head")
@@ -120,9 +120,12 @@ def run(feed: Feeder, steps) -> list:
     return events + feed.flush()
 
 
-# a guard's step-by-step judging of 2,000 steps takes seconds each: the slow tier's
+# a guard's step-by-step judging of 2,000 steps takes seconds each: the slow tier's; so do the
+# runs of 10 steps of seeds 1 and 2 (seed 0 of each curve keeps the path in the fast tier)
 @pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 10])
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("start,tau,noise", [(50.0, 300.0, 0.15), (200.0, 60.0, 0.3), (5.0, 2000.0, 0.4)])
 def test_no_false_positives_on_decaying_noisy_series(seed, start, tau, noise, block):
     """Zero events over 2,000 steps of decay + log-normal noise up to sigma 0.4 (defaults:

@@ -568,6 +568,19 @@ def test_every_module_and_name_a_page_names_exists():
     assert bad == [], f"pages name modules, functions or members that do not exist: {bad}"
 
 
+def helper_names() -> set[str]:
+    """The top-level names of the suite's helper modules (``tests/*.py`` but the ``test_*``
+    modules: ``run_ranks``, ``SyncRecorder``), which docs/development.md names for contributors."""
+    out = set()
+    folder = os.path.join(ROOT, "tests")
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".py") and not f.startswith("test_"):
+            with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+            out |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return out
+
+
 def _vocabulary() -> set[str]:
     import builtins
 
@@ -587,6 +600,7 @@ def _vocabulary() -> set[str]:
         | attention_names()
         | set(dir(builtins))  # ValueError, ...
         | set().union(*index.values())
+        | helper_names()
         | FOREIGN
     )
 

@@ -53,7 +53,12 @@ def test_every_environment_variable_is_read_through_the_declaration(monkeypatch)
     for o in OPTIONS:
         if o.env is None or o.name.startswith("tls") or o.name == "basic_auth_file":
             continue  # the TLS/auth files must pair up and exist: tests/test_http_server.py
-        text = {int: "7", float: "0.5", bool: "1", str: {"serve": "rank0", "tracker": "tensorboard"}.get(o.name, "x")}[o.env_type]
+        text = {
+            int: "7",
+            float: "0.5",
+            bool: "1",
+            str: {"serve": "rank0", "tracker": "tensorboard"}.get(o.name, "x"),
+        }[o.env_type]
         monkeypatch.setenv(o.env, text)
         assert getattr(MonitorConfig.from_options(**{o.name: None}), o.name) == o.parse(text), o.name
         monkeypatch.delenv(o.env)
@@ -107,6 +112,7 @@ def test_the_metrics_table_renders_every_declaration():
         assert cells[3].replace("\\|", "|") == spec.help
 
 
+@pytest.mark.slow  # runs series_count for every row of the table (~3 s)
 def test_the_sizing_table_is_what_series_count_prints():
     """docs/deployment.md's series counts are benchmarks/series_count.py's (real /metrics bodies), and
     a node's endpoint serves each per-rank family of METRICS once per rank of the node."""

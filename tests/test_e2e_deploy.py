@@ -40,34 +40,39 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import statistics
 import time
-import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 
+import deploy_stack
 import pytest
+from deploy_stack import (
+    ANONYMOUS_JOB,
+    SCRAPE_S,
+    STARTUP_S,
+    STEP_S,
+    alert_rules,
+    dashboard_queries,
+    grafana_regex_escape,
+    grafana_substitute,
+    read_jsonl,
+    rule_for,
+    scalar,
+    targets_of,
+    wait_scraped,
+)
 from e2e_stack import (
     DEPLOY,
-    Alertmanager,
     EndpointWatch,
-    Prometheus,
-    Recorder,
     TorchrunJob,
-    Webhook,
     free_port,
     has_data,
     parse_duration,
     parse_rfc3339,
     require_binary,
-    secure_scrape_job,
-    substitute,
     tail,
     wait_for,
 )
-from secure_endpoint import Pki, make_pki, write_htpasswd
+from secure_endpoint import write_htpasswd
 
 from distmon.report.log_reader import read_log
 
@@ -75,14 +80,13 @@ pytestmark = pytest.mark.slow  # real ranks or servers: not in the fast tier
 
 yaml = pytest.importorskip("yaml")
 
+stack = deploy_stack.stack  # the module fixture: the deployment of this module
+
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "distmon.json"
 DATASOURCE_PROVISIONING = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
-SCRAPE_S = 1.0  # the test Prometheus' scrape and evaluation interval
-STEP_S = 0.25  # --min-step-s of every job: 4 optimizer steps per second at most
-STARTUP_S = 120.0  # bound on torchrun + torch import + rendezvous on a loaded 2-core machine
 
 EXPLODE, KILLED, STALLED, NODES = "e2e-explode", "e2e-killed", "e2e-stalled", "e2e-nodes"
-SECURE, ANONYMOUS_JOB = "e2e-secure", "distmon-secure-anonymous"
+SECURE = "e2e-secure"
 SECURE_STEPS = 40  # e2e-secure: ~10 s of steps, then 3 s of linger
 
 # e2e-explode timeline (steps of STEP_S). The explosion alert compares the latest norm with
@@ -98,164 +102,10 @@ KILL_AFTER_STEPS = 40  # e2e-killed: Prometheus has scraped this many steps when
 NODES_STEPS = 120  # e2e-nodes: ~30 s
 # e2e-restarted (torchrun --max-restarts 1, its run id torchrun's --rdzv-id): rank 1 fails at step
 # CRASH_STEP on the first attempt, before training it; every worker restarts and resumes from the
-# last checkpoint, of step CKPT_EVERY * ((CRASH_STEP - 1) // CKPT_EVERY); RESTART_STEPS in all (~40 s of steps)
+# last checkpoint, of step CKPT_EVERY * ((CRASH_STEP - 1) // CKPT_EVERY); RESTART_STEPS in all
+# (~40 s of steps)
 RESTARTED, RESTART_STEPS, CRASH_STEP, CKPT_EVERY = "e2e-restarted", 160, 60, 20
 LINGER_EXPLODE, LINGER_NODES = 5, 8  # >= 2 scrape intervals
-
-
-# --------------------------------------------------------------------------- the stack
-
-
-def alert_rules() -> dict[str, dict]:
-    rules = {}
-    for path in sorted((DEPLOY / "prometheus" / "rules").glob("*.yml")):
-        for group in yaml.safe_load(path.read_text())["groups"]:
-            for rule in group["rules"]:
-                if "alert" in rule:
-                    rules[rule["alert"]] = rule
-    return rules
-
-
-def rule_for(name: str) -> float:
-    return parse_duration(alert_rules()[name].get("for", "0s"))
-
-
-@dataclass(frozen=True)
-class SecureScrape:
-    """What the ``distmon-secure`` job of the test's Prometheus uses: certificates in the
-    config directory's ``tls/`` (the names the job reads), its user and password, and the
-    ``file_sd_secure/`` directory it discovers targets in."""
-
-    pki: Pki
-    username: str
-    password: str
-    sd_dir: Path
-
-
-@dataclass
-class Stack:
-    workdir: Path
-    sd_dir: Path
-    prom: Prometheus
-    am: Alertmanager
-    webhook: Webhook
-    recorder: Recorder
-    secure: SecureScrape | None  # None without openssl
-
-    def diagnose(self, jobs: Iterable[TorchrunJob] = (), run_ids: Iterable[str] | None = None) -> str:
-        run_ids = list(run_ids) if run_ids is not None else None
-        out = [f"now {time.strftime('%H:%M:%S')}"]
-        try:
-            alerts = self.prom.alerts()
-            out.append("Prometheus /api/v1/alerts now:")
-            out += [
-                f"  {a['labels'].get('alertname')} {a['state']} run_id={a['labels'].get('run_id')} "
-                f"activeAt={a.get('activeAt')} value={a.get('value')}"
-                for a in alerts
-            ] or ["  (none)"]
-            out.append("Prometheus /api/v1/targets now:")
-            out += [
-                f"  {t['scrapeUrl']} {t['labels']} health={t['health']} lastError={t.get('lastError')!r}"
-                for t in self.prom.targets()
-            ] or ["  (none)"]
-            out.append("Alertmanager /api/v2/alerts now:")
-            out += [
-                f"  {a['labels'].get('alertname')} run_id={a['labels'].get('run_id')} "
-                f"{a.get('status', {}).get('state')}"
-                for a in self.am.alerts()
-            ] or ["  (none)"]
-        except Exception as e:  # noqa: BLE001 - diagnostics must not raise
-            out.append(f"(API error: {e!r})")
-        out.append("Webhook received:\n" + self.webhook.summary())
-        out.append(self.recorder.summary(run_ids))
-        out.append(f"file_sd dir: {sorted(p.name for p in self.sd_dir.iterdir())}")
-        for job in jobs:
-            out.append(job.log_tail())
-        out.append(f"--- prometheus log (tail):\n{tail(self.prom.log_path, 1500)}")
-        out.append(f"--- alertmanager log (tail):\n{tail(self.am.log_path, 1000)}")
-        return "\n".join(out)
-
-
-def add_secure_jobs(conf_dir: Path, text: str) -> tuple[str, SecureScrape]:
-    """The config with the commented ``distmon-secure`` job enabled as written, and a copy of
-    it without ``basic_auth`` (job ``distmon-secure-anonymous``); the files they read."""
-    (job,) = yaml.safe_load(secure_scrape_job(text))
-    (targets,) = job["file_sd_configs"][0]["files"]
-    secure = SecureScrape(
-        make_pki(conf_dir / "tls"),
-        job["basic_auth"]["username"],
-        uuid.uuid4().hex,
-        (conf_dir / targets).parent,
-    )
-    (conf_dir / job["basic_auth"]["password_file"]).write_text(secure.password)
-    secure.sd_dir.mkdir()
-    tls = job["tls_config"]
-    for path in (tls["ca_file"], tls["cert_file"], tls["key_file"]):
-        assert (conf_dir / path).exists(), f"distmon-secure reads {path}, which make_pki does not write"
-    anonymous = {k: v for k, v in job.items() if k not in ("basic_auth", "relabel_configs")}
-    cfg = yaml.safe_load(text)
-    cfg["scrape_configs"] += [job, dict(anonymous, job_name=ANONYMOUS_JOB)]
-    return yaml.safe_dump(cfg, sort_keys=False), secure
-
-
-def prometheus_config(workdir: Path, am_port: int, sd_dir: Path) -> tuple[Path, SecureScrape | None]:
-    """deploy/prometheus copied to ``workdir``; prometheus.yml adapted by string replacement,
-    plus its commented TLS + basic-auth job (where openssl can make the certificates)."""
-    conf_dir = workdir / "prometheus"
-    shutil.copytree(DEPLOY / "prometheus", conf_dir)
-    cfg = conf_dir / "prometheus.yml"
-    text = substitute(
-        cfg.read_text(),
-        {
-            # Deliberate, documented deviation from "only paths and ports": production's 15 s
-            # would make this test take many minutes (module docstring).
-            "scrape_interval: 15s": f"scrape_interval: {SCRAPE_S:g}s",
-            "evaluation_interval: 15s": f"evaluation_interval: {SCRAPE_S:g}s",
-            "localhost:9093": f"127.0.0.1:{am_port}",
-            "file_sd/*.json": f"{sd_dir}/*.json",
-        },
-    )
-    secure = None
-    if shutil.which("openssl"):
-        text, secure = add_secure_jobs(conf_dir, text)
-    cfg.write_text(text)
-    # "rules/*.yml" resolves against the copied directory: the repo's rule files, unmodified.
-    for rule_file in (DEPLOY / "prometheus" / "rules").glob("*.yml"):
-        assert (conf_dir / "rules" / rule_file.name).read_text() == rule_file.read_text()
-    return cfg, secure
-
-
-def alertmanager_config(workdir: Path, webhook_url: str) -> Path:
-    cfg = workdir / "alertmanager.yml"
-    text = (DEPLOY / "alertmanager" / "alertmanager.yml").read_text()
-    cfg.write_text(substitute(text, {"http://127.0.0.1:5001/": webhook_url}))
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    prom_bin = require_binary("prometheus", package="prometheus")
-    am_bin = require_binary("prometheus-alertmanager", "alertmanager", package="prometheus-alertmanager")
-    workdir = tmp_path_factory.mktemp("e2e")
-    sd_dir = workdir / "file_sd"
-    sd_dir.mkdir()
-    stops: list[Callable[[], None]] = []
-    try:
-        webhook = Webhook()
-        stops.append(webhook.close)
-        am = Alertmanager(am_bin, alertmanager_config(workdir, webhook.url), workdir)
-        stops.append(am.stop)
-        prom_config, secure = prometheus_config(workdir, am.port, sd_dir)
-        prom = Prometheus(prom_bin, prom_config, workdir)
-        stops.append(prom.stop)
-        am.wait_ready()
-        prom.wait_ready()
-        recorder = Recorder(prom, am)
-        stops.append(recorder.stop)
-        yield Stack(workdir, sd_dir, prom, am, webhook, recorder, secure)
-    finally:
-        for stop in reversed(stops):
-            stop()
 
 
 @pytest.fixture(scope="module")
@@ -306,8 +156,23 @@ def jobs(stack):
     js["restarted"] = TorchrunJob(
         "restarted",
         w,
-        [*common, "--port", str(restart_port), "--steps", str(RESTART_STEPS), "--log-path", str(w / "restarted.jsonl")]
-        + ["--crash-step", str(CRASH_STEP), "--crash-rank", "1", "--checkpoint-dir", str(w / "restarted-ckpt")]
+        [
+            *common,
+            "--port",
+            str(restart_port),
+            "--steps",
+            str(RESTART_STEPS),
+            "--log-path",
+            str(w / "restarted.jsonl"),
+        ]
+        + [
+            "--crash-step",
+            str(CRASH_STEP),
+            "--crash-rank",
+            "1",
+            "--checkpoint-dir",
+            str(w / "restarted-ckpt"),
+        ]
         + ["--checkpoint-every", str(CKPT_EVERY), "--linger", "5"],
         # torchrun's shared rendezvous store hands restarted gloo/NCCL ranks their predecessors'
         # addresses (pytorch/pytorch#135712: 2 of 3 restarts fail here without this)
@@ -338,7 +203,9 @@ def jobs(stack):
     try:
         for job in js.values():
             job.start()
-        watch = js["restarted"].watch = EndpointWatch(f"http://127.0.0.1:{restart_port}/metrics", js["restarted"])
+        watch = js["restarted"].watch = EndpointWatch(
+            f"http://127.0.0.1:{restart_port}/metrics", js["restarted"]
+        )
         yield js
     finally:
         if watch is not None:
@@ -346,81 +213,6 @@ def jobs(stack):
         for job in js.values():
             if job.proc is not None:
                 job.kill_all()
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Complete lines of a JSONL log that may still be written."""
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            break
-    return rows
-
-
-def scalar(prom: Prometheus, expr: str, at: float | None = None) -> float | None:
-    vals = prom.values(expr, at)
-    return vals[0][1] if len(vals) == 1 else None
-
-
-def targets_of(stack: Stack, run_id: str) -> list[dict]:
-    return [t for t in stack.prom.targets() if t["labels"].get("run_id") == run_id]
-
-
-def wait_scraped(stack: Stack, job: TorchrunJob, run_id: str, steps: int, diag: Callable[[], str]) -> None:
-    """Wait until Prometheus has scraped ``steps`` optimizer steps of the run from a healthy target."""
-
-    def ok() -> bool:
-        if job.poll() is not None:
-            pytest.fail(f"job {job.name} exited early\n{diag()}", pytrace=False)
-        v = scalar(stack.prom, f'distmon_optimizer_steps_total{{run_id="{run_id}"}}')
-        return v is not None and v >= steps and any(t["health"] == "up" for t in targets_of(stack, run_id))
-
-    wait_for(ok, STARTUP_S + steps * STEP_S * 3, f"Prometheus to scrape {steps} steps of {run_id}", diag)
-
-
-GRAFANA_VAR = re.compile(r"\$\{(\w+)(?::[\w]+)?\}|\$(\w+)|\[\[(\w+)\]\]")
-
-
-def grafana_substitute(expr: str, values: dict[str, str]) -> str:
-    """Replace ``$var``, ``${var}``, ``${var:fmt}`` and ``[[var]]`` as Grafana does; unknown ones fail."""
-
-    def repl(m: re.Match) -> str:
-        name = m.group(1) or m.group(2) or m.group(3)
-        assert name in values, f"dashboard query uses variable ${name} the test does not know: {expr!r}"
-        return values[name]
-
-    return GRAFANA_VAR.sub(repl, expr)
-
-
-def grafana_regex_escape(value: str) -> str:
-    r"""A multi-value variable's value as Grafana's Prometheus data source writes it into a
-    regex matcher: regex metacharacters escaped with a double backslash (PromQL strings
-    take Go escapes, so ``"\\."`` reaches the regex engine as ``\.``).
-
-    >>> print(grafana_regex_escape("blocks.0.ln1"))
-    blocks\\.0\\.ln1
-    """
-    return re.sub(r"([\\^$*+?.()|{}\[\]])", r"\\\\\1", value)
-
-
-def dashboard_queries(dash: dict) -> list[tuple[str, str, str, bool]]:
-    """(panel title, refId, expr, instant) of every panel target (nested rows included)."""
-    out = []
-
-    def walk(panels: list[dict]) -> None:
-        for p in panels:
-            for t in p.get("targets", []):
-                if "expr" in t:
-                    out.append((p.get("title", "?"), t.get("refId", "?"), t["expr"], bool(t.get("instant"))))
-            walk(p.get("panels", []))
-
-    walk(dash["panels"])
-    return out
 
 
 # --------------------------------------------------------------------------- tests
@@ -981,7 +773,9 @@ def test_a_restarted_job_comes_back_on_its_port_and_pages_only_the_restart(stack
     read = read_log(str(stack.workdir / "restarted.jsonl"))
     assert read.run_count == 1 and list(read.run.steps) == list(range(1, RESTART_STEPS + 1)), read.runs
     assert len(read.run.restarts) == 1
-    wait_for(lambda: rec.prom_alert("DistmonRunRestarted", RESTARTED, "firing"), 60, "DistmonRunRestarted", diag)
+    wait_for(
+        lambda: rec.prom_alert("DistmonRunRestarted", RESTARTED, "firing"), 60, "DistmonRunRestarted", diag
+    )
     for name in ("DistmonNonFiniteGradients", "DistmonTrainingStalled", "DistmonGradientExplosion"):
         assert not rec.prom_alert(name, RESTARTED), (name, diag())
     assert scalar(prom, f'max_over_time(distmon_restart_count{{run_id="{RESTARTED}"}}[10m])') == 1, diag()

@@ -1,8 +1,8 @@
 """End to end, issue #28: one job of 4 torchrun agents ("nodes") x 2 gloo ranks, serve="node".
 
-The deployment of ``tests/test_e2e_deploy.py`` (its ``stack`` fixture: a real Prometheus running
-``deploy/prometheus`` with the shipped recording and alert rules, unmodified, 1 s scrape and
-evaluation; a real Alertmanager) discovers the job through its ``file_sd`` target file alone.
+The deployment of ``tests/deploy_stack.py`` (its ``stack`` fixture, this module's own: a real
+Prometheus running ``deploy/prometheus`` with the shipped recording and alert rules, unmodified,
+1 s scrape and evaluation; a real Alertmanager) discovers the job through its ``file_sd`` target file alone.
 The four agents share one c10d rendezvous on 127.0.0.1 (the first hosts the store); every
 agent's two ranks are one node. distmon runs at its defaults (``serve="node"``: each node's
 first rank serves its node's per-rank series, global rank 0 also the job-wide ones).
@@ -52,15 +52,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import deploy_stack
 import pytest
-import test_e2e_deploy
-from e2e_stack import ROOT, TorchrunJob, free_port, parse_rfc3339, wait_for
-from prometheus_client.parser import text_string_to_metric_families
-from test_e2e_deploy import (
+from deploy_stack import (
     SCRAPE_S,
     STARTUP_S,
     STEP_S,
@@ -70,6 +67,8 @@ from test_e2e_deploy import (
     scalar,
     targets_of,
 )
+from e2e_stack import ROOT, TorchrunJob, free_port, parse_rfc3339, wait_for
+from helpers import scrape_metrics
 
 from distmon.report.log_reader import read_log
 from distmon.serve.prometheus_exporter import METRICS, RANK_LABELS
@@ -78,13 +77,17 @@ pytestmark = pytest.mark.slow
 
 yaml = pytest.importorskip("yaml")
 
-stack = test_e2e_deploy.stack  # the deployment's module fixture: this module gets a stack of its own
+stack = deploy_stack.stack  # the module fixture: a deployment of this module's own
 
 RUN, REFERENCE = "e2e-nodes4", "e2e-nodes4-ref"
 NODES, PER_NODE = 4, 2
 WORLD = NODES * PER_NODE
 BAD_RANK, BAD_SCALE = WORLD - 1, 8  # rank 7, on the last node: loss x8 from step 1
-NAN_RANK, NAN_STEP, NAN_LAYER = 2, 60, "blocks.0.attn.qkv"  # rank 2 on node 1; a scheduled export step (export_every 10)
+NAN_RANK, NAN_STEP, NAN_LAYER = (
+    2,
+    60,
+    "blocks.0.attn.qkv",
+)  # rank 2 on node 1; a scheduled export step (export_every 10)
 DARK_NODE = 3
 SEEN_STEPS = NAN_STEP + 10  # Prometheus has scraped this many steps when node 3 goes dark
 # the families a node's serving rank serves for each of its ranks (labels rank, local_rank, node ...)
@@ -129,13 +132,7 @@ def stop(job: TorchrunJob) -> list[int]:
 
 def scrape(address: str) -> dict[str, list]:
     """The samples an endpoint serves, by family: {family: [Sample, ...]} (counters: ``_total``)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(family.name + ("_total" if family.type == "counter" else ""), []).append(s)
-    return out
+    return scrape_metrics(address, timeout=5, by_family=True)
 
 
 def counts(samples: dict[str, list]) -> dict[str, int]:

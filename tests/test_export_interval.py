@@ -17,7 +17,8 @@ import time
 
 import pytest
 import torch
-from ddp_harness import SyncRecorder, run_ranks, scrape_metrics
+from ddp_harness import SyncRecorder, run_ranks
+from helpers import scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distmon.compat import ALL_GATHER

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_harness import free_port, sample_value
+from ddp_harness import free_port
+from helpers import sample_value
 
 pytestmark = pytest.mark.slow  # real ranks and frameworks
 

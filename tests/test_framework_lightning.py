@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddp_harness import free_port, sample_value
+from ddp_harness import free_port
+from helpers import sample_value
 
 pytestmark = pytest.mark.slow  # real ranks, real frameworks
 

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import SyncRecorder, close, layer_of, lm_loss, make_batch, run_ranks
+from ddp_harness import SyncRecorder, run_ranks
+from helpers import GPT, close, layer_sq, lm_loss, make_batch, whole
 
 pytestmark = pytest.mark.slow
 
@@ -45,38 +46,11 @@ CONFIGS = {
 }
 
 
-class Block(torch.nn.Module):
-    def __init__(self, unused=False):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(DIM)
-        self.fc = torch.nn.Linear(DIM, DIM)
-        if unused:
-            self.extra = torch.nn.Linear(DIM, DIM)  # never called in forward
-
-    def forward(self, h):
-        return h + self.fc(torch.tanh(self.ln(h)))
-
-
-class LM(torch.nn.Module):
-    """Embedding, residual blocks (one fully_shard unit each), final norm, head (the root unit)."""
-
-    def __init__(self, unused=False):
-        super().__init__()
-        self.emb = torch.nn.Embedding(VOCAB, DIM)
-        self.blocks = torch.nn.ModuleList(Block(unused) for _ in range(2))
-        self.norm = torch.nn.LayerNorm(DIM)
-        self.head = torch.nn.Linear(DIM, VOCAB)
-
-    def forward(self, idx):
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-
 def _net(unused=False):
+    """helpers.GPT, one fully_shard unit per block and the root; ``unused``: a layer in each block
+    that forward never calls."""
     torch.manual_seed(0)
-    return LM(unused)
+    return GPT(vocab=VOCAB, dim=DIM, unused=unused)
 
 
 def _layers(cfg):
@@ -97,7 +71,7 @@ def _shard(net, cfg):
     if cfg.get("mp"):
         param = torch.float16 if cfg["mp"] == torch.float16 else torch.bfloat16
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=cfg["mp"])
-    for block in net.blocks:
+    for block in net.blocks.values():
         fully_shard(block, **kw)
     fully_shard(net, **kw)
     if cfg.get("divide") is not None:  # torchtitan's sum instead of mean; SUM, as gloo has no PREMUL_SUM
@@ -119,18 +93,6 @@ def _batch(rank, step, micro):
 def _loss(model, batch):
     x, y = batch
     return lm_loss(model(x), y)
-
-
-def _layer_sq(named_grads, layers=LAYERS):
-    sq = dict.fromkeys(layers, 0.0)
-    for name, g in named_grads:
-        if g is not None:  # an unused parameter has no gradient: its layer adds 0
-            sq[layer_of(name)] += float(g.double().pow(2).sum())
-    return sq
-
-
-def _full(grad):
-    return None if grad is None else grad.full_tensor()
 
 
 def _job(rank, world, name, log_path):
@@ -158,13 +120,13 @@ def _job(rank, world, name, log_path):
             # it into every layer below, but blocks.1 is the first unit to reduce-scatter
             poison = None
             if cfg.get("nan") and cfg["nan"][:2] == (step, rank):
-                poison = net.blocks[1].fc.register_forward_hook(_poison_output_gradient)
+                poison = net.blocks["1"].fc.register_forward_hook(_poison_output_gradient)
             (_loss(net, batch) / accum).backward()
             if poison is not None:
                 poison.remove()
             (_loss(twin.to(dtype), batch) / accum).backward()
-        reduced = _layer_sq(((n, _full(p.grad)) for n, p in net.named_parameters()), layers)
-        local = _layer_sq(((n, p.grad) for n, p in twin.named_parameters()), layers)
+        reduced = layer_sq(((n, whole(p.grad)) for n, p in net.named_parameters()), layers)
+        local = layer_sq(((n, p.grad) for n, p in twin.named_parameters()), layers)
         grads = [p.grad for p in net.parameters() if p.grad is not None]
         direct = float(torch.nn.utils.get_total_norm(grads).full_tensor())
         clipped = float(mon.clip_grad_norm_(1e9)) if math.isfinite(direct) else direct
@@ -329,7 +291,7 @@ def _guard_job(rank, world, log_path):
         for micro in range(2):  # FSDP2's default: gradient sync on every micro-batch
             poison = None
             if (step, micro, rank) == (3, 1, 1):
-                poison = net.blocks[1].fc.register_forward_hook(_poison_output_gradient)
+                poison = net.blocks["1"].fc.register_forward_hook(_poison_output_gradient)
             (_loss(net, _batch(rank, step, micro)) / 2).backward()
             if poison is not None:
                 poison.remove()

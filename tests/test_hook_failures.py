@@ -28,14 +28,15 @@ import math
 
 import pytest
 import torch
-from ddp_harness import TinyLM, close, ddp_own_reduction, lm_loss, make_batch, reference_norms, run_ranks
+from ddp_harness import ddp_own_reduction, run_ranks
 from fault_injection import FailureInjector
+from helpers import GPT, close, lm_loss, make_batch, reference_norms
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REL = 1e-5
 # the fused kernel distmon's sums run on (distmon.compat.sq_sums_fp32: _foreach_norm before torch 2.11)
 FUSED = "_foreach_powsum" if hasattr(torch, "_foreach_powsum") else "_foreach_norm"
-WATCHED = ("blocks.0.fc", "blocks.1.fc", "head")  # activations=[nn.Linear] on TinyLM
+WATCHED = ("blocks.0.fc", "blocks.1.fc", "head")  # activations=[nn.Linear] on GPT
 STEP_HOOKS = [{"StepSchedule.before_step"}, {"StepSchedule.after_step"}]
 ACTIVATIONS = [{"distmon.step.activations.sq_sums"}, {"ActivationWatch.close_step"}]
 # per configuration: its options, and the sites armed on each faulted step (every other step)
@@ -116,9 +117,9 @@ CONFIGS = {
 def _sites(kind):
     """Every (owner, attribute) a plan may arm, besides distmon.step.sums's functions."""
     import distmon.sources.plain as local
+    from distmon.sources.ddp import BucketLayouts
     from distmon.step.activations import ActivationWatch
     from distmon.step.backward import BackwardSums
-    from distmon.sources.ddp import BucketLayouts
     from distmon.step.schedule import StepSchedule
 
     sites = [(BackwardSums, m) for m in ("begin_backward", "add_local", "add_reduced", "end_backward")]
@@ -163,7 +164,7 @@ def _wrap(net, kind):
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in net.blocks:
+        for block in net.blocks.values():
             fully_shard(block)
         fully_shard(net)
     return net
@@ -183,7 +184,7 @@ def _train(rank, name, monitored):
     cfg = CONFIGS[name]
     plan, accum = cfg["plan"], cfg.get("accum", 1)
     torch.manual_seed(0)
-    net, twin = TinyLM(), TinyLM()
+    net, twin = GPT(), GPT()
     names = [n for n, _ in twin.named_parameters()]
     model = _wrap(net, cfg["kind"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -29,8 +29,8 @@ from ddp_harness import free_port
 from prometheus_client.core import GaugeMetricFamily
 from secure_endpoint import Pki, make_pki, run_openssl, write_htpasswd
 
-from distmon.setup.config import MonitorConfig
 from distmon.serve.http_server import MAX_CONNECTIONS, EndpointSecurity, MetricServer
+from distmon.setup.config import MonitorConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import endpoint_attacks  # noqa: E402
@@ -206,6 +206,7 @@ def _status_within(server: MetricServer, auth: str, status: int, seconds: float 
     return got
 
 
+@pytest.mark.slow  # waits out the users file's reload (~4 s)
 def test_a_rotated_users_file_takes_effect_without_a_restart(tmp_path):
     users = write_htpasswd(tmp_path / "users", {USER: "old password"})
     with serving(EndpointSecurity(basic_auth_file=users)) as server:
@@ -342,6 +343,7 @@ def test_basic_auth_without_bcrypt_says_how_to_install_it(users, monkeypatch):
 # --------------------------------------------------------------------------- bounds and timeouts
 
 
+@pytest.mark.serial  # served within the timeout: run alone
 def test_idle_and_stalled_connections_hold_no_threads_and_time_out(pki, users):
     timeout_s = 2.0
     security = EndpointSecurity(pki.server_cert, pki.server_key, basic_auth_file=users)
@@ -381,6 +383,7 @@ def test_idle_and_stalled_connections_hold_no_threads_and_time_out(pki, users):
             s.close()
 
 
+@pytest.mark.serial  # dropped within 0.8-2.5 s: run alone
 def test_a_client_that_dribbles_bytes_is_dropped_at_the_deadline():
     with serving(timeout_s=1.0) as server:
         sock = socket.create_connection(("127.0.0.1", server.port))
@@ -466,7 +469,9 @@ def test_bind_errors_say_what_they_are():
                     s.listen(1)
             last_resort = MetricServer.bind("127.0.0.1", server.port, True, tries=3)
             try:
-                assert last_resort.port not in (server.port, server.port + 1, server.port + 2), last_resort.port
+                assert last_resort.port not in (server.port, server.port + 1, server.port + 2), (
+                    last_resort.port
+                )
                 assert last_resort.port > 0
             finally:
                 last_resort.close()

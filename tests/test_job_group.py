@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import as_float64, free_port, run_ranks, sample_value, scrape_metrics
+from ddp_harness import free_port, run_ranks
+from helpers import as_float64, sample_value, scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from ddp_harness import close
+from helpers import close
 from torch import nn
 
 import distmon

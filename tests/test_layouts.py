@@ -16,7 +16,8 @@ import os
 
 import pytest
 import torch
-from ddp_harness import close, rel_err, run_ranks
+from ddp_harness import run_ranks
+from helpers import close, rel_err
 from layout_harness import (
     LAYERS,
     NAN_LAYER,
@@ -190,12 +191,13 @@ def test_a_misdeclared_layout_is_caught_by_the_first_step_check_not_served(runs)
 
 def _interleaved_job(rank: int, world: int) -> str:
     """Two stages on each rank (an interleaved schedule's layout): refused on every rank, alike."""
-    from layout_harness import GPT
+    from helpers import GPT
+    from layout_harness import MODEL
     from torch.distributed.pipelining import PipelineStage
 
     import distmon
 
-    part = GPT()
+    part = GPT(**MODEL)
     stage = PipelineStage(part, rank, 2 * world, torch.device("cpu"))
     try:
         distmon.GradMonitor(stage, torch.optim.SGD(part.parameters(), lr=0.1), serve="none")

@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from ddp_harness import close, run_ranks
+from ddp_harness import run_ranks
+from helpers import close
 from layout_harness import SPY_STEPS, STEPS, Layout, by_layer, combined
 from moe_layouts import EP, MOE_LAYERS, NAN_LAYER, moe_job
 

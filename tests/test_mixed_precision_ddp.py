@@ -18,7 +18,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import TinyLM, close, lm_loss, make_batch, reference_norms, run_ranks, sync_twin
+from ddp_harness import run_ranks
+from helpers import GPT, close, lm_loss, make_batch, reference_norms, sync_twin
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def _run_variant(rank, variant, log_path):
     import distmon
 
     torch.manual_seed(0)
-    model = TinyLM()
+    model = GPT()
     twin = copy.deepcopy(model)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)

@@ -38,7 +38,8 @@ import os
 import time
 
 import pytest
-from ddp_harness import close, run_ranks
+from ddp_harness import run_ranks
+from helpers import close
 from layout_harness import LAYERS, Built, Layout, by_layer, combined, full_grad, torch_limit
 from torch.profiler import ProfilerActivity, profile
 

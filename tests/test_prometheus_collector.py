@@ -8,16 +8,15 @@ with literal values. One test scrapes the same collector over HTTP with a ``name
 from __future__ import annotations
 
 import math
-import urllib.request
 from dataclasses import replace
 
 import pytest
+from helpers import metrics_url, scrape_metrics
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
-from distmon.setup.hostinfo import RankInfo
 from distmon.serve.http_server import MetricServer
 from distmon.serve.prometheus_exporter import ANOMALY_KINDS, METRICS, GradCollector, MetricsAggregate
+from distmon.setup.hostinfo import RankInfo
 from distmon.snapshot import AnomalyEvent, Snapshot
 
 RUN = {"run_id": "r1"}
@@ -149,7 +148,10 @@ def test_a_scaler_skipped_step_is_counted_apart_and_leaves_the_gauges():
     assert value(reg, "distmon_optimizer_steps_total") == 3
     assert value(reg, "distmon_scaler_skipped_steps_total") == 2
     assert value(reg, "distmon_nonfinite_steps_total") == 0  # routine fp16 overflow pages nobody
-    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0", node="0") == 0
+    assert (
+        value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0", node="0")
+        == 0
+    )
     assert value(reg, "distmon_anomalies_total", kind="scaler_stuck") == 1
     assert value(reg, "distmon_grad_norm") == 0.5  # the last measured step's, not inf
     assert value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0") == 2.0
@@ -163,8 +165,14 @@ def test_a_scaler_skipped_step_is_counted_apart_and_leaves_the_gauges():
 def test_rank_nonfinite_counters_and_errors_with_the_servers_later_ones():
     agg, reg = registry(own_errors=5)
     agg.add([snap(1, math.inf, nonfinite=True, bad_ranks=(1,), errors=(2, 3))])
-    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0", node="0") == 1
-    assert value(reg, "distmon_rank_nonfinite_steps_total", rank="0", local_rank="0", hostname="h0", node="0") == 0
+    assert (
+        value(reg, "distmon_rank_nonfinite_steps_total", rank="1", local_rank="1", hostname="h0", node="0")
+        == 1
+    )
+    assert (
+        value(reg, "distmon_rank_nonfinite_steps_total", rank="0", local_rank="0", hostname="h0", node="0")
+        == 0
+    )
     # rank 0 (this server) had counted 2 when the step was gathered, 5 now: 5 + rank 1's 3
     assert value(reg, "distmon_monitor_errors_total") == 8
 
@@ -188,7 +196,15 @@ def test_gpu_uuid_label_only_on_gpus():
     agg, reg = registry(ranks=gpu_ranks)
     agg.add([snap(1, 0.5)])
     assert (
-        value(reg, "distmon_rank_grad_norm", rank="1", local_rank="1", hostname="h0", node="0", gpu_uuid="GPU-def")
+        value(
+            reg,
+            "distmon_rank_grad_norm",
+            rank="1",
+            local_rank="1",
+            hostname="h0",
+            node="0",
+            gpu_uuid="GPU-def",
+        )
         == 2.0
     )
 
@@ -208,14 +224,12 @@ def test_describe_names_every_family_and_the_name_filter_works_over_http():
     server = MetricServer.bind("127.0.0.1", 0, fallback=False)
     try:
         server.attach(GradCollector(agg))
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        url = f"http://127.0.0.1:{server.port}/metrics?name[]=distmon_grad_norm&name[]=distmon_optimizer_steps_total"
-        with opener.open(url, timeout=10) as r:
-            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        query = "?name[]=distmon_grad_norm&name[]=distmon_optimizer_steps_total"
+        families = scrape_metrics(metrics_url(server.port) + query, by_family=True)
     finally:
         server.close()
-    assert set(families) == {"distmon_grad_norm", "distmon_optimizer_steps"}
-    assert families["distmon_grad_norm"].samples[0].value == 0.5
+    assert set(families) == {"distmon_grad_norm", "distmon_optimizer_steps_total"}
+    assert families["distmon_grad_norm"][0].value == 0.5
 
 
 @pytest.mark.parametrize("name", sorted(METRICS))
@@ -274,7 +288,9 @@ def test_the_key_gauges_come_first_in_the_exposition():
 
     agg, reg = registry()
     agg.add([snap(1, 0.5), snap(2, 4.0)])
-    names = [line.split("{")[0] for line in generate_latest(reg).decode().splitlines() if not line.startswith("#")]
+    names = [
+        line.split("{")[0] for line in generate_latest(reg).decode().splitlines() if not line.startswith("#")
+    ]
     first = list(dict.fromkeys(names))[:3]
     assert first == ["distmon_grad_norm", "distmon_layer_grad_norm", "distmon_rank_grad_norm"], names[:12]
     assert list(METRICS)[:3] == first  # the README's table, rendered from METRICS, in the same order
@@ -284,8 +300,17 @@ def test_scores_that_mean_nothing_yet_are_not_served():
     """The median ratio before any earlier export gave a median; outlier scores in groups of < 3 ranks."""
     agg, reg = registry()
     first = snap(1, 0.5)
-    agg.add([Snapshot(**{**first.__dict__, "scores": {"zscore": 0.0, "median_ratio": math.nan},
-                         "rank_outlier_scores": [math.nan, math.nan]})])
+    agg.add(
+        [
+            Snapshot(
+                **{
+                    **first.__dict__,
+                    "scores": {"zscore": 0.0, "median_ratio": math.nan},
+                    "rank_outlier_scores": [math.nan, math.nan],
+                }
+            )
+        ]
+    )
     assert value(reg, "distmon_grad_norm") == 0.5
     assert value(reg, "distmon_grad_norm_median_ratio") is None
     assert value(reg, "distmon_rank_outlier_score", rank="0", local_rank="0", hostname="h0", node="0") is None
@@ -304,7 +329,9 @@ def test_a_node_serves_its_own_ranks_and_rank_0_the_job_s_worst_rank_and_first_n
     agg.add(
         [
             replace(snap(1, 0.5), ranks=[6, 7], world_size=8, scores=worst, nonfinite_ranks=[3]),
-            replace(snap(2, 0.7, nonfinite=True), ranks=[6, 7], first_nonfinite=(3, "b.c"), nonfinite_ranks=[3]),
+            replace(
+                snap(2, 0.7, nonfinite=True), ranks=[6, 7], first_nonfinite=(3, "b.c"), nonfinite_ranks=[3]
+            ),
             replace(snap(3, 0.6), ranks=[6, 7], scores=worst),
         ]
     )

@@ -56,6 +56,7 @@ def _single_process_log(path, steps=40, nan_step=30, run_id=None):
             opt.zero_grad()
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_a_report_of_pictures_and_a_summary_also_from_a_cut_log(tmp_path):
     log = tmp_path / "run.jsonl"
     _single_process_log(log)
@@ -205,6 +206,7 @@ def test_every_unusable_input_is_one_line_on_stderr_and_exit_code_2(tmp_path):
         assert lines[0].startswith(f"distmon report: {expected}"), (expected, lines)
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_a_restarted_job_s_log_is_reported_one_run_at_a_time(tmp_path):
     """Two real monitors appending to one log: the report is of the latest unless told."""
     log = tmp_path / "run.jsonl"
@@ -276,6 +278,7 @@ _MEASURE = (
 )
 
 
+@pytest.mark.slow  # a 200-step log of 5,000 layers and a 9 MiB line, measured in a subprocess
 def test_thousands_of_layers_and_a_giant_line_take_bounded_time_and_memory(tmp_path):
     """3,000 layers x 8 ranks, then a line of a million layers: folded, skipped, not loaded."""
     log = tmp_path / "wide.jsonl"
@@ -300,9 +303,9 @@ def test_thousands_of_layers_and_a_giant_line_take_bounded_time_and_memory(tmp_p
 
 
 def test_layers_past_the_cap_fold_into_other_as_the_exporter_folds_them(tmp_path):
-    from distmon.setup.config import MonitorConfig
     from distmon.report.log_lines import MAX_LAYERS, OTHER
     from distmon.report.log_reader import read_log
+    from distmon.setup.config import MonitorConfig
 
     assert MAX_LAYERS == MonitorConfig().max_layers
     snaps = _wide_log(tmp_path / "wide.jsonl", layers=300, ranks=2, steps=5)
@@ -344,6 +347,7 @@ ODD_LINES = [
 ]
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_odd_lines_are_skipped_and_odd_but_valid_logs_are_drawn(tmp_path, capsys):
     from distmon.report import main
 
@@ -398,6 +402,7 @@ assert GradientAnomalyError and DetectorConfig and AnomalyEvent
 """
 
 
+@pytest.mark.slow  # fresh interpreters, one per import (~3 s)
 def test_the_report_and_import_distmon_do_not_import_torch(tmp_path):
     log = tmp_path / "run.jsonl"
     _write(log, [_snap(1), _snap(2)])
@@ -562,6 +567,7 @@ def test_node_logs_read_together_are_the_whole_job_s_log_over_generated_jobs(tmp
         assert [part.rank_invalid[r] for r in kept] == [reference.rank_invalid[r] for r in kept], case
 
 
+@pytest.mark.slow  # draws the report's pictures (matplotlib, 2.5-4.6 s)
 def test_mixed_old_and_new_lines_a_node_log_s_own_fields_and_disagreements(tmp_path):
     """An appended log whose first run is an older distmon's (no "ranks": the whole job) and whose
     second run has node logs; a node's own fields differ without counting; a job-wide field that

@@ -45,7 +45,7 @@ from distmon.report.log_reader import read_log
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from restart_reliability import Load, Run, run_once  # noqa: E402  (the benchmark's own runs)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # bounds of 5 and 10 s: run alone
 
 EXPORT_EVERY = 5
 
@@ -95,7 +95,9 @@ def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(t
     args += ["--log-path", str(log), "--export-every", str(EXPORT_EVERY)]
     job = TorchrunJob("sigterm", tmp_path, args, {}).start()
     try:
-        wait_for(lambda: log.exists() and log.read_text().count("\n") >= 20, 180, "20 logged steps", job.log_tail)
+        wait_for(
+            lambda: log.exists() and log.read_text().count("\n") >= 20, 180, "20 logged steps", job.log_tail
+        )
         workers = job.worker_pids()
         assert len(workers) == 2, job.log_tail()
         sent = time.monotonic()
@@ -104,6 +106,7 @@ def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(t
         wait_for(lambda: not any(map(_alive, workers)), 30, "the workers to exit", job.log_tail)
         took = time.monotonic() - sent
         assert took <= 5.0, f"{took:.1f} s to exit after SIGTERM\n{job.log_tail()}"
+
         # No process of the job (the agent, a worker, anything they started) still listens there. A
         # bind is not the test: another process's outgoing connection or server may draw the freed
         # port as an ephemeral one, which is not distmon's (named here when it happens).

@@ -187,7 +187,8 @@ def test_states_that_cannot_be_mapped_are_refused_and_another_world_size_is_mapp
     with distmon.GradMonitor(other, torch.optim.SGD(other.parameters(), lr=0.1), serve="none") as m:
         with pytest.raises(
             ValueError,
-            match=r"layers are not this monitor's \(3 vs 2; first difference #2: '4' in the state, 'none' here",
+            match=r"layers are not this monitor's \(3 vs 2; "
+            r"first difference #2: '4' in the state, 'none' here",
         ):
             m.load_state_dict(state)
     net, opt = _model()

@@ -19,7 +19,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from ddp_harness import free_port
 
 pytestmark = pytest.mark.slow

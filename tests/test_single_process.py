@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import SyncRecorder, free_port, sample_value, scrape_metrics
+from ddp_harness import SyncRecorder, free_port
+from helpers import reference_norms, sample_value, scrape_metrics
 
 import distmon
 
@@ -46,12 +47,10 @@ def loss_of(net, step, dtype=torch.float32, overflow=False):
 
 
 def reference(net):
-    """(global norm, {layer: norm}) of the gradients as they are now, in float64."""
-    sq = {layer: 0.0 for layer in LAYERS}
-    for name, p in net.named_parameters():
-        if p.grad is not None:
-            sq[name.split(".")[0]] += float(p.grad.double().pow(2).sum())
-    return math.sqrt(sum(sq.values())), {k: math.sqrt(v) for k, v in sq.items()}
+    """(global norm, {layer: norm}) of the gradients as they are now, in float64
+    (helpers.reference_norms; a layer is a top-level module of the Sequential)."""
+    named = ((name, p.grad) for name, p in net.named_parameters())
+    return reference_norms(named, layers=LAYERS, layer=lambda name: name.split(".")[0])
 
 
 def close(a, b, rel):
@@ -416,6 +415,7 @@ def test_clip_rejects_a_bad_max_norm_before_touching_gradients(bad):
         mon.clip_grad_norm_(1.0)
 
 
+@pytest.mark.slow  # a slow run on purpose (~3.4 s)
 def test_a_slow_run_s_exploded_step_reaches_metrics_within_the_export_interval():
     """export_every=100 at 0.3 s steps would hold a step back 30 s; export_interval_s=0.5 does not."""
     import time

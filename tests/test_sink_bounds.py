@@ -67,6 +67,7 @@ def _job(rank, world, workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # step times compared: run alone
 def test_a_stuck_log_and_blocking_callbacks_add_no_time_to_training_steps(tmp_path):
     results = run_ranks(_job, 2, str(tmp_path), timeout=240)
     for rank, out in enumerate(results):
@@ -91,6 +92,7 @@ def test_a_stuck_log_and_blocking_callbacks_add_no_time_to_training_steps(tmp_pa
         assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.serial  # offering must take < 0.5 s: run alone
 def test_a_sink_that_falls_behind_drops_beyond_its_capacity_counted_never_blocking():
     """In process: a sink blocked on its first batch takes no more than its capacity; the rest is counted."""
     from distmon.errors import ErrorCounter

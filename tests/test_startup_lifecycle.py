@@ -32,7 +32,8 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from ddp_harness import free_port, run_ranks, scrape_metrics
+from ddp_harness import free_port, run_ranks
+from helpers import scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distmon

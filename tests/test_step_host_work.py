@@ -178,7 +178,7 @@ def test_without_a_comm_hook_nothing_of_distmons_runs_inside_the_backward(one_ra
         ddp, opt = _model(layers)
         events = Events()
         for p in ddp.parameters():
-            p.register_post_accumulate_grad_hook(lambda _: events.mark("accumulated"))
+            p.register_post_accumulate_grad_hook(lambda _, events=events: events.mark("accumulated"))
         with distmon.GradMonitor(ddp, opt, **OPTIONS) as mon:
             assert mon._schedule.source.hookless and not ddp._comm_hooks
             _steps(ddp, opt, WARMUP)

@@ -21,7 +21,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import REPO_ROOT, TinyLM, close, lm_loss, make_batch, reference_norms, rel_err, run_ranks
+from ddp_harness import REPO_ROOT, run_ranks
+from helpers import GPT, close, lm_loss, make_batch, reference_norms, rel_err
 
 from distmon import compat
 
@@ -168,6 +169,7 @@ print(sorted(m for m in sys.modules if m.startswith("distmon.")))  # what ran be
 """
 
 
+@pytest.mark.slow  # three fresh interpreters (~1.4 s each): the fast tier stays under 90 s
 @pytest.mark.parametrize(
     "entry", ["from distmon import GradMonitor", "distmon.DetectorConfig", "import distmon.integrations"]
 )
@@ -286,9 +288,9 @@ def _ddp_job(rank, world):
     # type"): before 2.10 it has a complex bucket of its own
     kw = {"complex_param": RELEASE >= (2, 9)}
     torch.manual_seed(0)
-    net, twin = DDP(TinyLM(**kw), bucket_cap_mb=0.002), TinyLM(**kw)
+    net, twin = DDP(GPT(**kw), bucket_cap_mb=0.002), GPT(**kw)
     torch.manual_seed(0)
-    bare = DDP(TinyLM(**kw), bucket_cap_mb=0.002)
+    bare = DDP(GPT(**kw), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     mon = distmon.GradMonitor(net, opt, serve="none", export_every=1, export_interval_s=0)
     recs = _train(rank, net, bare, twin, opt, mon, shard=False)
@@ -303,12 +305,12 @@ def _fsdp_job(rank, world):
     import distmon
 
     torch.manual_seed(0)
-    net, twin = TinyLM(), TinyLM()
+    net, twin = GPT(), GPT()
     torch.manual_seed(0)
-    bare = TinyLM()
+    bare = GPT()
     mesh = init_device_mesh("cpu", (world,))
     for model in (net, bare):
-        for block in model.blocks:
+        for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_harness import run_ranks, sample_value, scrape_metrics
+from ddp_harness import run_ranks
+from helpers import sample_value, scrape_metrics
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tracker_readback import expected_figures, same, tensorboard_figures
 
@@ -364,6 +365,7 @@ def test_a_mailbox_nobody_empties_drops_beyond_its_capacity_counted():
     assert [f.step for f in box.take()] == [1, 2, 3] and errors.count == 1
 
 
+@pytest.mark.slow  # a fresh interpreter (~3 s)
 def test_import_distmon_and_a_monitor_without_tracker_pull_in_no_tracker_library():
     code = (
         "import sys, torch, distmon; net = torch.nn.Linear(2, 1); "

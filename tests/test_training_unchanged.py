@@ -30,7 +30,8 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import TinyLM, as_float64, lm_loss, make_batch, run_ranks
+from ddp_harness import run_ranks
+from helpers import GPT, as_float64, lm_loss, make_batch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
@@ -64,7 +65,7 @@ def _ddp(scenario, group, seed):
     # holds this model in one bucket; the plain scenarios use several small ones.
     hooked = scenario in ("powersgd", "callback_collective")
     odd = {"sparse": True, "complex_param": True} if scenario == "sparse_complex" else {}
-    return DDP(TinyLM(**odd), bucket_cap_mb=None if hooked else 0.002, process_group=group)
+    return DDP(GPT(**odd), bucket_cap_mb=None if hooked else 0.002, process_group=group)
 
 
 def _hook_for(scenario, ddp):
@@ -244,6 +245,7 @@ def _profiled_job(rank, world, workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # profiled durations compared: run alone
 def test_profiler_windows_closing_at_step_ends_hold_distmons_gather_whole(tmp_path):
     """A profiler window that closed while distmon's per-step gather was in flight recorded a
     corrupt (negative) duration for it and could crash the process (SIGSEGV on gloo's thread:

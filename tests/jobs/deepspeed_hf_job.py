@@ -28,7 +28,9 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_DIR]
 
 import hf_trainer_example  # noqa: E402
-from ddp_harness import leave, scrape_metrics  # noqa: E402
+from ddp_harness import leave  # noqa: E402
+from deepspeed_job import flat_params  # noqa: E402
+from helpers import reference_norms, scrape_metrics  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -53,23 +55,17 @@ class FullGradNorms:
     def __init__(self, engine: object) -> None:
         from deepspeed.utils import safe_get_full_grad
 
-        self.params, self.full_grad, self.norms = list(engine.module.parameters()), safe_get_full_grad, []
+        self.named, self.full_grad, self.norms = (
+            list(engine.module.named_parameters()),
+            safe_get_full_grad,
+            [],
+        )
         self._inner = engine.optimizer.step
         engine.optimizer.step = self.step
 
     def step(self, *args: object, **kwargs: object) -> object:
-        sq = sum(float(self.full_grad(p).double().pow(2).sum()) for p in self.params)
-        self.norms.append(sq**0.5)
+        self.norms.append(reference_norms((n, self.full_grad(p)) for n, p in self.named)[0])
         return self._inner(*args, **kwargs)
-
-
-def flat(engine: object) -> torch.Tensor:
-    """Every parameter, gathered at ZeRO-3, flattened into one float64 copy."""
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        return torch.cat([p.detach().double().reshape(-1).clone() for p in params])
 
 
 def options(out: str, framework: str) -> dict[str, object]:
@@ -139,7 +135,7 @@ def run_hf(config: str, out: str) -> dict[str, object]:
         (h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "grad_norm" in h
     ]
     return {
-        "params": flat(trainer.model_wrapped),
+        "params": flat_params(trainer.model_wrapped),
         "history": history,
         "reference": watch.refs.norms,
         "samples": watch.samples,
@@ -192,7 +188,7 @@ def run_accelerate(config: str, out: str) -> dict[str, object]:
         samples = scrape_metrics(monitor.port) if monitor.port else None
         monitor.close()
     return {
-        "params": flat(model),
+        "params": flat_params(model),
         "history": norms,
         "reference": refs.norms,
         "samples": samples,

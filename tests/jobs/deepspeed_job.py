@@ -29,7 +29,6 @@ rank 0 writes each monitored run's JSONL to ``OUT/{name}-{run}.jsonl``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import sys
@@ -41,6 +40,8 @@ import torch.distributed as dist
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_DIR]
+
+from helpers import LocalGrads, flat, layer_of, layer_sq  # noqa: E402
 
 NAN_RANK = 1
 EXPORT_EVERY = 8  # several exports (all-gathers) per run
@@ -71,18 +72,14 @@ def name(cfg: dict[str, object]) -> str:
     return f"z{cfg['stage']}-{cfg['precision']}-acc{cfg['accumulation']}" + ("-moe" if cfg["moe"] else "")
 
 
-def layer_of(param_name: str) -> str:
-    """distmon's default layer of a parameter: its owning module."""
-    return param_name.rpartition(".")[0]
-
-
 def is_expert(p: torch.nn.Parameter) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-class References:
-    """Float64 per-layer sums of squares of each step's reduced (DeepSpeed's gathered) and local
-    (autograd's, summed over the micro-batches) gradients, and DeepSpeed's own norm of the step."""
+class GradsAtBoundary:
+    """Float64 per-layer sums of squares (``helpers.layer_sq``) of each step's reduced (DeepSpeed's
+    gathered, read at the accumulation boundary) and local (``helpers.LocalGrads``: autograd's,
+    summed over the micro-batches) gradients, and DeepSpeed's own norm of the step."""
 
     def __init__(self, engine: object) -> None:
         from deepspeed.utils import safe_get_full_grad
@@ -91,37 +88,25 @@ class References:
         self.named = list(engine.module.named_parameters())
         self.layers = list(dict.fromkeys(layer_of(n) for n, _ in self.named))
         self.experts = sorted({layer_of(n) for n, p in self.named if is_expert(p)})
-        self.grads: dict[str, torch.Tensor] = {}  # this step's local gradient so far, per parameter
+        self.local = LocalGrads(self.named)  # this step's local gradient so far, per parameter
         self.steps: list[dict[str, object]] = []
-        for n, p in self.named:
-            p.register_hook(functools.partial(self._add, n))
-
-    def _add(self, param_name: str, grad: torch.Tensor) -> None:
-        g = grad.detach().double()
-        self.grads[param_name] = self.grads[param_name] + g if param_name in self.grads else g.clone()
 
     def on_boundary(self, step: int) -> None:
         """After the step's last backward, before ``engine.step()`` (a collective per parameter)."""
         if self.steps:
             self._after_step(self.steps[-1])
-        reduced = dict.fromkeys(self.layers, 0.0)
-        local = dict.fromkeys(self.layers, 0.0)
         full = {n: self.full_grad(p).double().reshape(-1) for n, p in self.named}
-        for n, _ in self.named:
-            reduced[layer_of(n)] += float(full[n].pow(2).sum())
-            if n in self.grads:
-                local[layer_of(n)] += float(self.grads[n].pow(2).sum())
+        grads = self.local.take()
         self.steps.append(
             {
                 "step": step,
-                "reduced": reduced,
-                "local": local,
+                "reduced": layer_sq(full.items(), self.layers),
+                "local": layer_sq(((n, grads[n]) for n, _ in self.named if n in grads), self.layers),
                 # whole vectors, to check the method: the ranks' locals average to the reduced one
                 "reduced_vector": torch.cat(list(full.values())),
-                "local_vector": torch.cat([self.grads[n].reshape(-1) for n, _ in self.named]),
+                "local_vector": torch.cat([grads[n].reshape(-1) for n, _ in self.named]),
             }
         )
-        self.grads = {}
 
     def _after_step(self, record: dict[str, object]) -> None:
         norm = self.engine.get_global_grad_norm()
@@ -133,18 +118,22 @@ class References:
             self._after_step(self.steps[-1])
 
 
-def flat_params(engine: object) -> torch.Tensor:
-    """Every parameter as the model holds it (ZeRO-3's gathered), flattened into one float64 copy."""
+def gathered(engine: object) -> contextlib.AbstractContextManager:
+    """Where the engine's parameters are whole: ZeRO-3 gathers its partitions for the block."""
     import deepspeed
 
     params = list(engine.module.parameters())
-    gather = (
+    return (
         deepspeed.zero.GatheredParameters(params)
         if engine.zero_optimization_stage() == 3
         else contextlib.nullcontext()
     )
-    with gather:
-        return torch.cat([p.detach().double().reshape(-1).clone() for p in params])
+
+
+def flat_params(engine: object) -> torch.Tensor:
+    """Every parameter as the model holds it (ZeRO-3's gathered), flattened into one float64 copy."""
+    with gathered(engine):
+        return flat(engine.module.parameters())
 
 
 class Snapshots:
@@ -186,7 +175,7 @@ def run(cfg: dict[str, object], kind: str, out: str) -> dict[str, object]:
     nan, nan_step = kind.startswith("nan"), cfg["nan_step"]
     steps = nan_step + 1 if nan else cfg["steps"]
     snaps = Snapshots(engine, {nan_step - 1, nan_step})
-    refs = References(engine) if kind == "monitored" else None
+    refs = GradsAtBoundary(engine) if kind == "monitored" else None
     monitor = None
     if kind != "plain":
         options: dict[str, object] = {"serve": "none", "export_every": EXPORT_EVERY}

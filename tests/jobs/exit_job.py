@@ -19,7 +19,6 @@ import os
 import sys
 import threading
 import time
-import urllib.request
 from collections import OrderedDict
 
 # A script ends; the interpreter then finalizes, where torch 2.13's gloo threads can abort the
@@ -33,6 +32,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from helpers import LocalGrads, http_get, reference_norms  # noqa: E402
+
 import distmon  # noqa: E402
 
 STEPS, EXPORT_EVERY, NAN_STEP = 13, 10, 3
@@ -42,7 +44,6 @@ rank = dist.get_rank()
 torch.manual_seed(0)
 net = nn.Sequential(OrderedDict(inp=nn.Linear(8, 16), act=nn.Tanh(), out=nn.Linear(16, 4)))
 step = 0
-local_sq = [0.0]
 
 
 def poison(grad):
@@ -50,29 +51,26 @@ def poison(grad):
     return grad * float("nan") if bad else grad
 
 
-def count(grad):
-    local_sq[0] += float(grad.double().pow(2).sum())
-
-
 net.inp.weight.register_hook(poison)
-for p in net.parameters():
-    p.register_hook(count)
+local = LocalGrads(net.named_parameters())  # its hooks run after poison
 model = DDP(net)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-mon = distmon.GradMonitor(model, opt, export_every=EXPORT_EVERY, port=0, log_path=os.path.join(out, "log.jsonl"))
+mon = distmon.GradMonitor(
+    model, opt, export_every=EXPORT_EVERY, port=0, log_path=os.path.join(out, "log.jsonl")
+)
 
 if rank == 0 and mode != "nan":  # Prometheus' part: scrape every 0.2 s, keep the last body
-
     url = mon.metrics_url  # None once closed, while the endpoint lingers
 
     def scrape() -> None:
         while True:
             try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    body = r.read().decode()
+                body = http_get(url, timeout=2)[2]
                 with open(os.path.join(out, "scrapes.tmp"), "w") as f:
                     f.write(body)
-                os.replace(os.path.join(out, "scrapes.tmp"), os.path.join(out, "scrapes.txt"))  # whole at exit
+                os.replace(
+                    os.path.join(out, "scrapes.tmp"), os.path.join(out, "scrapes.txt")
+                )  # whole at exit
             except OSError:
                 pass
             time.sleep(0.2)
@@ -81,12 +79,11 @@ if rank == 0 and mode != "nan":  # Prometheus' part: scrape every 0.2 s, keep th
 
 refs = {"global": [], "local": []}
 g = torch.Generator().manual_seed(rank)
-for step in range(1, STEPS + 1):
-    local_sq[0] = 0.0
+for step in range(1, STEPS + 1):  # noqa: B007 - poison() reads the global step
     x = torch.randn(4, 8, generator=g)
     model(x).pow(2).mean().backward()
-    refs["global"].append(float(torch.cat([p.grad.double().flatten() for p in net.parameters()]).norm()))
-    refs["local"].append(local_sq[0] ** 0.5)
+    refs["global"].append(reference_norms((n, p.grad) for n, p in net.named_parameters())[0])
+    refs["local"].append(reference_norms(local.take().items())[0])
     opt.step()
     opt.zero_grad()
     time.sleep(0.05)

@@ -15,7 +15,6 @@ Each rank saves ``OUT/fabric-{strategy}-rank{r}.pt``; rank 0 writes ``OUT/fabric
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -26,6 +25,8 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_DIR]
 
+from helpers import LocalGrads, flat, layer_sq, whole  # noqa: E402
+
 import distmon  # noqa: E402
 
 STEPS = 12
@@ -33,41 +34,19 @@ NAN_STEP, NAN_RANK = 6, 1
 STRATEGIES = ("ddp", "fsdp")
 
 
-def layer_of(name: str) -> str:
-    return name.rpartition(".")[0]
-
-
-def flat(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter, whole (FSDP2's gathered), flattened into one float64 copy."""
-    return torch.cat(
-        [getattr(p, "full_tensor", lambda p=p: p)().detach().double().reshape(-1) for p in model.parameters()]
-    )
-
-
-class References:
-    """Per step, float64 per-layer sums of squares of the reduced and (DDP) local gradients."""
+class GradsBeforeClip:
+    """Per step, float64 per-layer sums of squares (``helpers.layer_sq``) of the reduced gradients
+    read just before Fabric clips, and (DDP) of the local ones (``helpers.LocalGrads``)."""
 
     def __init__(self, model: torch.nn.Module, local: bool) -> None:
         self.named = list(model.named_parameters())  # the user's module: the names distmon reports
-        self.grads: dict[str, torch.Tensor] = {}
+        self.local = LocalGrads(self.named) if local else None
         self.steps: list[dict[str, dict[str, float]]] = []
-        if local:
-            for n, p in self.named:
-                p.register_hook(functools.partial(self._add, n))
-
-    def _add(self, name: str, grad: torch.Tensor) -> None:
-        g = grad.detach().double()
-        self.grads[name] = self.grads[name] + g if name in self.grads else g.clone()
 
     def before_clip(self, step: int) -> None:
-        reduced: dict[str, float] = {}
-        local: dict[str, float] = {}
-        for n, p in self.named:
-            g = getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
-            reduced[layer_of(n)] = reduced.get(layer_of(n), 0.0) + float(g.double().pow(2).sum())
-            if n in self.grads:
-                local[layer_of(n)] = local.get(layer_of(n), 0.0) + float(self.grads[n].pow(2).sum())
-        self.grads = {}
+        reduced = layer_sq((n, whole(p.grad)) for n, p in self.named)
+        sums = self.local.take() if self.local is not None else {}
+        local = layer_sq((n, sums[n]) for n, _ in self.named if n in sums)
         self.steps.append({"reduced": reduced, "local": local})
 
 
@@ -75,7 +54,7 @@ def run(strategy: str, kind: str, out: str) -> dict[str, object]:
     import fabric_example  # Lightning: imported by the ranks, not by the test that reads STEPS here
 
     fabric, model, optimizer = fabric_example.setup(strategy)
-    refs = References(model._original_module, local=strategy == "ddp") if kind == "measured" else None
+    refs = GradsBeforeClip(model._original_module, local=strategy == "ddp") if kind == "measured" else None
     monitor = None
     if kind != "plain":
         log = os.path.join(out, f"fabric-{strategy}-{kind}.jsonl") if fabric.global_rank == 0 else None
@@ -88,7 +67,7 @@ def run(strategy: str, kind: str, out: str) -> dict[str, object]:
     def before_clip(step: int) -> None:
         if refs is not None:
             refs.before_clip(step)
-        steps.append(flat(model))  # the parameters before the step's update
+        steps.append(flat(model.parameters()))  # the parameters before the step's update
 
     norms = fabric_example.train(
         fabric,
@@ -101,7 +80,7 @@ def run(strategy: str, kind: str, out: str) -> dict[str, object]:
     if monitor is not None:
         monitor.close()
     return {
-        "params": flat(model),
+        "params": flat(model.parameters()),
         "before": steps,
         "norms": norms,
         "refs": refs.steps if refs is not None else None,

@@ -13,7 +13,7 @@ runs, in one process per rank, each configuration of each framework, as the exam
   local gradient on rank 1 in step :data:`NAN_STEP` (a tensor hook, as ``launch/train.py
   --nan-step`` does).
 
-References, taken from the framework and autograd, never from distmon (:class:`Reference`):
+References, taken from the framework and autograd, never from distmon (:class:`GradsAtClip`):
 
 - the reduced gradient before clipping: ``accelerator.clip_grad_norm_`` (what the Trainer's
   ``max_grad_norm`` and the accelerate example call) is wrapped on the instance; the wrapper
@@ -48,7 +48,8 @@ sys.path[:0] = [REPO_ROOT, os.path.join(REPO_ROOT, "launch", "examples"), TESTS_
 
 import accelerate_example  # noqa: E402
 import hf_trainer_example  # noqa: E402
-from ddp_harness import leave, scrape_metrics  # noqa: E402
+from ddp_harness import leave  # noqa: E402
+from helpers import LocalGrads, as_float64, flat, layer_of, scrape_metrics  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import distmon  # noqa: E402
@@ -63,23 +64,9 @@ NAN_LAYER = {"hf": "transformer.h.1.mlp.c_fc", "accelerate": "encoder.0"}
 MAX_GRAD_NORM = {"hf": hf_trainer_example.MAX_GRAD_NORM, "accelerate": accelerate_example.MAX_GRAD_NORM}
 
 
-def layer_of(name: str) -> str:
-    """The layer a parameter belongs to by distmon's documented default: its owning module.
-
-    Example:
-        >>> layer_of("transformer.h.0.attn.c_attn.weight")
-        'transformer.h.0.attn.c_attn'
-    """
-    return name.rpartition(".")[0]
-
-
-def flat(module: torch.nn.Module) -> torch.Tensor:
-    """Every parameter of ``module``, flattened into one tensor (a copy), in model order."""
-    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
-
-
-class Reference:
-    """Float64 gradients of every optimizer step, from autograd and the framework's clipping.
+class GradsAtClip:
+    """Float64 gradients of every optimizer step, read where the framework clips (its
+    ``clip_grad_norm_`` wrapped on the instance) and from autograd (``helpers.LocalGrads``).
 
     ``steps[i]``: ``reduced`` and ``local`` (float64 vectors in model order), ``post_clip``
     (float64 norm of the clipped gradient), ``params_before`` (the parameters before that step's
@@ -89,51 +76,43 @@ class Reference:
     def __init__(self, module: torch.nn.Module, accelerator: object, inject: tuple[str, int] | None = None):
         self.module = module
         self.names = [name for name, _ in module.named_parameters()]
-        self.local: dict[str, torch.Tensor] = {}
-        self.backwards: dict[str, int] = {}
-        self.micro_batches = 0
         self.steps: list[dict[str, object]] = []
         for name, p in module.named_parameters():
             if inject is not None and layer_of(name) == inject[0]:
                 p.register_hook(functools.partial(self._nan, name, inject[1]))
-            p.register_hook(functools.partial(self._add, name))
+        self.local = LocalGrads(module.named_parameters())  # its hooks run after _nan
+        self._backwards = 0  # of the first parameter, before this step
         self._clip = accelerator.clip_grad_norm_
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
 
     def _nan(self, name: str, step: int, grad: torch.Tensor) -> torch.Tensor | None:
-        # this parameter's backward count so far (before _add counts this one) -> optimizer step
-        if self.backwards.get(name, 0) // ACCUMULATION + 1 != step:
+        # this parameter's backward count so far (before LocalGrads counts this one) -> optimizer step
+        if self.local.backwards.get(name, 0) // ACCUMULATION + 1 != step:
             return None
         grad = grad.clone()
         grad.view(-1)[0] = float("nan")
         return grad
-
-    def _add(self, name: str, grad: torch.Tensor) -> None:
-        self.backwards[name] = self.backwards.get(name, 0) + 1
-        self.micro_batches += name == self.names[0]
-        g = grad.detach().to(torch.float64, copy=True)
-        self.local[name] = self.local[name] + g if name in self.local else g
 
     def _vector(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([grads[name].reshape(-1) for name in self.names])
 
     def clip_grad_norm_(self, parameters, max_norm, *args, **kwargs):
         parameters = list(parameters)
-        grads = {n: p.grad.detach().to(torch.float64, copy=True) for n, p in self.module.named_parameters()}
-        params_before = flat(self.module)
+        grads = {n: as_float64(p.grad).clone() for n, p in self.module.named_parameters()}
+        params_before = flat(self.module.parameters())
         norm = self._clip(parameters, max_norm, *args, **kwargs)
-        post = torch.cat([p.grad.detach().double().reshape(-1) for p in self.module.parameters()])
+        post = flat(p.grad for p in self.module.parameters())
+        backwards = self.local.backwards.get(self.names[0], 0)
         self.steps.append(
             {
                 "reduced": self._vector(grads),
-                "local": self._vector(self.local),
+                "local": self._vector(self.local.take()),
                 "post_clip": float(post.norm()),
                 "params_before": params_before,
-                "micro_batches": self.micro_batches,
+                "micro_batches": backwards - self._backwards,
             }
         )
-        self.local = {}
-        self.micro_batches = 0
+        self._backwards = backwards
         return norm
 
     def layers(self) -> list[tuple[str, int, int]]:
@@ -197,7 +176,7 @@ def run_hf(config: str, out: str) -> dict[str, object]:
         if config in ("plain", "monitored"):
             flags = ["--steps", str(STEPS), "--port", "0", "--output-dir", workdir]
             trainer = hf_trainer_example.main(flags + (["--no-distmon"] if config == "plain" else []))
-            return {"params": flat(trainer.model), "history": trainer.state.log_history}
+            return {"params": flat(trainer.model.parameters()), "history": trainer.state.log_history}
         callback = DistmonCallback(**measure_options(out, "hf", config))
         scrape = ScrapeAtEnd(callback)
         trainer = hf_trainer_example.build_trainer(workdir, [callback, scrape], max_steps=STEPS)
@@ -206,11 +185,11 @@ def run_hf(config: str, out: str) -> dict[str, object]:
             if config == "nan" and trainer.accelerator.process_index == NAN_RANK
             else None
         )
-        reference = Reference(trainer.model, trainer.accelerator, inject)
+        reference = GradsAtClip(trainer.model, trainer.accelerator, inject)
         trainer.train()
         return {
             **reference.result(),
-            "params": flat(trainer.model),
+            "params": flat(trainer.model.parameters()),
             "history": trainer.state.log_history,
             "samples": scrape.samples if config == "measured" else None,
             "adam_steps": adam_steps(trainer.optimizer),
@@ -222,7 +201,7 @@ def run_accelerate(config: str, out: str) -> dict[str, object]:
     if config in ("plain", "monitored"):
         flags = ["--steps", str(STEPS), "--port", "0"]
         model, norms = accelerate_example.main(flags + (["--no-distmon"] if config == "plain" else []))
-        return {"params": flat(model), "history": norms}
+        return {"params": flat(model.parameters()), "history": norms}
     accelerator, model, optimizer, loader = accelerate_example.prepare(STEPS)
     module = accelerator.unwrap_model(model)
     inject = (
@@ -230,14 +209,14 @@ def run_accelerate(config: str, out: str) -> dict[str, object]:
         if config == "nan" and accelerator.process_index == NAN_RANK
         else None
     )
-    reference = Reference(module, accelerator, inject)
+    reference = GradsAtClip(module, accelerator, inject)
     monitor = distmon.GradMonitor(model, optimizer, **measure_options(out, "accelerate", config))
     norms = accelerate_example.train(accelerator, model, optimizer, loader)
     samples = scrape_after_flush(monitor) if config == "measured" else None
     monitor.close()
     return {
         **reference.result(),
-        "params": flat(module),
+        "params": flat(module.parameters()),
         "history": norms,
         "samples": samples,
         "adam_steps": adam_steps(optimizer),

@@ -13,7 +13,7 @@ parameters (``torch.equal``). References come from Lightning's hooks, never from
   the reduced shards, gathered), before Lightning's or the user's clipping;
 * ``on_train_batch_end``: the norm the model logged (Lightning's ``grad_norm``).
 
-All in float64 (``ddp_harness.reference_norms``). Each rank writes ``OUT/rank{r}.json``; rank 0's
+All in float64 (``helpers.reference_norms``). Each rank writes ``OUT/rank{r}.json``; rank 0's
 distmon writes ``OUT/{case}.jsonl`` and its metrics, scraped over HTTP before the monitor
 closes, go to ``OUT/{case}.metrics.json``.
 """
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "launch" / "examples"), str(ROOT / "tests")]  # this checkout's distmon
 import lightning_example as example  # noqa: E402
-from ddp_harness import reference_norms, scrape_metrics  # noqa: E402
+from helpers import reference_norms, scrape_metrics, whole  # noqa: E402
 
 from distmon.integrations.lightning import DistmonCallback  # noqa: E402
 
@@ -48,10 +48,6 @@ SINGLE = {"single": (None, {})}
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -61,8 +57,9 @@ def _norms(named_grads: list[tuple[str, torch.Tensor | None]]) -> dict[str, obje
     return {"total": total, "layers": layers}
 
 
-class Reference(L.Callback):
-    """Each step's float64 figures, taken from Lightning's hooks (see the module docstring)."""
+class GradsFromHooks(L.Callback):
+    """Each step's float64 figures (``helpers.reference_norms``), read in Lightning's hooks (see the
+    module docstring)."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, object]] = []
@@ -79,14 +76,14 @@ class Reference(L.Callback):
         if self._before is not None:
             self.unchanged.append(all(map(torch.equal, params, self._before)))
         self._before = params
-        full = {k: _full(v) for k, v in pl_module.state_dict().items()}
+        full = {k: whole(v) for k, v in pl_module.state_dict().items()}
         self._twin.load_state_dict(full)
         self._twin.zero_grad(set_to_none=True)
         self._twin.loss(batch).backward()
         self.steps.append({"local": _norms([(n, p.grad) for n, p in self._twin.named_parameters()])})
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        grads = [(n, _full(p.grad)) for n, p in pl_module.named_parameters()]
+        grads = [(n, whole(p.grad)) for n, p in pl_module.named_parameters()]
         self.steps[-1]["reduced"] = _norms(grads)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
@@ -94,7 +91,7 @@ class Reference(L.Callback):
 
 
 class NanOnRank(L.Callback):
-    """Puts a NaN into one input of ``rank``'s batch at ``step`` (before the Reference sees it)."""
+    """Puts a NaN into one input of ``rank``'s batch at ``step`` (before GradsFromHooks sees it)."""
 
     def __init__(self, step: int, rank: int) -> None:
         self.step, self.rank = step, rank
@@ -114,7 +111,7 @@ class ScrapeAtEnd(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         mon = self.monitor.monitor
-        mon.flush()  # every rank: the others' figures of the last steps arrive in its all-gather
+        mon.flush()  # every rank: its node's figures of the last steps arrive in the export's gather
         if trainer.global_rank == 0:
             self.path.write_text(json.dumps(scrape_metrics(mon.port)))
 
@@ -122,7 +119,7 @@ class ScrapeAtEnd(L.Callback):
 def monitored(name: str, out: Path, guard: str | None, nan: bool = False, **train: bool) -> dict[str, object]:
     """Fit with DistmonCallback and the references; the figures and the final parameters."""
     cb = DistmonCallback(guard=guard, port=0, linger_s=0, log_path=str(out / f"{name}.jsonl"))
-    ref = Reference()
+    ref = GradsFromHooks()
     callbacks = [NanOnRank(NAN_STEP, rank=1)] if nan else []
     callbacks += [cb, ref, ScrapeAtEnd(cb, out / f"{name}.metrics.json")]
     model = example.train(callbacks=callbacks, **train)

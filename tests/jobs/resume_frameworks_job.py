@@ -35,7 +35,9 @@ def lightning() -> None:
 
     def fit(log: str, ckpt_path: str | None) -> None:
         L.seed_everything(0, verbose=False)
-        saves = ModelCheckpoint(dirpath=os.path.join(out, "lightning-ckpt"), every_n_train_steps=CKPT_AT, save_top_k=-1)
+        saves = ModelCheckpoint(
+            dirpath=os.path.join(out, "lightning-ckpt"), every_n_train_steps=CKPT_AT, save_top_k=-1
+        )
         trainer = L.Trainer(
             accelerator="cpu",
             devices=2,
@@ -61,12 +63,16 @@ def hf() -> None:
     from distmon.integrations.transformers import DistmonCallback
 
     def train(log: str, resume: str | None) -> None:
-        trainer = example.build_trainer(os.path.join(out, "hf"), [DistmonCallback(log_path=log, **options)], STEPS)
+        trainer = example.build_trainer(
+            os.path.join(out, "hf"), [DistmonCallback(log_path=log, **options)], STEPS
+        )
         args = trainer.args.to_dict() | {"save_strategy": "steps", "save_steps": CKPT_AT}
         args["restore_callback_states_from_checkpoint"] = True
         trainer = Trainer(
             model=trainer.model,
-            args=TrainingArguments(**{k: v for k, v in args.items() if k in TrainingArguments.__dataclass_fields__}),
+            args=TrainingArguments(
+                **{k: v for k, v in args.items() if k in TrainingArguments.__dataclass_fields__}
+            ),
             train_dataset=trainer.train_dataset,
             callbacks=[DistmonCallback(log_path=log, **options)],
         )
