@@ -676,8 +676,10 @@ def test_a_node_log_left_out_names_its_ranks_and_other_runs_are_listed(four_rank
     assert "world size 4" in (tmp_path / "r3" / "summary.md").read_text()
 
 
-def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tmp_path):
-    """The precursor's first warning: its step, block and bound in the summary's time line."""
+@pytest.mark.parametrize("bound, shown", [(1234.5, "1234"), (math.inf, "inf")], ids=["finite", "non-finite"])
+def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tmp_path, bound, shown):
+    """The precursor's first warning: its step, block and bound in the summary's time line; a
+    non-finite bound (it warns at once: the log writes it as the string "inf") shown as such."""
     log = tmp_path / "run.jsonl"
     out = JsonlLog(str(log))
     for step in range(1, 31):
@@ -688,7 +690,7 @@ def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tm
                 step=step,
                 rank=-1,
                 layer="blocks.3.attn",
-                value=1234.5,
+                value=bound,
                 threshold=1e3,
             )
             events = (event,)
@@ -703,8 +705,7 @@ def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tm
     proc = _report(log, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     summary = (tmp_path / "out" / "summary.md").read_text()
-    line = (
-        "- **divergence warning (precursor) at step 20**, attention block `blocks.3.attn` (logit bound 1234)"
-    )
+    line = "- **divergence warning (precursor) at step 20**, attention block `blocks.3.attn`"
+    line += f" (logit bound {shown})"
     assert line + "; 2 warnings in all" in summary, summary
     assert _not_blank(tmp_path / "out" / "global_norm.png")

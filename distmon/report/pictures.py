@@ -97,7 +97,8 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
     warned = run.event_steps.get("divergence_warning")
     if warned:  # the precursor (precursor=): a warning before the loss diverges
         first = next((e for e in run.events if e["kind"] == "divergence_warning"), None)
-        block = f", attention block `{first['layer']}` (logit bound {first['value']:.4g})" if first else ""
+        bound = as_float(first["value"]) if first else math.nan  # "inf" in the log: non-finite
+        block = f", attention block `{first['layer']}` (logit bound {bound:.4g})" if first else ""
         more = f"; {len(warned)} warnings in all" if len(warned) > 1 else ""
         lines.append(f"- **divergence warning (precursor) at step {warned[0]}**{block}{more}")
     gns = [g for g in run.noise_scale if math.isfinite(g)]
