@@ -21,6 +21,7 @@ collect_ignore = ["launch/examples", "tests/jobs", "distmon/sources/deepspeed.py
 # torch 2.13, 2 shared cores at a load of 10-18, so 2-4x a quiet machine's; test_core_behaviour's
 # share split among its four modules); any other module keeps its place after them.
 LONGEST_FIRST = (
+    "test_restarts.py",  # 300 s in CI (its ten restarts under load; two bounded tests run serial)
     "test_report.py",  # 353 s
     "test_resume.py",  # 330 s
     "test_fsdp.py",  # 329 s

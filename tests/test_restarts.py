@@ -45,7 +45,7 @@ from distmon.report.log_reader import read_log
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from restart_reliability import Load, Run, run_once  # noqa: E402  (the benchmark's own runs)
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # bounds of 5 and 10 s: run alone
+pytestmark = pytest.mark.slow
 
 EXPORT_EVERY = 5
 
@@ -89,6 +89,7 @@ def _listeners(port: int) -> dict[int, str]:
     return owners or ({-1: f"socket inodes {sorted(inodes)}"} if inodes else {})
 
 
+@pytest.mark.serial  # a bound of 5 s: run alone
 def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(tmp_path: Path):
     port, log = free_port(), tmp_path / "log.jsonl"
     args = ["--preset", "tiny", "--steps", "100000", "--min-step-s", "0.05", "--port", str(port)]
@@ -127,6 +128,7 @@ def test_sigterm_to_every_worker_leaves_a_whole_log_and_a_free_port_within_5_s(t
         job.kill_all()
 
 
+@pytest.mark.serial  # a bound of 10 s: run alone
 def test_a_restarted_worker_serves_on_its_port_within_10_s_and_resumes_the_run(tmp_path: Path):
     port, log = free_port(), tmp_path / "log.jsonl"
     args = ["--preset", "tiny", "--steps", "40", "--min-step-s", "0.05", "--port", str(port)]
