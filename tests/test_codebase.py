@@ -106,11 +106,13 @@ def _imported(code: str, prefix: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # fresh interpreters (~5 s with the next test): the fast tier stays under 90 s
 @pytest.mark.parametrize("code", IMPORTS)
 def test_import_distmon_pulls_in_no_fsdp(code):
     assert _imported(code, "torch.distributed.fsdp") == "[]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", IMPORTS[:2])
 def test_import_distmon_pulls_in_no_deepspeed(code):
     """DeepSpeed takes ~4 s to import (and starts its accelerator): only a job that uses it pays."""
