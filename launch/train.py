@@ -32,7 +32,9 @@ Step numbers are distmon's: step S is the S-th optimizer step (the first is 1).
 a fault's step number maps to a predictable time even on a busy machine (end-to-end
 tests of the alerts rely on it).
 
-Monitoring settings not given on the command line come from distmon's defaults and its
+The demo turns on three figures that are off by default (each block's activations, the
+update-to-weight ratios and the divergence precursor), so that every panel of the dashboard
+has data. Monitoring settings not given on the command line come from distmon's defaults and its
 ``DISTMON_*`` environment variables (``DISTMON_SERVE``, ``DISTMON_PORT``,
 ``DISTMON_ADDR``, ``DISTMON_RUN_ID``, ``DISTMON_FILE_SD_DIR`` ...).
 """
