@@ -35,7 +35,7 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .log_lines import MAX_LAYERS, MAX_RANKS, OTHER, as_float, describe_spans
+from .log_lines import MAX_LAYERS, MAX_RANKS, OTHER, describe_spans
 from .log_reader import LogRead, describe_runs, describe_skips
 from .run import Run
 
@@ -97,8 +97,7 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
     warned = run.event_steps.get("divergence_warning")
     if warned:  # the precursor (precursor=): a warning before the loss diverges
         first = next((e for e in run.events if e["kind"] == "divergence_warning"), None)
-        bound = as_float(first["value"]) if first else math.nan  # "inf" in the log: non-finite
-        block = f", attention block `{first['layer']}` (logit bound {bound:.4g})" if first else ""
+        block = f", attention block `{first['layer']}` (logit bound {first['value']:.4g})" if first else ""
         more = f"; {len(warned)} warnings in all" if len(warned) > 1 else ""
         lines.append(f"- **divergence warning (precursor) at step {warned[0]}**{block}{more}")
     gns = [g for g in run.noise_scale if math.isfinite(g)]
@@ -126,7 +125,7 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
         lines += ["| step | kind | rank | layer | value | threshold |", "|---:|---|---:|---|---:|---:|"]
         lines += [
             f"| {e['step']} | {_cell(e['kind'])} | {e['rank']} | {_cell(e['layer']) or '-'} "
-            f"| {as_float(e['value']):.4g} | {as_float(e['threshold']):.4g} |"
+            f"| {e['value']:.4g} | {e['threshold']:.4g} |"
             for e in run.events
         ]
     else:

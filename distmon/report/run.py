@@ -213,7 +213,13 @@ class Run:
         self.event_counts.append(len(events))
         for e in events:
             if len(self.events) < MAX_EVENTS:
-                self.events.append({k: shortened(e[k]) for k in EVENT_FIELDS})
+                # figures as floats here ("inf"/"nan" in the log), once for every reader
+                self.events.append(
+                    {
+                        k: as_float(e[k]) if k in ("value", "threshold") else shortened(e[k])
+                        for k in EVENT_FIELDS
+                    }
+                )
             steps = self.event_steps.setdefault(shortened(e["kind"]), [])
             if not steps or steps[-1] != step:
                 steps.append(step)
