@@ -25,8 +25,10 @@ No ``from __future__ import annotations`` here: DDP inspects the ``bucket`` anno
 Python comm hook when it is registered, and a string annotation fails that check.
 """
 
+import atexit
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +86,9 @@ HOOKLESS_BACKENDS = {"nccl"}
 # Without a comm hook: how many of a forward's outputs (those that need a gradient, in order)
 # are marked; a backward that reaches none of them is not read (and said once, at the step).
 MARKED_OUTPUTS = 16
+# At exit, how long the interpreter waits for the backend's thread to release the continuations it
+# ran (:class:`Handoff`): milliseconds on a busy machine; bounded, for a thread that is stuck.
+RELEASE_AT_EXIT_S = 10.0
 
 
 def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -112,12 +117,87 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
             buffer.div_(size)
         else:
             buffer.mul_(1.0 / size)
-    return dist.all_reduce(buffer, group=group, async_op=True)
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    HANDOFF.hold(work, bucket.is_last())
+    return work
 
 
 def _bucket_future(work: dist.Work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """The future a comm hook returns for ``work``, the all-reduce of ``buffer``: the reduced bucket."""
-    return work.get_future().then(functools.partial(_reduced, buffer))
+    return work.get_future().then(_Reduced(buffer))
+
+
+class Handoff:
+    """What gloo's worker thread must not be the one to release: the all-reduces distmon's comm
+    hook starts and the continuations chained on their futures.
+
+    gloo's worker thread ends each collective by releasing its share of it. Two shares hold
+    Python state and are released under the GIL: the work (one started inside a backward keeps
+    the thread's state, which holds the ``contextvars.Context`` torch stashes for the backward),
+    and the Python continuation (``Future.then``) it ran once the reduction was done. A thread
+    that takes the GIL after the interpreter began to finalize is ended by Python
+    (``pthread_exit``) through a C++ destructor: ``terminate called without an active
+    exception``, SIGABRT, and a clean finish read as a failure. So the works of the latest
+    backward are held here, each dropped on the training thread once the backward after it has
+    started its last bucket (DDP's reducer holds its own works so), and at exit the interpreter
+    waits until the worker thread has released every continuation it ran (:meth:`wait`).
+
+    Example:
+        >>> handoff = Handoff(); handoff.ran(); handoff.released(); handoff.wait(0.0)
+        True
+    """
+
+    def __init__(self) -> None:
+        self._idle = threading.Condition()
+        self._held = 0
+        self._works: list[dist.Work] = []  # the backward in progress
+        self._done: list[dist.Work] = []  # the backward before it
+
+    def hold(self, work: dist.Work, last: bool) -> None:
+        """Keep ``work`` (called on the training thread); ``last``: its backward's last bucket."""
+        self._works.append(work)
+        if last:  # the works of the backward before are released here, on this thread
+            self._done, self._works = self._works, []
+
+    def ran(self) -> None:
+        with self._idle:
+            self._held += 1
+
+    def released(self) -> None:
+        with self._idle:
+            self._held -= 1
+            if not self._held:
+                self._idle.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every continuation that ran was released within ``timeout_s``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._held == 0, timeout_s)
+
+
+HANDOFF = Handoff()
+# registered when distmon is imported, before the monitor's exit guard: it runs after that guard
+atexit.register(HANDOFF.wait, RELEASE_AT_EXIT_S)
+
+
+class _Reduced:
+    """The continuation of one bucket's all-reduce: the reduced bucket, a failure raised as the
+    reduction's; counted in :data:`HANDOFF` from its run to its release."""
+
+    __slots__ = ("buffer", "ran")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.ran = buffer, False
+
+    def __call__(self, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        if not self.ran:
+            self.ran = True
+            HANDOFF.ran()
+        return _reduced(self.buffer, fut)
+
+    def __del__(self) -> None:
+        if self.ran:
+            HANDOFF.released()
 
 
 def _reduced(buffer: torch.Tensor, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
