@@ -118,7 +118,7 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
         else:
             buffer.mul_(1.0 / size)
     work = dist.all_reduce(buffer, group=group, async_op=True)
-    HANDOFF.hold(work, bucket.is_last())
+    HANDOFF.hold(work, bucket.index())
     return work
 
 
@@ -137,9 +137,9 @@ class Handoff:
     and the Python continuation (``Future.then``) it ran once the reduction was done. A thread
     that takes the GIL after the interpreter began to finalize is ended by Python
     (``pthread_exit``) through a C++ destructor: ``terminate called without an active
-    exception``, SIGABRT, and a clean finish read as a failure. So the works of the latest
-    backward are held here, each dropped on the training thread once the backward after it has
-    started its last bucket (DDP's reducer holds its own works so), and at exit the interpreter
+    exception``, SIGABRT, and a clean finish read as a failure. So the works of the latest two
+    backwards are held here, each dropped on the training thread when the backward two after
+    it starts (DDP's reducer holds its own works until the next backward), and at exit the interpreter
     waits until the worker thread has released every continuation it ran (:meth:`wait`).
 
     Example:
@@ -151,13 +151,15 @@ class Handoff:
         self._idle = threading.Condition()
         self._held = 0
         self._works: list[dist.Work] = []  # the backward in progress
+        self._buckets: set[int] = set()  # the buckets it reduced so far
         self._done: list[dist.Work] = []  # the backward before it
 
-    def hold(self, work: dist.Work, last: bool) -> None:
-        """Keep ``work`` (called on the training thread); ``last``: its backward's last bucket."""
+    def hold(self, work: dist.Work, bucket: int) -> None:
+        """Keep ``work``, the all-reduce of bucket number ``bucket`` (on the training thread)."""
+        if bucket in self._buckets:  # a new backward: the one before it ended long ago
+            self._done, self._works, self._buckets = self._works, [], set()  # its own before, dropped
         self._works.append(work)
-        if last:  # the works of the backward before are released here, on this thread
-            self._done, self._works = self._works, []
+        self._buckets.add(bucket)
 
     def ran(self) -> None:
         with self._idle:
