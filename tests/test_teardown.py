@@ -16,11 +16,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from ddp_harness import free_port, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+pytestmark = pytest.mark.slow  # real ranks and interpreters: not in the fast tier
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "teardown_job.py")
 TRIES = 4  # before the fix 14 of 27 such jobs aborted here: four clean by chance about 1 time in 20
