@@ -6,7 +6,7 @@ load (``terminate called without an active exception``). A core dump of the same
 distmon's comm hook had started (``~AsyncWork`` -> ``~ThreadLocalState`` -> a Python object's
 decref -> the GIL, taken after the interpreter began to finalize: Python ends the thread through
 a C++ destructor). The continuation chained on that all-reduce's future is released the same
-way. distmon now keeps the works of the latest backward (:class:`distmon.sources.ddp.Handoff`)
+way. distmon now keeps the works of the latest two backwards (:class:`distmon.sources.ddp.Handoff`)
 and its exit handler waits for the continuations' release.
 """
 
@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_harness import free_port, run_ranks
+from ddp_harness import REPO_ROOT, free_port, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -67,7 +67,7 @@ def test_the_interpreter_waits_at_exit_for_a_continuation_that_ran_and_is_not_re
         "threading.Thread(target=release, daemon=True).start()\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=_repo()
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
     )
     assert out.returncode == 0, out.stderr
     lines = [line.rsplit(" ", 1) for line in out.stdout.strip().split("\n")]
@@ -100,7 +100,3 @@ def test_distmon_s_comm_hook_keeps_the_all_reduces_of_the_latest_two_backwards()
     reduces its first backward in one bucket, then in the buckets it rebuilt)."""
     for held in run_ranks(_held_after_each_backward, 2):
         assert held == [(0, 1), (1, 3), (3, 3), (3, 3)], held
-
-
-def _repo() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

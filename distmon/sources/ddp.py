@@ -138,9 +138,9 @@ class Handoff:
     that takes the GIL after the interpreter began to finalize is ended by Python
     (``pthread_exit``) through a C++ destructor: ``terminate called without an active
     exception``, SIGABRT, and a clean finish read as a failure. So the works of the latest two
-    backwards are held here, each dropped on the training thread when the backward two after
-    it starts (DDP's reducer holds its own works until the next backward), and at exit the interpreter
-    waits until the worker thread has released every continuation it ran (:meth:`wait`).
+    backwards are held here, each dropped on the training thread when the backward two after it
+    starts (DDP's reducer holds its own works until the next backward), and at exit the
+    interpreter waits until the worker thread has released every continuation it ran.
 
     Example:
         >>> handoff = Handoff(); handoff.ran(); handoff.released(); handoff.wait(0.0)
@@ -156,8 +156,10 @@ class Handoff:
 
     def hold(self, work: dist.Work, bucket: int) -> None:
         """Keep ``work``, the all-reduce of bucket number ``bucket`` (on the training thread)."""
-        if bucket in self._buckets:  # a new backward: the one before it ended long ago
-            self._done, self._works, self._buckets = self._works, [], set()  # its own before, dropped
+        if bucket in self._buckets:  # a new backward: the one two before it is dropped here
+            self._done, self._works = self._works, self._done
+            self._works.clear()
+            self._buckets.clear()
         self._works.append(work)
         self._buckets.add(bucket)
 
@@ -183,8 +185,13 @@ atexit.register(HANDOFF.wait, RELEASE_AT_EXIT_S)
 
 
 class _Reduced:
-    """The continuation of one bucket's all-reduce: the reduced bucket, a failure raised as the
-    reduction's; counted in :data:`HANDOFF` from its run to its release."""
+    """The continuation of one bucket's all-reduce (run once, on the backend's thread): the reduced
+    bucket, counted in :data:`HANDOFF` from its run to its release.
+
+    A failure is raised as the reduction's: the future's error crosses DDP's C++ reducer as text,
+    headed by the frame that raised it, this one; raised as it is, a peer's death reads as an
+    error "in distmon" (users looked there first).
+    """
 
     __slots__ = ("buffer", "ran")
 
@@ -192,27 +199,17 @@ class _Reduced:
         self.buffer, self.ran = buffer, False
 
     def __call__(self, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        if not self.ran:
-            self.ran = True
-            HANDOFF.ran()
-        return _reduced(self.buffer, fut)
+        self.ran = True
+        HANDOFF.ran()
+        try:
+            result = fut.value()[0]
+        except Exception as e:
+            raise reduction_error(e, "DDP's gradient all-reduce") from e
+        return reduced_bucket(result, self.buffer)
 
     def __del__(self) -> None:
         if self.ran:
             HANDOFF.released()
-
-
-def _reduced(buffer: torch.Tensor, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-    """The bucket an all-reduce of ``buffer`` brought; its failure raised as the reduction's.
-
-    The future's error crosses DDP's C++ reducer as text, headed by the frame that raised it: this
-    one. Raised as it is, a peer's death reads as an error "in distmon" (users looked there first).
-    """
-    try:
-        result = fut.value()[0]
-    except Exception as e:
-        raise reduction_error(e, "DDP's gradient all-reduce") from e
-    return reduced_bucket(result, buffer)
 
 
 def reduction_error(error: Exception, what: str) -> RuntimeError:
