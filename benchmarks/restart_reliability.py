@@ -36,7 +36,6 @@ import platform
 import re
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO / "launch"))
+from train import free_port  # noqa: E402  (launch/train.py)
+
 JOB = REPO / "tests" / "jobs" / "restart_job.py"
 MODES = ("static", "c10d")
 FAILURES = {  # name -> restart_job.py flags
@@ -63,13 +65,6 @@ CKPT_STEP, FAIL_STEP, STEPS = 20, 25, 40  # the issue's job; tests/test_restarts
 # the elastic agent's own report excepted)
 ERROR_LINE = re.compile(r"Error|error|refused|[Tt]imed out|Timeout")
 NOT_A_CAUSE = ("(injected)", "ChildFailedError", "elastic/multiprocessing/api.py", "debug_logger.cc")
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Load:

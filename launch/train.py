@@ -46,6 +46,7 @@ import contextlib
 import gc
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -55,6 +56,7 @@ import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -462,11 +464,40 @@ class DistContext:
     device: torch.device
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a rendezvous that binds it a few seconds later.
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out (``bind`` to port 0,
+    every outgoing connection's local port) cannot take it in the meantime. A port from the
+    ephemeral range can: a rendezvous port drawn with ``bind(0)`` before a multi-node job
+    started was taken by one of its hundreds of connections, once in many test runs.
+
+        >>> 1024 <= free_port() < 65536
+        True
+    """
+    high = _ephemeral_range()[0]
+    low = max(1024, high - 16384)
+    rng = random.Random()  # its own generator: a script's torch/random seed must not repeat ports
+    for _ in range(200 if low < high else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: the kernel's choice
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux: ip_local_port_range; elsewhere IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def torchrun_command(

@@ -31,7 +31,6 @@ import faulthandler
 import os
 import pickle
 import shutil
-import socket
 import sys
 import sysconfig
 import tempfile
@@ -41,28 +40,23 @@ import traceback
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-# The children inherit sys.path from the parent (spawn), so this makes `distmon`
-# and the test modules importable in every rank without installing the package.
-for _p in (REPO_ROOT, TESTS_DIR):
+LAUNCH_DIR = os.path.join(REPO_ROOT, "launch")
+# The children inherit sys.path from the parent (spawn), so this makes `distmon`, the test
+# modules and launch/'s scripts importable in every rank without installing the package.
+for _p in (REPO_ROOT, TESTS_DIR, LAUNCH_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from train import free_port  # noqa: E402,F401  (launch/train.py; re-exported for the tests)
 
 DEFAULT_TIMEOUT_S = 120.0
 
 
 class RankFailure(AssertionError):
     """A rank raised, died, or the job timed out."""
-
-
-def free_port(host="127.0.0.1"):
-    """A TCP port that was free on `host` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def leave(code):

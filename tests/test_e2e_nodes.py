@@ -153,13 +153,7 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
     env = {"DISTMON_FILE_SD_DIR": str(stack.sd_dir), "DISTMON_RUN_ID": RUN}
     job = agents(RUN, workdir, NODES, train_args(logs / "run.jsonl", BAD_RANK, 100_000), env)
     ref_sd = workdir / "reference-sd"  # not under Prometheus' file_sd glob: scraped here only
-    reference = agents(
-        REFERENCE,
-        workdir,
-        2,
-        train_args(workdir / "reference.jsonl", 2 * PER_NODE - 1, SEEN_STEPS + 5),
-        {"DISTMON_FILE_SD_DIR": str(ref_sd), "DISTMON_RUN_ID": REFERENCE, "DISTMON_LINGER_S": "20"},
-    )
+    reference: list[TorchrunJob] = []  # built when it starts: its rendezvous port drawn then
     figures: list[str] = []
 
     def diag() -> str:
@@ -295,7 +289,14 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
         frozen = stop(job[DARK_NODE])
         t_dark = time.time()
         assert len(frozen) == 1 + PER_NODE, frozen  # its agent and its two workers
-        for agent in reference:  # the 2-node reference runs while the job hangs
+        reference[:] = agents(  # the 2-node reference runs while the job hangs
+            REFERENCE,
+            workdir,
+            2,
+            train_args(workdir / "reference.jsonl", 2 * PER_NODE - 1, SEEN_STEPS + 5),
+            {"DISTMON_FILE_SD_DIR": str(ref_sd), "DISTMON_RUN_ID": REFERENCE, "DISTMON_LINGER_S": "20"},
+        )
+        for agent in reference:
             agent.start()
         last_step_at = scalar(prom, f'distmon_last_step_timestamp_seconds{{run_id="{RUN}"}}')
         assert last_step_at is not None and last_step_at <= t_dark, diag()

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -375,6 +376,27 @@ def test_multi_node_script_requires_its_settings():
         ["bash", str(LAUNCH / "torchrun_multi_node.sh")], env=env, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode != 0 and "NNODES" in proc.stderr
+
+
+def test_free_port_is_drawn_below_the_kernels_ephemeral_range_and_skips_a_bound_port(monkeypatch):
+    """A rendezvous port drawn before a job starts cannot be taken in the meantime by a connection's
+    local port or a ``bind(0)`` listener, the kernel's picks: the 4-node e2e test's reference job once
+    failed to start that way, its port drawn with ``bind(0)`` 40 s before."""
+    low, _ = train._ephemeral_range()
+    ports = [train.free_port() for _ in range(50)]
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(set(ports)) > 40, ports  # drawn at random, not one port again and again
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        draws = iter([ports[0], ports[1]])
+
+        class Draws:
+            def randrange(self, a, b):
+                return next(draws)
+
+        monkeypatch.setattr(train.random, "Random", Draws)
+        assert train.free_port() == ports[1]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
