@@ -42,7 +42,6 @@ LONGEST_FIRST = (
     "test_train_demo.py",  # 105 s
     "test_hook_failures.py",  # 101 s
     "test_single_process.py",  # 95 s
-    "test_restarts.py",  # 94 s
     "test_guard_clip.py",  # 93 s
     "test_noise_scale.py",  # 90 s
     "test_job_group.py",  # 87 s

@@ -111,3 +111,16 @@ def test_no_test_opens_a_url_through_a_proxy():
         if isinstance(n, ast.Call) and _called(n) & {"urlopen", "build_opener"}
     ]
     assert not direct, direct
+
+
+def test_the_longest_first_order_names_each_test_module_once():
+    """conftest.py's LONGEST_FIRST puts the long modules first on the xdist workers. A name given
+    twice takes its later place (the rank table keeps the last), a misspelt one none: a long
+    module then starts last, on one worker, while the other idles (test_restarts.py, listed twice,
+    ran 21st)."""
+    import conftest
+
+    order = conftest.LONGEST_FIRST
+    twice = sorted({name for name in order if order.count(name) > 1})
+    missing = [name for name in order if not os.path.exists(os.path.join(TESTS, name))]
+    assert not twice and not missing, (twice, missing)
