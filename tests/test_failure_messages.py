@@ -64,8 +64,18 @@ class _FailedWork:
         raise RuntimeError(PEER_DIED)
 
 
+class _Bucket:
+    """A one-bucket stand-in for DDP's ``GradBucket``: what ``_bucket_future`` asks of it."""
+
+    def buffer(self) -> torch.Tensor:
+        return torch.zeros(4)
+
+    def index(self) -> int:
+        return 0
+
+
 def test_a_failed_all_reduce_reads_as_the_reduction_s_failure_not_distmon_s():
-    fut = _bucket_future(_FailedWork(), torch.zeros(4))
+    fut = _bucket_future(_FailedWork(), _Bucket())
     with pytest.raises(RuntimeError) as raised:
         fut.wait()
     _says_the_reduction_failed(raised.value)

@@ -6,8 +6,9 @@ load (``terminate called without an active exception``). A core dump of the same
 distmon's comm hook had started (``~AsyncWork`` -> ``~ThreadLocalState`` -> a Python object's
 decref -> the GIL, taken after the interpreter began to finalize: Python ends the thread through
 a C++ destructor). The continuation chained on that all-reduce's future is released the same
-way. distmon now keeps the works of the latest two backwards (:class:`distmon.sources.ddp.Handoff`)
-and its exit handler waits for the continuations' release.
+way. distmon now keeps the works and continuations of the latest two backwards
+(:class:`distmon.sources.ddp.Handoff`) and its exit handler waits until gloo's thread has dropped
+its references to them.
 """
 
 from __future__ import annotations
@@ -51,19 +52,22 @@ def test_a_job_ending_right_after_a_step_through_distmon_s_comm_hook_exits_clean
         assert rc == 0 and "terminate called" not in said, f"exit status {rc}:\n{said[-3000:]}"
 
 
-def test_the_interpreter_waits_at_exit_for_a_continuation_that_ran_and_is_not_released():
-    """The exit handler's own property: the interpreter does not finalize before a continuation
-    that ran is released (here by a daemon thread 1 s later, as gloo's thread would), and goes on
-    as soon as it is (the handler's bound is 10 s)."""
+def test_the_interpreter_waits_at_exit_for_gloo_s_thread_to_drop_a_continuation_it_ran():
+    """The exit handler's own property: the interpreter does not finalize while another thread
+    still holds a continuation that ran (here a daemon thread that drops it 1 s later, as gloo's
+    thread would, then sleeps), and goes on as soon as it is dropped (the handler's bound is 10 s).
+    Before: a count kept in the continuation's ``__del__`` let the interpreter finalize while the
+    releasing thread was still inside the destructor (this test's earlier form aborted once)."""
     script = (
         "import atexit, threading, time\n"
         "atexit.register(lambda: print('last exit handler', time.monotonic()))  # runs after distmon's\n"
         "import torch\n"
-        "from distmon.sources.ddp import _Reduced\n"
-        "held = [_Reduced(torch.zeros(1))]\n"
-        "done = torch.futures.Future(); done.set_result([torch.zeros(1)]); held[0](done)\n"
+        "from distmon.sources.ddp import HANDOFF, _Reduced\n"
+        "reduced, done = _Reduced(torch.zeros(1)), torch.futures.Future()\n"
+        "done.set_result([torch.zeros(1)]); reduced(done)\n"
+        "HANDOFF.hold(0, None, reduced); gloo = [reduced]; del reduced\n"
         "def release():\n"
-        "    time.sleep(1.0); print('released', time.monotonic(), flush=True); held.clear()\n"
+        "    time.sleep(1.0); print('released', time.monotonic(), flush=True); gloo.clear(); time.sleep(60)\n"
         "threading.Thread(target=release, daemon=True).start()\n"
     )
     out = subprocess.run(
@@ -75,7 +79,7 @@ def test_the_interpreter_waits_at_exit_for_a_continuation_that_ran_and_is_not_re
     assert float(lines[1][1]) - float(lines[0][1]) < 5.0, out.stdout
 
 
-def _held_after_each_backward(rank: int, world: int) -> list[tuple[int, int]]:
+def _held_after_each_backward(rank: int, world: int) -> list[tuple[int, ...]]:
     import distmon
     from distmon.sources.ddp import HANDOFF
 
@@ -89,14 +93,16 @@ def _held_after_each_backward(rank: int, world: int) -> list[tuple[int, int]]:
             model(torch.randn(4, 512)).sum().backward()
             opt.step()
             opt.zero_grad()
-            out.append((len(HANDOFF._done), len(HANDOFF._works)))  # the backward before, this one
+            held = (HANDOFF._works_before, HANDOFF._works, HANDOFF._reduced_before, HANDOFF._reduced)
+            out.append(tuple(map(len, held)))  # the backward before, this one: works, continuations
     dist.barrier()
     return out
 
 
-def test_distmon_s_comm_hook_keeps_the_all_reduces_of_the_latest_two_backwards():
-    """The works are dropped on the training thread, never last by gloo's thread: after each
-    backward, its all-reduces (one per bucket) and those of the backward before, none older (DDP
-    reduces its first backward in one bucket, then in the buckets it rebuilt)."""
+def test_distmon_s_comm_hook_keeps_the_all_reduces_and_continuations_of_the_latest_two_backwards():
+    """The works and continuations are dropped on the training thread, never last by gloo's thread:
+    after each backward, its all-reduces and their continuations (one per bucket) and those of the
+    backward before, none older (DDP reduces its first backward in one bucket, then in the buckets
+    it rebuilt)."""
     for held in run_ranks(_held_after_each_backward, 2):
-        assert held == [(0, 1), (1, 3), (3, 3), (3, 3)], held
+        assert held == [(0, 1, 0, 1), (1, 3, 1, 3), (3, 3, 3, 3), (3, 3, 3, 3)], held

@@ -28,7 +28,8 @@ Python comm hook when it is registered, and a string annotation fails that check
 import atexit
 import functools
 import itertools
-import threading
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ HOOKLESS_BACKENDS = {"nccl"}
 # Without a comm hook: how many of a forward's outputs (those that need a gradient, in order)
 # are marked; a backward that reaches none of them is not read (and said once, at the step).
 MARKED_OUTPUTS = 16
-# At exit, how long the interpreter waits for the backend's thread to release the continuations it
+# At exit, how long the interpreter waits for the backend's thread to drop the continuations it
 # ran (:class:`Handoff`): milliseconds on a busy machine; bounded, for a thread that is stuck.
 RELEASE_AT_EXIT_S = 10.0
 
@@ -105,7 +106,7 @@ def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     Example:
         >>> ddp.register_comm_hook(ddp.process_group, ddp_allreduce_hook)   # doctest: +SKIP
     """
-    return _bucket_future(_allreduce(process_group, bucket), bucket.buffer())
+    return _bucket_future(_allreduce(process_group, bucket), bucket)
 
 
 def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dist.Work:
@@ -117,76 +118,20 @@ def _allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> dis
             buffer.div_(size)
         else:
             buffer.mul_(1.0 / size)
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    HANDOFF.hold(work, bucket.index())
-    return work
+    return dist.all_reduce(buffer, group=group, async_op=True)
 
 
-def _bucket_future(work: dist.Work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """The future a comm hook returns for ``work``, the all-reduce of ``buffer``: the reduced bucket."""
-    return work.get_future().then(_Reduced(buffer))
-
-
-class Handoff:
-    """What gloo's worker thread must not be the one to release: the all-reduces distmon's comm
-    hook starts and the continuations chained on their futures.
-
-    gloo's worker thread ends each collective by releasing its share of it. Two shares hold
-    Python state and are released under the GIL: the work (one started inside a backward keeps
-    the thread's state, which holds the ``contextvars.Context`` torch stashes for the backward),
-    and the Python continuation (``Future.then``) it ran once the reduction was done. A thread
-    that takes the GIL after the interpreter began to finalize is ended by Python
-    (``pthread_exit``) through a C++ destructor: ``terminate called without an active
-    exception``, SIGABRT, and a clean finish read as a failure. So the works of the latest two
-    backwards are held here, each dropped on the training thread when the backward two after it
-    starts (DDP's reducer holds its own works until the next backward), and at exit the
-    interpreter waits until the worker thread has released every continuation it ran.
-
-    Example:
-        >>> handoff = Handoff(); handoff.ran(); handoff.released(); handoff.wait(0.0)
-        True
-    """
-
-    def __init__(self) -> None:
-        self._idle = threading.Condition()
-        self._held = 0
-        self._works: list[dist.Work] = []  # the backward in progress
-        self._buckets: set[int] = set()  # the buckets it reduced so far
-        self._done: list[dist.Work] = []  # the backward before it
-
-    def hold(self, work: dist.Work, bucket: int) -> None:
-        """Keep ``work``, the all-reduce of bucket number ``bucket`` (on the training thread)."""
-        if bucket in self._buckets:  # a new backward: the one two before it is dropped here
-            self._done, self._works = self._works, self._done
-            self._works.clear()
-            self._buckets.clear()
-        self._works.append(work)
-        self._buckets.add(bucket)
-
-    def ran(self) -> None:
-        with self._idle:
-            self._held += 1
-
-    def released(self) -> None:
-        with self._idle:
-            self._held -= 1
-            if not self._held:
-                self._idle.notify_all()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether every continuation that ran was released within ``timeout_s``."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._held == 0, timeout_s)
-
-
-HANDOFF = Handoff()
-# registered when distmon is imported, before the monitor's exit guard: it runs after that guard
-atexit.register(HANDOFF.wait, RELEASE_AT_EXIT_S)
+def _bucket_future(work: dist.Work, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The future a comm hook returns for ``work``, the all-reduce of ``bucket``: the reduced
+    bucket. The work and its continuation are held in :data:`HANDOFF`."""
+    reduced = _Reduced(bucket.buffer())
+    HANDOFF.hold(bucket.index(), work, reduced)
+    return work.get_future().then(reduced)
 
 
 class _Reduced:
     """The continuation of one bucket's all-reduce (run once, on the backend's thread): the reduced
-    bucket, counted in :data:`HANDOFF` from its run to its release.
+    bucket. ``ran``: it was called (:class:`Handoff` waits at exit for those).
 
     A failure is raised as the reduction's: the future's error crosses DDP's C++ reducer as text,
     headed by the frame that raised it, this one; raised as it is, a peer's death reads as an
@@ -200,16 +145,84 @@ class _Reduced:
 
     def __call__(self, fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         self.ran = True
-        HANDOFF.ran()
         try:
             result = fut.value()[0]
         except Exception as e:
             raise reduction_error(e, "DDP's gradient all-reduce") from e
         return reduced_bucket(result, self.buffer)
 
-    def __del__(self) -> None:
-        if self.ran:
-            HANDOFF.released()
+
+class Handoff:
+    """What gloo's worker thread must not be the one to release: the all-reduces distmon's comm
+    hook starts and the continuations chained on their futures.
+
+    gloo's worker thread ends each collective by releasing its share of it. Two shares hold
+    Python state and are released under the GIL: the work (one started inside a backward keeps
+    the thread's state, which holds the ``contextvars.Context`` torch stashes for the backward),
+    and the Python continuation (``Future.then``) it ran once the reduction was done. A thread
+    that takes the GIL after the interpreter began to finalize is ended by Python
+    (``pthread_exit``) through a C++ destructor: ``terminate called without an active
+    exception``, SIGABRT, and a clean finish read as a failure. So both, for the latest two
+    backwards, are held here and dropped on the training thread when the backward two after
+    it starts (DDP's reducer holds its own works until the next backward): gloo's thread only
+    ever drops a reference that is not the last. At exit the interpreter waits until it has
+    dropped its reference to every continuation it ran: read from the reference count, which
+    changes only under the GIL, when that thread runs no Python code and gives the GIL up at once
+    (a count kept in the continuation's ``__del__`` was seen by the exiting thread while gloo's
+    thread was still inside the destructor, which then aborted).
+
+    Example:
+        >>> handoff, reduced, done = Handoff(), _Reduced(torch.zeros(1)), torch.futures.Future()
+        >>> done.set_result([torch.zeros(1)]); _ = reduced(done)   # it ran, on "gloo's thread"
+        >>> handoff.hold(0, None, reduced); gloo = [reduced]; del reduced
+        >>> handoff.wait(0.01), gloo.clear(), handoff.wait(0.01)   # held by gloo, then let go
+        (False, None, True)
+    """
+
+    def __init__(self) -> None:
+        self._buckets: set[int] = set()  # the buckets the backward in progress reduced so far
+        self._works: list[dist.Work] = []  # its all-reduces
+        self._reduced: list[_Reduced] = []  # and their continuations
+        self._works_before: list[dist.Work] = []  # the backward before it
+        self._reduced_before: list[_Reduced] = []
+        # referenced as each continuation is, by one list and nothing else: the count to compare with
+        self._alone = [_Reduced(torch.empty(0))]
+
+    def hold(self, bucket: int, work: dist.Work, reduced: _Reduced) -> None:
+        """Keep ``work``, the all-reduce of bucket number ``bucket``, and ``reduced``, its
+        continuation (on the training thread)."""
+        if bucket in self._buckets:  # a new backward: the one two before it is dropped here
+            self._works, self._works_before = self._works_before, self._works
+            self._reduced, self._reduced_before = self._reduced_before, self._reduced
+            self._works.clear()
+            self._reduced.clear()
+            self._buckets.clear()
+        self._works.append(work)
+        self._reduced.append(reduced)
+        self._buckets.add(bucket)
+
+    def busy(self) -> bool:
+        """Whether something besides this holds a continuation that ran: gloo's thread, until it
+        drops it."""
+        alone = self._alone[0]
+        for reduced in itertools.chain(self._reduced, self._reduced_before):
+            if reduced.ran and sys.getrefcount(reduced) > sys.getrefcount(alone):
+                return True
+        return False
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether gloo's thread dropped every continuation it ran within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.busy():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)  # gives the GIL up: the thread takes it to drop its reference
+        return True
+
+
+HANDOFF = Handoff()
+# registered when distmon is imported, before the monitor's exit guard: it runs after that guard
+atexit.register(HANDOFF.wait, RELEASE_AT_EXIT_S)
 
 
 def reduction_error(error: Exception, what: str) -> RuntimeError:
@@ -415,7 +428,7 @@ class HookSlot:
             else:
                 work = _allreduce(self.inner_state, bucket)
                 self.profiled.append(work)
-                return _bucket_future(work, bucket.buffer())
+                return _bucket_future(work, bucket)
         return self.inner_hook(self.inner_state, bucket)
 
     def wait_profiled(self) -> None:
