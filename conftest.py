@@ -41,9 +41,10 @@ LONGEST_FIRST = (
     "test_train_demo.py",  # 105 s
     "test_hook_failures.py",  # 101 s
     "test_single_process.py",  # 95 s
-    # 300 s in CI, mid-order on purpose: its ten restarts run beside 2 busy processes, which slow
-    # whatever runs on the other worker; there the modules waiting on Prometheus lose least (the
-    # pinned suite took 1,313-1,352 s in four CI runs with it here, 1,390 and 1,468 s with it first)
+    # 300 s in CI (its ten restarts beside 2 busy processes, which slow the other worker too).
+    # Here, not first: the pinned suite took 1,313-1,352 s in four CI runs with it here, 1,390 and
+    # 1,468 s in two with it first, but 1,484 s in the next with it here again: the machine's speed
+    # varies by about 10%, so the order's share is not known; this is the order measured most
     "test_restarts.py",
     "test_guard_clip.py",  # 93 s
     "test_noise_scale.py",  # 90 s

@@ -475,7 +475,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         >>> 1024 <= free_port() < 65536
         True
     """
-    high = _ephemeral_range()[0]
+    high = _ephemeral_floor()
     low = max(1024, high - 16384)
     rng = random.Random()  # its own generator: a script's torch/random seed must not repeat ports
     for _ in range(200 if low < high else 0):
@@ -491,13 +491,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux: ip_local_port_range; elsewhere IANA's)."""
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out itself (Linux: ip_local_port_range; elsewhere IANA's)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49152, 65535
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def torchrun_command(
