@@ -1,21 +1,26 @@
-"""The early-warning benchmark's alternatives are the rules they claim to be (fast, in-process).
+"""The early-warning benchmark's alternatives and signals are what they claim to be (fast, in-process).
 
 ``lightning_spike_step`` against Lightning's own ``SpikeDetection`` (its ``_is_spike`` and
-``_update_stats``, driven as ``on_train_batch_end`` drives them in one process), and the
-loss-only divergence verdict on series whose answer is known.
+``_update_stats``, driven as ``on_train_batch_end`` drives them in one process); the
+loss-only divergence verdict on series whose answer is known; the consecutive gradients'
+cosine against ``F.cosine_similarity``, and its first, pairless sample read as not measured.
 """
 
 import math
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.divergence.detectors import lightning_spike_step  # noqa: E402
+from benchmarks.divergence.detectors import lightning_spike_step, precursor_steps  # noqa: E402
 from benchmarks.divergence.divergence import divergence_step  # noqa: E402
+from benchmarks.divergence.recorder import ConsecutiveCosine  # noqa: E402
+from distmon.verdicts.precursor import PrecursorConfig  # noqa: E402
 
 
 def _lightning(loss):
@@ -63,3 +68,37 @@ def test_the_benchmark_modules_examples_hold(name):
 
     module = importlib.import_module(f"benchmarks.divergence.{name}")
     assert doctest.testmod(module).failed == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_consecutive_cosine_is_the_mean_of_the_last_pairs_cosines(seed):
+    """Against ``F.cosine_similarity`` of the flattened gradients, pair by pair, on generated
+    gradients of growing scale and random sign (a parameter without a gradient is left out)."""
+    gen = torch.Generator().manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    frozen = net[2].weight
+    window = 1 + seed % 4
+    cos = ConsecutiveCosine(net, window=window)
+    flats, pairs = [], []
+    for step in range(15):
+        for p in net.parameters():
+            p.grad = None if p is frozen else torch.randn(p.shape, generator=gen) * (1 + step)
+        flat = torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None]).double()
+        if flats:
+            pairs.append(float(F.cosine_similarity(flat, flats[-1], dim=0)))
+        flats.append(flat)
+        cos.step()
+        if not pairs:
+            assert math.isnan(cos.mean())
+        else:
+            assert cos.mean() == pytest.approx(np.mean(pairs[-window:]), abs=1e-12), step
+
+
+def test_the_cosine_signal_reads_the_pairless_first_sample_as_not_measured():
+    """A run's first step has no pair (NaN): the detector must read it as not measured, not as a
+    non-finite sample (which warns at once); a cosine held under the bound warns after the hold."""
+    steps = np.arange(0, 200, 5)
+    cos = np.where(steps >= 100, -0.5, 0.3).astype(np.float32)
+    cos[0] = np.nan
+    rec = {"arrays": {"step": steps, "grad_cos": cos[:, None]}}
+    assert precursor_steps(rec, [("1-grad_cos", 1.2)], PrecursorConfig(hold=2))[0] == 110

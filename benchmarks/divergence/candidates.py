@@ -43,6 +43,12 @@ CANDIDATES: list[Candidate] = [
     ("per-layer gradient norm: rise x10", [("layer_grad_norm", None)]),
     ("update/weight ratio per layer: rise x10", [("update_ratio", None)]),
     ("attention bound > 1000 + log Z rise 2.3 nats", [("attn_bound", 1000.0), ("Z", None)]),
+    ("consecutive gradients' cosine, 10-pair mean < -0.1", [("1-grad_cos", 1.1)]),
+    ("consecutive gradients' cosine, 10-pair mean < -0.2", [("1-grad_cos", 1.2)]),
+    ("consecutive gradients' cosine, 10-pair mean < -0.3", [("1-grad_cos", 1.3)]),
+    # the best of a grid (window 10-50 pairs, -0.1 to -0.3, 1-5 samples) on these very runs:
+    # the hold-out column says whether it holds on runs that played no part in the choice
+    ("consecutive gradients' cosine, 10-pair mean < -0.15, 3 samples", [("1-grad_cos", 1.15)], {"hold": 3}),
 ]
 
 
@@ -50,19 +56,27 @@ def score(
     runs: Sequence[tuple[str, Recording, int | None]],
     candidates: Sequence[Candidate] = CANDIDATES,
     cfg: PrecursorConfig | None = None,
+    *,
+    held_out: Sequence[tuple[str, Recording, int | None]] = (),
 ) -> list[dict[str, object]]:
-    """One row per candidate: per class detected/diverging and median lead, healthy and gray warned."""
+    """One row per candidate: per class detected/diverging and median lead, healthy and gray
+    warned; with ``held_out`` runs (:func:`.runs.holdout`), the same on them in one cell."""
     cfg = cfg or PrecursorConfig()
     rows = []
     for label, parts, *over in candidates:
         c = replace(cfg, **over[0]) if over else cfg
-        s = summarize(runs, lambda rec, p=parts, c=c: precursor_steps(rec, p, c))
+        warn = lambda rec, p=parts, c=c: precursor_steps(rec, p, c)  # noqa: E731
+        s = summarize(runs, warn)
         row: dict[str, object] = {"candidate": label, "all": _cell(s["runs"], None)}
         for cls in ("attention", "qkln", "mitigated"):
             row[cls] = _cell(s["runs"], cls)
         row["healthy_warned"] = f"{s['healthy_runs_warned']}/{s['healthy_runs']}"
         gray = [r for r in s["runs"] if r["class"] == "gray" and r["diverged_at"] is None]
         row["gray_warned"] = f"{sum(r['first_warning'] is not None for r in gray)}/{len(gray)}"
+        if held_out:
+            h = summarize(held_out, warn)
+            warned = f"{h['healthy_runs_warned']}/{h['healthy_runs']}"
+            row["held_out"] = f"{_cell(h['runs'], None)}; healthy warned {warned}"
         rows.append(row)
     return rows
 
@@ -77,13 +91,14 @@ def _cell(per_run: list[dict[str, object]], cls: str | None) -> str:
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    """Markdown table of :func:`score`'s rows."""
+    """Markdown table of :func:`score`'s rows (a hold-out column when they have one)."""
+    held = bool(rows) and "held_out" in rows[0]
     head = "| candidate | all diverging | attention | qkln | mitigated | healthy warned | gray warned |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    lines = [head + (" hold-out runs |" if held else ""), "|---" * (8 if held else 7) + "|"]
     for r in rows:
         lines.append(
             f"| {r['candidate']} | {r['all']} | {r['attention']} | {r['qkln']} | {r['mitigated']} | "
-            f"{r['healthy_warned']} | {r['gray_warned']} |"
+            f"{r['healthy_warned']} | {r['gray_warned']} |" + (f" {r['held_out']} |" if held else "")
         )
     return "\n".join(lines)
 

@@ -32,13 +32,16 @@ def signal(rec: Recording, name: str) -> tuple[np.ndarray, np.ndarray, list[str]
     """``(steps, values (samples, columns), column names)`` of a recorded signal.
 
     Names are the recorder's (``attn_logit_max``, ``lin_rms``, ...), a recorder name with a
-    ``:`` filter on its column names (``lin_rms:fc2``), or ``Z`` (``exp`` of the mean log Z, so that
-    the rise rule reads nats of log Z).
+    ``:`` filter on its column names (``lin_rms:fc2``), ``Z`` (``exp`` of the mean log Z, so that
+    the rise rule reads nats of log Z), or ``1-grad_cos`` (one minus the consecutive gradients'
+    cosine: positive, as the detector's signals are, and above 1 where they point apart).
     """
     arrays = rec["arrays"]
     key, _, pick = name.partition(":")
     if key == "Z":
         values, cols = np.exp(arrays["z_mean"].astype(np.float64)), ["log_z"]
+    elif key == "1-grad_cos":  # NaN (a run's first step: no pair yet) as 0, "not measured"
+        values, cols = np.nan_to_num(1.0 - arrays["grad_cos"].astype(np.float64), nan=0.0), [key]
     else:
         values = arrays[key]
         cols = {

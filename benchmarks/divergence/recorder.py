@@ -6,13 +6,15 @@ largest absolute value of its output; per attention block, the largest attention
 outputs of ``attn.q_norm``/``attn.k_norm``) and the bound ``max|q| max|k| / sqrt(d_head)``;
 from the LM head's output, the largest logit magnitude and the mean and largest ``log Z``
 (log-sum-exp over the vocabulary). The training loop adds, per layer, the gradient norm
-before clipping and the update-to-weight ratio ``|W_after - W_before| / |W_before|``, and the
-global gradient norm. Values are kept as float32 numpy rows, one per recorded step.
+before clipping and the update-to-weight ratio ``|W_after - W_before| / |W_before|``, the
+global gradient norm, and the cosine between consecutive steps' gradients
+(:class:`ConsecutiveCosine`). Values are kept as float32 numpy rows, one per recorded step.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 import torch
@@ -172,3 +174,37 @@ class UpdateRatios:
             d2[layer] += float((p.detach() - b).pow(2).sum())
             w2[layer] += float(b.pow(2).sum())
         return np.asarray([math.sqrt(d2[n] / w2[n]) if w2[n] else np.nan for n in self.layers], np.float32)
+
+
+class ConsecutiveCosine:
+    """The cosine between consecutive steps' gradients (after clipping: the ones the optimizer
+    sees), averaged over the last ``window`` pairs.
+
+    Why a candidate: a rate too high for the loss's curvature makes the iterate overshoot the
+    valley's floor, so that the next gradient points back (hypergradient descent, Baydin et al.
+    2018, arXiv 1703.04782, lowers the rate on exactly this sign). A batch's noise makes one
+    pair's cosine noisy; the mean over an interval's pairs is what a sampled monitor would keep.
+
+    Example:
+        >>> net = nn.Linear(2, 1, bias=False); cos = ConsecutiveCosine(net, window=2)
+        >>> for g in ([1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]):
+        ...     net.weight.grad = torch.tensor([g]); cos.step()
+        >>> cos.mean()   # the pairs' cosines: -1, then 0
+        -0.5
+    """
+
+    def __init__(self, model: nn.Module, window: int = 10) -> None:
+        self.params = list(model.parameters())
+        self.prev: torch.Tensor | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def step(self) -> None:
+        """Read this step's gradients (call after clipping, before the optimizer step)."""
+        flat = torch.cat([p.grad.detach().reshape(-1) for p in self.params if p.grad is not None]).double()
+        if self.prev is not None:
+            self.recent.append(float(flat @ self.prev / (flat.norm() * self.prev.norm())))
+        self.prev = flat
+
+    def mean(self) -> float:
+        """The mean over the last ``window`` pairs (NaN before the second step)."""
+        return sum(self.recent) / len(self.recent) if self.recent else math.nan

@@ -19,7 +19,7 @@ import torch
 from .data import Batches
 from .divergence import divergence_step
 from .model import ModelConfig, TinyGPT
-from .recorder import Recorder, UpdateRatios, layer_grad_norms
+from .recorder import ConsecutiveCosine, Recorder, UpdateRatios, layer_grad_norms
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -
     data = Batches(seq_len=spec.model.seq_len, batch=spec.batch, seed=1000 + spec.seed)
     rec = Recorder(model, every=record_every)
     ratios = UpdateRatios(model, rec.layers)
+    cosine = ConsecutiveCosine(model, window=10)  # the pairs of a 10-step sampling interval
     events: list[dict[str, object]] = []
     mon = None
     if distmon_watch:
@@ -109,6 +110,7 @@ def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -
             extra["layer_grad_norm"] = layer_grad_norms(model, rec.layers)
             ratios.begin()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip)
+        cosine.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(ce))
@@ -116,6 +118,7 @@ def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -
         if recorded:
             extra["update_ratio"] = ratios.end()
             extra["grad_norm"] = np.asarray([gnorms[-1]], np.float32)
+            extra["grad_cos"] = np.asarray([cosine.mean()], np.float32)
             extra["loss"] = np.asarray([losses[-1]], np.float32)
             rec.end(extra)
         if diverged is None and (step % 10 == 0 or not math.isfinite(losses[-1])):
