@@ -2,7 +2,7 @@
 """Does distmon's precursor warn of divergence earlier than the alternatives? Side by side, same runs.
 
     python benchmarks/early_warning.py            # the sweep (49 runs) and the hold-out runs (26):
-                                                  # ~40 min on 2 cores the first time (recordings
+                                                  # ~20-30 min on 2 cores the first time (recordings
                                                   # are cached), then ~1 min; + cost
     python benchmarks/early_warning.py --quick    # smoke: 2 short runs, under a minute
 
