@@ -60,7 +60,7 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
     assert divergence_step(flat[:250] + [math.inf] + flat[251:]) == 250
 
 
-@pytest.mark.parametrize("name", ["model", "data", "recorder", "divergence", "detectors"])
+@pytest.mark.parametrize("name", ["model", "data", "recorder", "divergence", "detectors", "runs"])
 def test_the_benchmark_modules_examples_hold(name):
     """benchmarks/ is outside the suite's doctest paths: its modules' examples run here."""
     import doctest

@@ -10,6 +10,7 @@ mechanism, runs warned in time and the median lead; healthy runs warned; gray ru
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -65,7 +66,7 @@ def score(
     rows = []
     for label, parts, *over in candidates:
         c = replace(cfg, **over[0]) if over else cfg
-        warn = lambda rec, p=parts, c=c: precursor_steps(rec, p, c)  # noqa: E731
+        warn = functools.partial(precursor_steps, parts=parts, cfg=c)
         s = summarize(runs, warn)
         row: dict[str, object] = {"candidate": label, "all": _cell(s["runs"], None)}
         for cls in ("attention", "qkln", "mitigated"):

@@ -75,6 +75,28 @@ def holdout() -> list[tuple[str, RunSpec]]:
     return runs
 
 
+def describe(plan: Iterable[tuple[str, RunSpec]]) -> str:
+    """The runs of ``plan`` in words, per class and model: their peak rates and seeds.
+
+    Example:
+        >>> describe(holdout()).split("; ")[0]
+        'qkln (qk-layernorm): peak 0.5/1, seeds 6-9'
+    """
+    groups: dict[tuple[str, str], tuple[set[float], set[int]]] = {}
+    for cls, spec in plan:
+        m = spec.model
+        model = ("qk-layernorm" if m.qk_layernorm else "no mitigation") + (
+            f" + z-loss {m.z_loss:g}" if m.z_loss else ""
+        )
+        lrs, seeds = groups.setdefault((cls, model), (set(), set()))
+        lrs.add(spec.lr)
+        seeds.add(spec.seed)
+    return "; ".join(
+        f"{cls} ({model}): peak {'/'.join(f'{lr:g}' for lr in sorted(lrs))}, seeds {min(seeds)}-{max(seeds)}"
+        for (cls, model), (lrs, seeds) in groups.items()
+    )
+
+
 def quick() -> list[tuple[str, RunSpec]]:
     """A smoke sweep (well under a minute): one short run per class, fast rates."""
     short = replace(BASE, steps=150, warmup=100)

@@ -27,10 +27,10 @@ largest logit, and it needs no ``T x T`` scores: two vector norms and two max), 
 different batches, tensor-parallel ranks different heads), so that every rank holds the same
 samples and reaches the same verdict. ``benchmarks/divergence/cost.py`` measures that
 sampling (forward hooks on each block's fused qkv projection, device ops only): on one CPU
-thread, in the thread's CPU time, paired within rounds, 0.6 ms (quartiles -0.5 to 2.2) on a
-sampled 18.9 ms step of the benchmark's 0.14M-parameter model (0.3% of a step at every 10
-steps; the run before measured 1.1 ms, 0.5%), and below this shared machine's noise on a
-3.3M-parameter one (``benchmarks/results/early_warning.md``);
+thread, in the thread's CPU time, paired within rounds, 0.5-1.1 ms on a sampled 18-23 ms step
+of the benchmark's 0.14M-parameter model (0.3-0.5% of a step at every 10 steps, over four runs
+of the benchmark; ``benchmarks/results/early_warning.md`` holds the latest), and below this
+shared machine's noise on a 3.3M-parameter one;
 :meth:`PrecursorDetector.update` over 10 samples of 8 columns takes ~0.2 ms, once per export.
 
 **Where it is blind.** A model with qk-layernorm bounds its attention logits by construction;
