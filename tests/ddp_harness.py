@@ -1,7 +1,7 @@
 """Run real DDP ranks for distmon's tests.
 
 `run_ranks(fn, world_size, *args)` starts `world_size` processes with
-`torch.multiprocessing` (start method "spawn"), initialises a gloo process group
+`torch.multiprocessing` (start method "forkserver", see `START_METHOD`), initialises a gloo process group
 in each (FileStore in a fresh temporary directory by default, or TCP on a free
 127.0.0.1 port), calls `fn(rank, world_size, *args)` and returns the list of the
 ranks' return values (in rank order; they travel back as pickle files).
@@ -41,7 +41,7 @@ import traceback
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_DIR = os.path.join(REPO_ROOT, "launch")
-# The children inherit sys.path from the parent (spawn), so this makes `distmon`, the test
+# The children inherit sys.path from the parent (forkserver, as spawn), so this makes `distmon`, the test
 # modules and launch/'s scripts importable in every rank without installing the package.
 for _p in (REPO_ROOT, TESTS_DIR, LAUNCH_DIR):
     if _p not in sys.path:
@@ -53,6 +53,15 @@ import torch.multiprocessing as mp  # noqa: E402
 from train import free_port  # noqa: E402,F401  (launch/train.py; re-exported for the tests)
 
 DEFAULT_TIMEOUT_S = 120.0
+
+# "forkserver": each rank is forked from a server process that imported torch once (per pytest
+# process), instead of a fresh interpreter importing it again ("spawn": ~1.2 CPU-s a rank, the
+# largest share of a short job on CI's 2 cores). The server is single-threaded Python with torch
+# imported and no process group, so a fork of it is what spawn would build, less the imports; the
+# environment, which the server would otherwise fix at its start, is the caller's
+# (`_rank_entry`). Spawn's semantics otherwise: `fn` is imported by name in the child.
+START_METHOD = "forkserver"
+mp.set_forkserver_preload(["torch", "torch.distributed", "ddp_harness"])
 
 
 class RankFailure(AssertionError):
@@ -78,7 +87,10 @@ def leave(code):
     os._exit(code)
 
 
-def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env):
+def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env, caller_env):
+    # The caller's environment now, not the fork server's at its start (as spawn would give).
+    os.environ.clear()
+    os.environ.update(caller_env)
     # Hermetic: distmon must be configured by the test's arguments only.
     for k in list(os.environ):
         if k.startswith("DISTMON_") or k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
@@ -143,10 +155,10 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, init="file", env
         raise ValueError(init)
     ctx = mp.start_processes(
         _rank_entry,
-        args=(fn, world_size, workdir, init_method, args, float(timeout), env),
+        args=(fn, world_size, workdir, init_method, args, float(timeout), env, dict(os.environ)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout
     try:
