@@ -20,20 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from launch.model import layer_names  # distmon's layers: the modules that own parameters
+
 
 def linear_names(model: nn.Module) -> list[str]:
     """Qualified names of the model's ``nn.Linear`` modules, in model order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
-def param_layers(model: nn.Module) -> list[str]:
-    """Qualified names of the modules that own parameters, in model order (distmon's layers)."""
-    names: list[str] = []
-    for pname, _ in model.named_parameters():
-        owner = pname.rpartition(".")[0]
-        if owner not in names:
-            names.append(owner)
-    return names
 
 
 class Recorder:
@@ -52,7 +44,7 @@ class Recorder:
     def __init__(self, model: nn.Module, every: int = 1) -> None:
         self.model, self.every = model, every
         self.linears = linear_names(model)
-        self.layers = param_layers(model)
+        self.layers = layer_names(model)
         self.blocks = [n for n, m in model.named_modules() if hasattr(m, "q_norm") and hasattr(m, "k_norm")]
         self.active = False
         self.current: dict[str, np.ndarray] = {}
