@@ -91,6 +91,12 @@ def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env
     # The caller's environment now, not the fork server's at its start (as spawn would give).
     os.environ.clear()
     os.environ.update(caller_env)
+    # The server's stdout and stderr are those of the test that started it: the rank writes to a
+    # file that run_ranks hands to the calling test's output instead (as a spawned child's would be).
+    out = os.open(os.path.join(workdir, f"output-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
     # Hermetic: distmon must be configured by the test's arguments only.
     for k in list(os.environ):
         if k.startswith("DISTMON_") or k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
@@ -124,6 +130,18 @@ def _rank_entry(rank, fn, world_size, workdir, init_method, args, timeout_s, env
         pickle.dump(result, f)
     os.replace(tmp, os.path.join(workdir, f"result-{rank}.pkl"))
     leave(0)
+
+
+def _pass_on_output(workdir, world_size):
+    """The ranks' stdout and stderr, to the calling test's stderr (pytest shows it on failure)."""
+    for r in range(world_size):
+        try:
+            with open(os.path.join(workdir, f"output-{r}.txt"), errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text:
+            sys.stderr.write(f"--- rank {r} output ---\n{text}")
 
 
 def _stacks(workdir, world_size):
@@ -199,6 +217,7 @@ def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, init="file", env
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+        _pass_on_output(workdir, world_size)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
