@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+import torch.distributed as dist
 from ddp_harness import RankFailure, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -20,12 +21,16 @@ PROBE = "RANK_HARNESS_PROBE"  # not DISTMON_*: run_ranks clears those in every r
 
 
 def _variable(rank: int, world_size: int, name: str) -> str | None:
+    # no rank leaves before the other is through init_process_group (its peer would read a closed
+    # connection): a job without a collective does not wait by itself
+    dist.barrier()
     return os.environ.get(name)
 
 
 def _fail_on_rank_1(rank: int, world_size: int, word: str) -> int:
     print(f"{word}: stdout of rank {rank}", flush=True)
     sys.stderr.write(f"{word}: stderr of rank {rank}\n")
+    dist.barrier()  # as in _variable: rank 1's failure, not its peer's broken init, is reported
     assert rank == 0, f"{word}: rank {rank} fails"
     return rank
 
