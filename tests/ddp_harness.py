@@ -56,8 +56,8 @@ DEFAULT_TIMEOUT_S = 120.0
 
 # "forkserver": each rank is forked from a server process that imported torch once (per pytest
 # process), instead of a fresh interpreter importing it again ("spawn": ~1.2 CPU-s a rank, the
-# largest share of a short job on CI's 2 cores). The server is single-threaded Python with torch
-# imported and no process group, so a fork of it is what spawn would build, less the imports; the
+# largest share of a short job on CI's 2 cores). The server has imported torch and nothing more
+# (no Python thread, no process group), so a fork of it is what spawn would build, less the imports; the
 # environment, which the server would otherwise fix at its start, is the caller's
 # (`_rank_entry`). Spawn's semantics otherwise: `fn` is imported by name in the child.
 START_METHOD = "forkserver"
