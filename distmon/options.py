@@ -402,8 +402,9 @@ OPTIONS: tuple[Option, ...] = (
         "a warning before the loss diverges: each attention block's logit bound "
         "`max|q| max|k| / sqrt(d_head)`, read on the forwards of every 10th step, warns "
         "(`divergence_warning`) once above 1000 for 2 samples. `True`: the blocks found by the "
-        "names common models use; a `PrecursorConfig`: its patterns, bound, sampling "
-        "([Detection](detection.md#divergence-precursor))",
+        "names common models use; a `PrecursorConfig`: its patterns, bound, sampling, and with "
+        "`peak_lr=` the oscillation rule (consecutive gradients' cosine while the warm-up still "
+        "raises the rate; one process and DDP) ([Detection](detection.md#divergence-precursor))",
         env="DISTMON_PRECURSOR",
         env_type=bool,
         agreed=True,

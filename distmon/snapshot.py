@@ -99,9 +99,14 @@ class Snapshot:
             attention logits on this step's forwards, the largest over the ranks (``precursor=``,
             on every ``PrecursorConfig.every``-th step; empty on other steps; NaN/Inf: the
             forward overflowed).
+        gradient_cosine: on a sampled step with ``PrecursorConfig(peak_lr=...)``, the mean cosine
+            between consecutive steps' gradients over the sampling interval (NaN elsewhere, and
+            where no pair was measured).
         divergence_warning: on a sampled step, whether the precursor warns there (a block's bound
-            above ``PrecursorConfig.bound`` for ``hold`` samples in a row, or non-finite); the first
-            sample of an episode is also a ``divergence_warning`` event.
+            above ``PrecursorConfig.bound`` for ``hold`` samples in a row, or non-finite; or the
+            gradient cosine below ``cosine_below`` for ``hold`` samples while ``peak_lr`` is
+            ``rate_headroom`` times the rate or more); the first sample of an episode is also a
+            ``divergence_warning`` event (its layer the block's name, or ``""`` for the cosine).
         noise_trace, noise_signal: the bias-corrected EMAs of tr(Sigma) (per-example gradient
             variance) and |G|^2 (squared true gradient) whose ratio is the noise scale.
         ranks: the ranks the per-rank lists (``rank_grad_norms``, ``rank_layer_grad_norms``,
@@ -150,6 +155,7 @@ class Snapshot:
     first_nonfinite_activation: tuple[int, str] | None = None
     layer_update_ratio: dict[str, float] = field(default_factory=dict)
     attention_logit_bound: dict[str, float] = field(default_factory=dict)
+    gradient_cosine: float = math.nan
     divergence_warning: bool = False
     rank_valid: list[bool] = field(default_factory=list)
     first_nonfinite_coords: dict[str, str] | None = None

@@ -163,6 +163,8 @@ WHOLE_STEP_OPTIONS = {
     "comm hook": {"comm_hook": "ddp_allreduce_hook"},
     "most detailed": {"export_every": 1, "groups": lambda name, p: name, "max_layers": 100000},
     "activations": {"activations": True, "activation_every": 1},
+    # the precursor's attention bounds and its oscillation rule (a gradient copy and dot every step)
+    "precursor, peak_lr": {"precursor": distmon.PrecursorConfig(peak_lr=1e-4)},
 }
 
 

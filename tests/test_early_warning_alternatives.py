@@ -102,3 +102,46 @@ def test_the_cosine_signal_reads_the_pairless_first_sample_as_not_measured():
     cos[0] = np.nan
     rec = {"arrays": {"step": steps, "grad_cos": cos[:, None]}}
     assert precursor_steps(rec, [("1-grad_cos", 1.2)], PrecursorConfig(hold=2))[0] == 110
+
+
+def test_the_oscillation_rule_counts_only_while_the_schedule_has_headroom():
+    """``schedule=True``: the cosine column counts only where the run's peak rate is
+    ``rate_headroom`` times its rate at the sample or more (warm-up 1,000 steps to 1.0: up to
+    step ~832); the same held cosine warns during the warm-up, not after."""
+    steps = np.arange(0, 1500, 5)
+    cos = np.where((steps >= 600) & (steps < 700) | (steps >= 1100), -0.5, 0.3).astype(np.float32)
+    spec = {"lr": 1.0, "seed": 0, "steps": 1500, "warmup": 1000, "schedule": "constant", "batch": 16}
+    spec |= {"weight_decay": 0.0, "clip": 1.0, "tail": 40, "model": {}}
+    rec = {"arrays": {"step": steps, "grad_cos": cos[:, None]}, "spec": spec}
+    cfg = PrecursorConfig(peak_lr=1.0)
+    warned = precursor_steps(rec, [("1-grad_cos", cfg.oscillation_bound)], cfg, schedule=True)
+    assert warned and warned[0] == 610 and max(warned) < 700, warned  # none from step 1,100 on
+    assert max(precursor_steps(rec, [("1-grad_cos", cfg.oscillation_bound)], cfg)) > 1100  # ungated
+
+
+def test_the_recorded_cosine_is_what_the_monitor_computes():
+    """The benchmark scores the rule on the recorder's cosine (float64, ``torch.cat``); distmon
+    computes it with :class:`~distmon.step.grad_cosine.GradientCosine` (fp32, fused): the same
+    interval means on a real training run of the benchmark's model."""
+    from benchmarks.divergence.data import Batches
+    from benchmarks.divergence.model import ModelConfig, TinyGPT
+    from distmon.step.grad_cosine import GradientCosine
+
+    torch.manual_seed(0)
+    model = TinyGPT(ModelConfig(qk_layernorm=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, betas=(0.9, 0.95))
+    data = Batches(seq_len=64, batch=4, seed=0, n_bytes=200_000)
+    recorded = ConsecutiveCosine(model, window=10)
+    mine = GradientCosine(list(model.parameters()), torch.device("cpu"))
+    for step in range(1, 41):
+        x, y = data.next()
+        model(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        recorded.step()
+        mine.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0 and step > 10:  # a full interval of 10 pairs
+            assert 1.0 - float(mine.take()) == pytest.approx(recorded.mean(), abs=1e-5), step
+        elif step % 10 == 0:
+            mine.take()

@@ -28,6 +28,7 @@ def test_quick_benchmark_writes_every_detectors_figures(tmp_path):
     res = json.loads((tmp_path / "early_warning.json").read_text())
     assert set(res["detectors"]) == {
         "distmon_precursor",
+        "distmon_precursor_peak_lr",
         "distmon_spike",
         "lightning_spike",
         "gradnorm_threshold",
@@ -36,7 +37,8 @@ def test_quick_benchmark_writes_every_detectors_figures(tmp_path):
         for key in KEYS:
             assert key in summary, (name, key)
         assert summary["diverging_runs"] == 1 and summary["healthy_runs"] == 1, name
-    mine = res["detectors"]["distmon_precursor"]
-    assert mine["detected"] == 1 and mine["median_lead_steps"] > 0 and mine["false_warnings"] == 0
+    for name in ("distmon_precursor", "distmon_precursor_peak_lr"):
+        mine = res["detectors"][name]
+        assert mine["detected"] == 1 and mine["median_lead_steps"] > 0 and mine["false_warnings"] == 0, name
     assert (tmp_path / "early_warning.png").stat().st_size > 10_000
     assert "| distmon precursor | 1/1 |" in (tmp_path / "early_warning.md").read_text()

@@ -676,10 +676,19 @@ def test_a_node_log_left_out_names_its_ranks_and_other_runs_are_listed(four_rank
     assert "world size 4" in (tmp_path / "r3" / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("bound, shown", [(1234.5, "1234"), (math.inf, "inf")], ids=["finite", "non-finite"])
-def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tmp_path, bound, shown):
+@pytest.mark.parametrize(
+    "layer, bound, shown",
+    [
+        ("blocks.3.attn", 1234.5, ", attention block `blocks.3.attn` (logit bound 1234)"),
+        ("blocks.3.attn", math.inf, ", attention block `blocks.3.attn` (logit bound inf)"),
+        ("", -0.25, ", consecutive gradients' cosine -0.25 while the rate still rises"),
+    ],
+    ids=["finite", "non-finite", "oscillation"],
+)
+def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tmp_path, layer, bound, shown):
     """The precursor's first warning: its step, block and bound in the summary's time line; a
-    non-finite bound (it warns at once: the log writes it as the string "inf") shown as such."""
+    non-finite bound (it warns at once: the log writes it as the string "inf") shown as such; the
+    oscillation rule's (no block: the whole gradient) with its cosine."""
     log = tmp_path / "run.jsonl"
     out = JsonlLog(str(log))
     for step in range(1, 31):
@@ -689,9 +698,9 @@ def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tm
                 kind="divergence_warning",
                 step=step,
                 rank=-1,
-                layer="blocks.3.attn",
+                layer=layer,
                 value=bound,
-                threshold=1e3,
+                threshold=1e3 if layer else -0.2,
             )
             events = (event,)
         out(
@@ -705,7 +714,6 @@ def test_a_divergence_warning_is_a_line_of_the_summary_and_marked_on_the_norm(tm
     proc = _report(log, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
     summary = (tmp_path / "out" / "summary.md").read_text()
-    line = "- **divergence warning (precursor) at step 20**, attention block `blocks.3.attn`"
-    line += f" (logit bound {shown})"
+    line = "- **divergence warning (precursor) at step 20**" + shown
     assert line + "; 2 warnings in all" in summary, summary
     assert _not_blank(tmp_path / "out" / "global_norm.png")

@@ -356,6 +356,16 @@ def precursor() -> Row:
                     "samples above it (DistmonDivergenceAhead).",
                 ),
                 timeseries(
+                    "Consecutive gradients' cosine",
+                    targets((f"max by (run_id) (distmon_gradient_cosine{{{RUN}}})", "cosine")),
+                    thresholds=[("red", None), ("green", -0.2)],
+                    description="With PrecursorConfig(peak_lr=...): the mean cosine between consecutive "
+                    "steps' gradients over each sampling interval. Below 0 the optimizer overshoots along "
+                    "the sharpest direction (the edge of stability, stable at a constant rate); the "
+                    "precursor warns after 2 samples below -0.2 while the schedule will still raise the "
+                    "rate 1.2-fold or more.",
+                ),
+                timeseries(
                     "Divergence warning",
                     targets(
                         (f"max by (run_id) (distmon_divergence_warning{{{RUN}}})", "warning"),

@@ -15,7 +15,7 @@ from ..layout.placements import Coordinates
 from ..snapshot import AnomalyEvent, Snapshot
 from ..step.backward import LayerOrder
 from ..step.ring import StepInfo
-from ..step.rows import Early, Head, Job, Noise, RowPlan, earliest_nonfinite
+from ..step.rows import Early, Head, Job, Noise, Oscillation, RowPlan, earliest_nonfinite
 from ..verdicts.detectors import EventFinder
 from ..verdicts.precursor import PrecursorConfig
 
@@ -172,25 +172,29 @@ class RowDecoder:
         return snap
 
     def _precursor(self, step: int, cols: list[float], snap: Snapshot) -> Snapshot:
-        """A sampled step: the blocks' logit bounds; the first warning of an episode is an event."""
-        n = len(self.attended)
-        bounds, early = cols[:n], cols[n:]
+        """A sampled step: the blocks' logit bounds and the gradient cosine; the first warning of an
+        episode is an event (the warning column: a block's, or past them the cosine's)."""
+        n, k = len(self.attended), self.plan.step.n_signals
+        bounds, oscillation, early = cols[:n], cols[n:k], cols[k:]
+        cosine = 1.0 - oscillation[Oscillation.ONE_MINUS_COS] if oscillation else math.nan
         events = snap.events
         if early[Early.FIRST] == 1.0:
-            block = int(early[Early.BLOCK])
+            column = int(early[Early.BLOCK])
+            block = column < n
             events += (
                 AnomalyEvent(
                     kind="divergence_warning",
                     step=step,
                     rank=-1,
-                    layer=self.attended[block],
-                    value=bounds[block],
-                    threshold=self.precursor.bound,
+                    layer=self.attended[column] if block else "",
+                    value=bounds[column] if block else cosine,
+                    threshold=self.precursor.bound if block else self.precursor.cosine_below,
                 ),
             )
         return replace(
             snap,
             attention_logit_bound=dict(zip(self.attended, bounds)),
+            gradient_cosine=cosine,
             divergence_warning=early[Early.WARN] == 1.0,
             events=events,
         )

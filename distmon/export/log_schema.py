@@ -64,6 +64,7 @@ UNITS: dict[str, str] = {
     "first_nonfinite_activation": "[global rank, module name]",
     "layer_update_ratio": "a ratio: ||update|| / ||weights||",
     "attention_logit_bound": "attention-logit units (q . k / sqrt(d_head)), per attention block",
+    "gradient_cosine": "a cosine (-1 to 1)",
     "divergence_warning": "",
     "rank_valid": "",
     "first_nonfinite_coords": 'dimension ("dp_rank", "tp_rank", "pp_stage", "ep_rank") -> its index, '

@@ -97,7 +97,12 @@ def summary(log: LogRead, pictures: Sequence[str]) -> str:
     warned = run.event_steps.get("divergence_warning")
     if warned:  # the precursor (precursor=): a warning before the loss diverges
         first = next((e for e in run.events if e["kind"] == "divergence_warning"), None)
-        block = f", attention block `{first['layer']}` (logit bound {first['value']:.4g})" if first else ""
+        if first is None:
+            block = ""
+        elif first["layer"]:
+            block = f", attention block `{first['layer']}` (logit bound {first['value']:.4g})"
+        else:  # the oscillation rule (PrecursorConfig(peak_lr=...))
+            block = f", consecutive gradients' cosine {first['value']:.2f} while the rate still rises"
         more = f"; {len(warned)} warnings in all" if len(warned) > 1 else ""
         lines.append(f"- **divergence warning (precursor) at step {warned[0]}**{block}{more}")
     gns = [g for g in run.noise_scale if math.isfinite(g)]

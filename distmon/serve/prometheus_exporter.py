@@ -116,6 +116,13 @@ METRICS: dict[str, MetricSpec] = {
         "An attention block's logit bound max|q| max|k| / sqrt(d_head), the largest over the ranks at "
         "the latest sampled step (precursor=; warns above PrecursorConfig.bound, 1000).",
     ),
+    "distmon_gradient_cosine": MetricSpec(
+        "gauge",
+        (),
+        "The mean cosine between consecutive steps' gradients over the latest sampling interval "
+        "(PrecursorConfig(peak_lr=...); warns below cosine_below, -0.2, while the schedule still "
+        "raises the rate).",
+    ),
     "distmon_divergence_warning": MetricSpec(
         "gauge",
         (),
@@ -176,7 +183,7 @@ class _View:
     anomalies: tuple[tuple[str, int], ...] = tuple((kind, 0) for kind in ANOMALY_KINDS)
     window_max: float = math.nan
     activations: Snapshot | None = None  # the newest step with activation figures
-    attention: Snapshot | None = None  # the newest step with the precursor's attention bounds
+    precursor: Snapshot | None = None  # the newest step the precursor sampled (bounds, a cosine)
     nonfinite: Snapshot | None = None  # the newest step with a non-finite gradient (scaler skips apart)
     updates: Snapshot | None = None  # the newest step with update ratios
     finished: bool = False
@@ -225,15 +232,15 @@ class MetricsAggregate:
         """Fold snapshots (in step order) in and swap in a new view."""
         with self._lock:
             measured = self.view.measured
-            activations, updates, attention = self.view.activations, self.view.updates, self.view.attention
+            activations, updates, precursor = self.view.activations, self.view.updates, self.view.precursor
             nonfinite = self.view.nonfinite
             for s in snaps:
                 if s.activation_rms:
                     activations = s
                 if s.layer_update_ratio:
                     updates = s
-                if s.attention_logit_bound:
-                    attention = s
+                if s.attention_logit_bound or not math.isnan(s.gradient_cosine):
+                    precursor = s
                 for e in s.events:
                     self._anomalies[e.kind] = self._anomalies.get(e.kind, 0) + 1
                 if s.skip_reason == "scaler":  # routine fp16 overflow: counted apart, not served as a norm
@@ -266,7 +273,7 @@ class MetricsAggregate:
                 scaler_skipped_steps=self._scaler_skipped,
                 activations=activations,
                 updates=updates,
-                attention=attention,
+                precursor=precursor,
                 nonfinite=nonfinite,
                 rank_nonfinite=dict(self._rank_nonfinite),
                 rank_norms=dict(self._rank_norms),
@@ -356,9 +363,12 @@ class GradCollector(Collector):
                 yield self._by_layer(
                     "distmon_layer_gradient_noise_scale", m.layer_gradient_noise_scale, depth=True
                 )
-        if v.attention is not None:  # precursor=: every rank holds the job's largest bounds
-            yield self._by_layer("distmon_attention_logit_bound", v.attention.attention_logit_bound)
-            yield self._one("distmon_divergence_warning", 1.0 if v.attention.divergence_warning else 0.0)
+        if v.precursor is not None:  # precursor=: every rank holds the job's largest samples
+            if v.precursor.attention_logit_bound:
+                yield self._by_layer("distmon_attention_logit_bound", v.precursor.attention_logit_bound)
+            if not math.isnan(v.precursor.gradient_cosine):
+                yield self._one("distmon_gradient_cosine", v.precursor.gradient_cosine)
+            yield self._one("distmon_divergence_warning", 1.0 if v.precursor.divergence_warning else 0.0)
         if v.nonfinite is not None and v.nonfinite.first_nonfinite is not None:
             rank, layer = v.nonfinite.first_nonfinite
             yield self._one("distmon_last_nonfinite_step", v.nonfinite.step, labels=(str(rank), layer))

@@ -257,7 +257,7 @@ def build_rank(
         source = PipelineSource(source, stage, sums)
     if hasattr(source, "steps"):  # a DeepSpeed engine steps its optimizer itself: hooked there
         optimizers = source.steps(optimizers)
-    extra = features(cfg, source, grouping, errors)
+    extra = features(cfg, source, grouping, errors, optimizers=optimizers)
     watched = tuple(extra.watch.names) if extra.watch else ()
     node_ranks = ranks_on_node(nodes, source)
     plan = RowPlan.build(
@@ -272,6 +272,7 @@ def build_rank(
         detector=cfg.detect is not False,
         update_ratio=extra.ratio is not None,
         attention=extra.attention.n if extra.attention else 0,
+        oscillation=extra.cosine is not None,
     )
     det_cfg = cfg.detect if isinstance(cfg.detect, DetectorConfig) else DetectorConfig()
     named = list(zip(grouping.param_names, grouping.params))
@@ -297,8 +298,16 @@ def build_rank(
         activation_every=cfg.activation_every or cfg.export_every,
         update_ratio=extra.ratio,
         attention=extra.attention,
+        cosine=extra.cosine,
         precursor=(
-            PrecursorDetector(extra.attention.n, extra.precursor, device=device) if extra.attention else None
+            PrecursorDetector.of(
+                extra.precursor,
+                blocks=extra.attention.n if extra.attention else 0,
+                oscillation=extra.cosine is not None,
+                device=device,
+            )
+            if extra.precursor is not None
+            else None
         ),
         check=LayoutCheck(named, source.counted, source.group) if source.counted is not None else None,
         node_ranks=node_ranks,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import field, fields, make_dataclass
 from typing import NamedTuple, Protocol
 
@@ -25,6 +25,7 @@ from ..serve.endpoint_security import EndpointSecurity
 from ..sources import Source
 from ..step.activations import ActivationWatch, select_modules, validate_activations
 from ..step.attention_watch import AttentionWatch, find_attention
+from ..step.grad_cosine import GradientCosine
 from ..step.update_ratio import UpdateRatio
 from ..verdicts.detectors import DetectorConfig
 from ..verdicts.precursor import PrecursorConfig
@@ -256,16 +257,25 @@ class Features(NamedTuple):
     watch: ActivationWatch | None
     ratio: UpdateRatio | None
     attention: AttentionWatch | None  # the precursor's attention blocks
+    cosine: GradientCosine | None  # its consecutive gradients' cosine (PrecursorConfig.peak_lr)
     precursor: PrecursorConfig | None
 
 
-def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: ErrorCounter) -> Features:
+def features(
+    cfg: MonitorConfig,
+    source: Source,
+    grouping: Grouping,
+    errors: ErrorCounter,
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+) -> Features:
     """The noise-scale, activation, update-ratio and precursor parts, or the error naming the option.
 
     What each needs of the source: ``batch_size`` 2+ data-parallel ranks, each rank's local
     figures and a reduction that is the ranks' mean; ``activations`` modules to watch;
     ``update_ratio`` unsharded weights; ``precursor`` attention blocks whose queries and keys it
-    can read.
+    can read, or with ``peak_lr`` whole gradients on every rank (its oscillation rule, which
+    reads the first optimizer's learning rate).
     """
     batch_of_step = None
     if cfg.batch_size is not None:
@@ -311,17 +321,36 @@ def features(cfg: MonitorConfig, source: Source, grouping: Grouping, errors: Err
             n_layers=len(grouping.layers),
             device=source.device,
         )
-    attention, precursor = None, None
+    attention, cosine, precursor = None, None, None
     if cfg.precursor:
         precursor = cfg.precursor if isinstance(cfg.precursor, PrecursorConfig) else PrecursorConfig()
         blocks = find_attention(
             source.module, queries=precursor.queries, keys=precursor.keys, head_dim=precursor.head_dim
         )
-        if not blocks:
+        if not blocks and precursor.peak_lr is None:
             raise ValueError(
                 "distmon: precursor=True found no attention block in the model (by the names common "
                 "models use: q_proj/k_proj, q_norm/k_norm, query/key, wq/wk, a fused qkv/c_attn/Wqkv): "
-                "pass precursor=PrecursorConfig(queries=r'...', keys=r'...', head_dim=...) naming them"
+                "pass precursor=PrecursorConfig(queries=r'...', keys=r'...', head_dim=...) naming them, "
+                "or PrecursorConfig(peak_lr=...) for the oscillation rule alone"
             )
-        attention = AttentionWatch(blocks, device=source.device, errors=errors)
-    return Features(batch_of_step, watch, ratio, attention=attention, precursor=precursor)
+        if blocks:
+            attention = AttentionWatch(blocks, device=source.device, errors=errors)
+        if precursor.peak_lr is not None:
+            cosine = _gradient_cosine(precursor.peak_lr, source, grouping, optimizers)
+    return Features(batch_of_step, watch, ratio, attention=attention, cosine=cosine, precursor=precursor)
+
+
+def _gradient_cosine(
+    peak_lr: float, source: Source, grouping: Grouping, optimizers: Sequence[torch.optim.Optimizer]
+) -> GradientCosine:
+    """The oscillation rule's reader, or the error naming what it needs."""
+    if not source.whole_grads:
+        raise ValueError(
+            "distmon: PrecursorConfig(peak_lr=...) reads the cosine between consecutive steps' "
+            "gradients, which needs every rank to hold each parameter's whole gradient in .grad (one "
+            "process, DDP); with FSDP, DeepSpeed, tensor or pipeline parallelism leave peak_lr out "
+            "(the attention-logit rule still runs)"
+        )
+    group = optimizers[0].param_groups[0]  # the rate peak_lr is the peak of
+    return GradientCosine(list(grouping.params), source.device, peak_lr=peak_lr, rate=lambda: group["lr"])

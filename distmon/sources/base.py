@@ -63,6 +63,9 @@ class Source(Protocol):
     meshes: tuple[object, ...]  # the device meshes its wrappers use (coordinates come from them)
     divide_factor_set: bool
     local_figures: bool
+    # whether each parameter's .grad holds its whole reduced gradient on every rank when the
+    # optimizer step begins (one process, DDP): what the precursor's oscillation rule reads
+    whole_grads: bool
 
     def install(self) -> None: ...
 

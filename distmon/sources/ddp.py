@@ -543,6 +543,7 @@ class DDPSource:
         # every rank adds the parts it counts, over the job's default group; else the job is
         # DDP's group, on whose every rank the reduced gradient is whole
         self.in_parts, self.counted = counted is not None, counted
+        self.whole_grads = not self.in_parts
         self.group: dist.ProcessGroup = dist.group.WORLD if self.in_parts else model.process_group
         self.world_size = self.group.size()
         self.device = first_device(model.module)

@@ -318,6 +318,7 @@ class DeepSpeedSource:
 
     divide_factor_set = False
     local_figures = True
+    whole_grads = False  # stages 1-3 partition it; stage 0 and bf16 keep it where distmon does not read
     counted = None  # DeepSpeed's own partitions: nothing of distmon's placement rules to check
 
     def __init__(self, engine: DeepSpeedEngine, *, receiver: BackwardSums, grouping: Grouping) -> None:

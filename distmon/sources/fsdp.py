@@ -153,6 +153,7 @@ class FSDPSource:
     """
 
     in_parts = True  # each rank holds shards: the job's figures are the sum of every rank's counted ones
+    whole_grads = False
 
     def __init__(
         self, model: torch.nn.Module, *, receiver: BackwardSums, grouping: Grouping, counted: Sequence[bool]

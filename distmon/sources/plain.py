@@ -71,6 +71,7 @@ class PlainSource:
     ) -> None:
         self.module = module
         self.in_parts, self.counted = counted is not None, counted
+        self.whole_grads = not self.in_parts
         # one process: no collective; several: the job's default group, where every rank is
         self.group = dist.group.WORLD if self.in_parts else None
         self.world_size = dist.get_world_size() if self.in_parts else 1

@@ -36,6 +36,7 @@ class _Wrapping:
         self.module, self.group, self.world_size = inner.module, inner.group, inner.world_size
         self.device, self.in_parts, self.counted = inner.device, inner.in_parts, inner.counted
         self.divide_factor_set, self.local_figures = inner.divide_factor_set, inner.local_figures
+        self.whole_grads = inner.whole_grads
         self.dp_rank, self.meshes = inner.dp_rank, inner.meshes
 
     def install(self) -> None:

@@ -14,6 +14,7 @@
 ``clip.py``              ``clip_grad_norm_`` with the norm already measured
 ``activations.py``       forward activation statistics (opt-in)
 ``attention_watch.py``   attention blocks' logit bounds on sampled forwards (the precursor's)
+``grad_cosine.py``       consecutive steps' gradient cosine (the precursor's oscillation rule)
 ``update_ratio.py``      per-layer update-to-weight ratios (opt-in)
 =======================  ========================================================================
 """

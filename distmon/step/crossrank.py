@@ -112,11 +112,11 @@ class CrossRank:
         self.n_noise = (1 + (self.f.n_layer_cols if self.layer_noise else 0)) if self.noise else 0
         self.sum_width = COUNTS + 3 * g + self.n_noise
         # MAX columns: first non-finite (, first non-finite activation), 2 per group (, each
-        # attention block's logit bound) (, batch max, -min)
+        # precursor sample) (, batch max, -min)
         self._ext = 1 + (self.f.act_first is not None)  # the groups' first column
-        self._attn = self._ext + 2 * g  # the precursor's first column
-        self.n_attention = self.f.n_attention
-        self.max_width = self._attn + self.n_attention + (2 if self.noise else 0)
+        self._signals = self._ext + 2 * g  # the precursor's first column
+        self.n_signals = self.f.n_signals
+        self.max_width = self._signals + self.n_signals + (2 if self.noise else 0)
         self._flat = torch.zeros(n * self.sum_width + self.n_extra, dtype=torch.float64, device=self.device)
         self.keys = torch.full((n, self.max_width), NONE, dtype=torch.int64, device=self.device)
         # per ring slot (the step rows' order) and group: GroupStat columns
@@ -166,10 +166,10 @@ class CrossRank:
         h = self._ext + 2 * self.my_group
         keys[:, h] = torch.where(counted, (_ordered(x) << RANK_BITS) + tie, NONE)
         keys[:, h + 1] = torch.where(counted, (_ordered(-x) << RANK_BITS) + tie, NONE)
-        if self.n_attention:  # the largest bound of each block over the ranks (NaN: an overflow, wins)
-            bounds = own[:, f.attn]
+        if self.n_signals:  # the largest sample of each signal over the ranks (NaN: an overflow, wins)
+            bounds = own[:, f.signals]
             # a positive NaN's bits order above +Inf's: the MAX keeps it (a -NaN would sort below all)
-            keys[:, self._attn : self._attn + self.n_attention] = _ordered(
+            keys[:, self._signals : self._signals + self.n_signals] = _ordered(
                 torch.where(torch.isnan(bounds), math.nan, bounds)
             )
         if self.noise:
@@ -207,9 +207,9 @@ class CrossRank:
         else:
             job[:, Job.ACT_RANK : Job.ACT_MODULE + 1] = -1.0
         job[:, Job.MEAN_SQ :] = math.nan
-        if self.n_attention:  # -inf: no rank sampled the step (not a sampled step)
-            bounds = _unordered(keys[:, self._attn : self._attn + self.n_attention])
-            rows[:, self.plan.step.attn] = torch.where(bounds == -math.inf, math.nan, bounds)
+        if self.n_signals:  # -inf: no rank sampled the step (not a sampled step)
+            bounds = _unordered(keys[:, self._signals : self._signals + self.n_signals])
+            rows[:, self.plan.step.signals] = torch.where(bounds == -math.inf, math.nan, bounds)
         if self.noise:
             s = COUNTS + 3 * len(self.groups)
             job[:, Job.MEAN_SQ] = (sums[:, s] / self.world).float()

@@ -129,7 +129,7 @@ class RankBuffers:
         for index in (self.fields.first_nonfinite, self.fields.act_first):  # -1: none
             if index is not None:
                 self.send[index].fill_(-1.0)
-        self.send[self.fields.attn].fill_(-math.inf)  # no precursor sample
+        self.send[self.fields.signals].fill_(-math.inf)  # no precursor sample
         self.send[self.fields.errors].fill_(errors)
         self._sent_meta = (errors, 0.0, False, 0.0)
 

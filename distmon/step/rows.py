@@ -38,6 +38,7 @@ __all__ = [
     "Job",
     "Noise",
     "Early",
+    "Oscillation",
     "Schema",
     "RankRow",
     "StepRow",
@@ -101,6 +102,13 @@ class Noise(IntEnum):
     SCALE = 0  # B_simple
     TRACE = 1  # bias-corrected EMA of tr(Sigma)
     SIGNAL = 2  # bias-corrected EMA of |G|^2
+
+
+class Oscillation(IntEnum):
+    """The oscillation rule's columns among the precursor's samples (after the blocks' bounds)."""
+
+    ONE_MINUS_COS = 0  # 1 - the sampling interval's mean cosine of consecutive gradients (NaN: none)
+    HEADROOM = 1  # PrecursorConfig.peak_lr over the learning rate at the sample
 
 
 class Early(IntEnum):
@@ -183,12 +191,13 @@ class RankRow:
     ``first_nonfinite`` (layer index, -1 if none): two floats whatever the number of layers.
     Then ``errors`` (its monitor error count) and ``valid`` (its local figures were measured);
     ``batch`` (the noise scale: its batch this step), ``act_first`` (activations: its first
-    non-finite module, -1 if none), ``attn`` (the precursor: each attention block's logit bound on a
-    sampled step, ``-inf`` on others). The row ends with :attr:`reduced`, what an ordinary step's
-    all-reduce adds up: ``vote`` (rank 0's "export now", with a time-bounded export) and, in a
-    layout in parts, ``reduced_ok`` (its counted parts of the reduced gradient were measured: the
-    sum is the world when every rank's were) and ``parts`` (the per-layer sums of squares of
-    the parts it counts).
+    non-finite module, -1 if none), ``signals`` (the precursor's samples on a sampled step, ``-inf``
+    on others: each attention block's logit bound, then with the oscillation rule the interval's
+    ``1 -`` mean consecutive-gradient cosine and the rate headroom, :class:`Oscillation`). The row
+    ends with :attr:`reduced`, what an ordinary step's all-reduce adds up: ``vote`` (rank 0's
+    "export now", with a time-bounded export) and, in a layout in parts, ``reduced_ok`` (its
+    counted parts of the reduced gradient were measured: the sum is the world when every rank's
+    were) and ``parts`` (the per-layer sums of squares of the parts it counts).
 
     Example:
         >>> r = RankRow(n_layers=3, rank_layers=True, vote=True)
@@ -209,9 +218,11 @@ class RankRow:
         activations: bool = False,
         vote: bool = False,
         attention: int = 0,
+        oscillation: bool = False,
     ) -> None:
         self.n_layer_cols = n_layers if rank_layers else 0
         self.n_attention = attention
+        self.n_signals = attention + (len(Oscillation) if oscillation else 0)
         self.n_parts = n_layers if in_parts else 0
         self.schema = s = Schema(
             [
@@ -222,7 +233,7 @@ class RankRow:
                 ("valid", 1),
                 ("batch", 1 if batch else 0),
                 ("act_first", 1 if activations else 0),
-                ("attn", attention),
+                ("signals", self.n_signals),
                 ("vote", 1 if vote else 0),
                 ("reduced_ok", 1 if in_parts else 0),
                 ("parts", self.n_parts),
@@ -233,7 +244,7 @@ class RankRow:
         self.total_sq, self.first_nonfinite = s.index("total_sq"), s.index("first_nonfinite")
         self.errors, self.valid = s["errors"].start, s["valid"].start
         self.reduced_ok, self.batch = s.index("reduced_ok"), s.index("batch")
-        self.act_first, self.vote, self.attn = s.index("act_first"), s.index("vote"), s["attn"]
+        self.act_first, self.vote, self.signals = s.index("act_first"), s.index("vote"), s["signals"]
         self.reduced = s.span(self.REDUCED)
         # fixed with the row: looked up on every all-reduce step, computed once here
         self._summed = {name: s.within(self.reduced, name) for name in self.REDUCED}
@@ -277,8 +288,9 @@ class StepRow:
     per node rank; ``noise``:
     :class:`Noise` columns then B_simple and EMA |G_l|^2 per layer; ``act``: RMS per watched
     module, max-abs per module, the first non-finite module; ``upd``: the update ratio per layer;
-    ``precursor``: each attention block's logit bound on a sampled step (the job's largest; NaN on
-    other steps) then :class:`Early` columns.
+    ``precursor``: its samples on a sampled step (the job's largest; NaN on other steps): each
+    attention block's logit bound, then with the oscillation rule the :class:`Oscillation`
+    columns; then :class:`Early` columns.
     """
 
     def __init__(
@@ -294,7 +306,7 @@ class StepRow:
         update_ratio: bool = False,
     ) -> None:
         self.n_layers, self.world, self.rank = n_layers, world, rank
-        self.n_attention = rank.n_attention
+        self.n_attention, self.n_signals = rank.n_attention, rank.n_signals
         self.node_size = world if node_size is None else node_size
         self.n_watched = watched
         self.schema = s = Schema(
@@ -307,14 +319,16 @@ class StepRow:
                 ("noise", len(Noise) + 2 * n_layers if noise else 0),
                 ("act", 2 * watched + 1 if watched else 0),
                 ("upd", n_layers if update_ratio else 0),
-                ("precursor", self.n_attention + len(Early) if self.n_attention else 0),
+                ("precursor", self.n_signals + len(Early) if self.n_signals else 0),
             ]
         )
         self.width = s.width
         self.layers, self.ranks, self.job = s["layers"], s["ranks"], s["job"]
         self.detector, self.noise, self.act, self.upd = s["detector"], s["noise"], s["act"], s["upd"]
         self.precursor = s["precursor"]
-        self.attn = slice(self.precursor.start, self.precursor.start + self.n_attention)  # bounds
+        self.signals = slice(self.precursor.start, self.precursor.start + self.n_signals)  # samples
+        self.attn = slice(self.signals.start, self.signals.start + self.n_attention)  # the blocks' bounds
+        self.oscillation = slice(self.attn.stop, self.signals.stop)  # Oscillation columns (or none)
         # the reduced log-norm's inputs: the total, then every layer
         self.total_and_layers = slice(Head.TOTAL_SQ, self.layers.stop)
 
@@ -338,9 +352,9 @@ class StepRow:
         row[self.noise] = math.nan  # no noise-scale figure until a row is judged
         row[self.act] = math.nan  # a step whose forwards were not watched
         row[self.upd] = math.nan  # not a scheduled export step (Exchange.scheduled)
-        if self.n_attention:
+        if self.n_signals:
             row[self.precursor] = math.nan  # not a sampled step, or not judged yet
-            verdict = self.precursor.start + self.n_attention
+            verdict = self.signals.stop
             row[verdict + Early.WARN] = row[verdict + Early.FIRST] = 0.0
             row[verdict + Early.BLOCK] = -1.0
         return row
@@ -368,10 +382,12 @@ class RowPlan:
         detector: bool = False,
         update_ratio: bool = False,
         attention: int = 0,
+        oscillation: bool = False,
     ) -> RowPlan:
         """The plan for these options; ``watched`` is the number of modules whose activations are
-        watched, ``attention`` the attention blocks the precursor reads, ``node_size`` how many
-        ranks' rows this rank holds (its node's; the world by default)."""
+        watched, ``attention`` the attention blocks the precursor reads, ``oscillation`` whether it
+        reads consecutive gradients' cosine, ``node_size`` how many ranks' rows this rank holds
+        (its node's; the world by default)."""
         rank = RankRow(
             n_layers=n_layers,
             rank_layers=rank_layers,
@@ -380,6 +396,7 @@ class RowPlan:
             activations=watched > 0,
             vote=vote,
             attention=attention,
+            oscillation=oscillation,
         )
         step = StepRow(
             n_layers=n_layers,

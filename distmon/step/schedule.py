@@ -48,6 +48,7 @@ from .activations import ActivationWatch
 from .attention_watch import AttentionWatch
 from .backward import BackwardSums, StepState
 from .exchange import Exchange
+from .grad_cosine import GradientCosine
 from .ring import DeviceRing, ExportBatch, ExportQueue, StepInfo
 from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .update_ratio import UpdateRatio
@@ -102,6 +103,7 @@ class StepSchedule:
         activation_every: int = 1,
         update_ratio: UpdateRatio | None = None,
         attention: AttentionWatch | None = None,
+        cosine: GradientCosine | None = None,
         precursor: PrecursorDetector | None = None,
         check: Callable[[], tuple[float, float]] | None = None,
         node_group: dist.ProcessGroup | None = None,
@@ -133,8 +135,9 @@ class StepSchedule:
         self.batch_size = batch_size  # this rank's batch this step, for the gradient noise scale
         self.activations, self.activation_every = activations, activation_every
         self.update_ratio = update_ratio
-        # the precursor's attention blocks, read on the forwards of every sample_every-th step
-        self.attention = attention
+        # the precursor's attention blocks, read on the forwards of every sample_every-th step, and
+        # its consecutive gradients' cosine, read at every step and sampled with them
+        self.attention, self.cosine = attention, cosine
         self.sample_every = precursor.cfg.every if precursor is not None else 1
         self.exports = exports  # where the export thread reads each export's host copy
         # a layout in parts' first-step check (verify.py): the job's squared norm as distmon reads
@@ -145,7 +148,7 @@ class StepSchedule:
         self.ring.reset(1, export_every, self._blank)
         # the send row may hold something other than "none" (it starts zeroed): write it once
         self._act_sent = True
-        self._attn_sent = True  # likewise: the send row starts at 0, not "not sampled"
+        self._signals_sent = True  # likewise: the send row starts at 0, not "not sampled"
         self.step = 0
         self.measured_steps = 0  # steps whose reduced figures were measured (a backward ran)
         self.scaler_run = 0  # consecutive steps the GradScaler skipped, through the latest
@@ -207,6 +210,12 @@ class StepSchedule:
         self._read_gradients()
         self.sums.freeze()
         step = self.step + 1
+        if self.cosine is not None:
+            try:
+                self.cosine.step()  # the gradients the optimizer is about to use
+            except Exception:
+                self.errors.record("gradient cosine")
+                self.cosine.reset()
         ratio = self.update_ratio
         if ratio is not None and self.exchange.scheduled(step):
             try:
@@ -220,7 +229,7 @@ class StepSchedule:
         except Exception:
             self.fail("rank exchange (pack)")
             ex.invalidate()  # its vote and first bad module: none
-            self._act_sent = self._attn_sent = False
+            self._act_sent = self._signals_sent = False
         try:
             ex.start(step)
         except Exception:
@@ -274,17 +283,22 @@ class StepSchedule:
         if watch is not None and (watch.active or self._act_sent):
             buf.send[self.plan.rank.act_first].copy_(watch.first_module if watch.active else watch.none)
             self._act_sent = watch.active
-        attention = self.attention
-        # a sampled step's bounds travel in its row to the export's MAX over the ranks; between
+        attention, cosine = self.attention, self.cosine
+        # a sampled step's samples travel in its row to the export's MAX over the ranks; between
         # samples the send row keeps -inf ("not sampled"), so those steps write nothing
-        sampled = attention is not None and (self.step + 1) % self.sample_every == 0
-        if sampled:
-            attention.bounds(buf.send[self.plan.rank.attn])
-            attention.active = False  # the step's forwards are over: none counts until the next sample
-            self._attn_sent = True
-        elif attention is not None and self._attn_sent:
-            buf.send[self.plan.rank.attn].fill_(-math.inf)
-            self._attn_sent = False
+        on = attention is not None or cosine is not None
+        if on and (self.step + 1) % self.sample_every == 0:
+            signals = buf.send[self.plan.rank.signals]
+            n = self.plan.rank.n_attention
+            if attention is not None:
+                attention.bounds(signals[:n])
+                attention.active = False  # the step's forwards are over: none counts until the next sample
+            if cosine is not None:
+                cosine.sample(signals[n:])
+            self._signals_sent = True
+        elif on and self._signals_sent:
+            buf.send[self.plan.rank.signals].fill_(-math.inf)
+            self._signals_sent = False
 
     # -- the step's reduced figures -----------------------------------------------------------
     def finish_row(self) -> torch.Tensor:
@@ -405,7 +419,7 @@ class StepSchedule:
             if ex.started < step:
                 ex.complete()
                 ex.invalidate()
-                self._act_sent = self._attn_sent = False
+                self._act_sent = self._signals_sent = False
                 ex.start(step)
         except Exception:
             self.errors.record("step schedule")
@@ -428,6 +442,8 @@ class StepSchedule:
                     self.activations.reset()
                 if self.attention is not None:
                     self.attention.reset()
+                if self.cosine is not None:
+                    self.cosine.reset()
                 if self.update_ratio is not None:
                     self.update_ratio.taken = False
                 self._count(skip)

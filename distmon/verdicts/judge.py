@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ErrorCounter
 from ..step.crossrank import CrossRank
-from ..step.rows import Early, StepRow
+from ..step.rows import Early, Oscillation, StepRow
 from .detectors import DeviceDetector
 from .noise_scale import NoiseScale
 from .precursor import PrecursorDetector
@@ -73,8 +73,12 @@ class Judge:
         self.cross = cross  # the job's cross-rank figures per ring slot (the rank outliers read them)
         self.precursor = precursor
         if precursor is not None:
-            start = step_row.attn.stop  # the Early columns follow the blocks' bounds
+            start = step_row.signals.stop  # the Early columns follow the samples
             self._early = slice(start, start + len(Early))
+            # the detector's columns: each block's bound, then the oscillation rule's 1 - cosine
+            osc = step_row.oscillation
+            self._columns = slice(step_row.attn.start, osc.start + (1 if osc.stop > osc.start else 0))
+            self._headroom = osc.start + Oscillation.HEADROOM if osc.stop > osc.start else None
             self._warned = torch.zeros((), dtype=torch.bool, device=precursor.ema.device)  # the last sample'
 
     def judge_reduced(self, rows: torch.Tensor, valid: Sequence[bool]) -> None:
@@ -116,7 +120,14 @@ class Judge:
         sampled = rows[(-first) % every :: every]
         if not len(sampled):
             return
-        verdict = self.precursor.update(sampled[:, self.step_row.attn])
+        samples, gate = sampled[:, self._columns], None
+        if self._headroom is not None:
+            # the oscillation column counts only while the schedule will still raise the rate by
+            # rate_headroom or more (and where it was sampled: NaN is no overflow here)
+            gate = torch.ones_like(samples, dtype=torch.bool)
+            headroom = sampled[:, self._headroom]
+            gate[:, -1] = (headroom >= self.precursor.cfg.rate_headroom) & torch.isfinite(samples[:, -1])
+        verdict = self.precursor.update(samples, gate)
         before = torch.cat([self._warned.view(1), verdict.warn[:-1]])
         self._warned.copy_(verdict.warn[-1])
         columns = (verdict.warn, verdict.warn & ~before, verdict.column, verdict.score)

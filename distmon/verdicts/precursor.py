@@ -33,12 +33,18 @@ of the benchmark; ``benchmarks/results/early_warning.md`` holds the latest), and
 shared machine's noise on a 3.3M-parameter one;
 :meth:`PrecursorDetector.update` over 10 samples of 8 columns takes ~0.2 ms, once per export.
 
-**Where it is blind.** A model with qk-layernorm bounds its attention logits by construction;
-its high-rate divergences (linear outputs growing x1e4, the output logits' log Z and the
-gradient norm rising in the last tens of steps) are not seen, and no signal measured there
-told them from stable runs at a lower rate without false warnings: the consecutive
-gradients' cosine comes closest (early on 25 of 26 such runs, but also on 2 of 34 healthy
-ones, stable runs at two thirds of the critical rate; ``benchmarks/results/early_warning.md``).
+**The oscillation rule (``peak_lr=``).** A model with qk-layernorm bounds its attention logits
+by construction; its high-rate divergences come when the warm-up takes the rate past what the
+loss's curvature allows. Before that, consecutive steps' gradients point apart (the optimizer
+overshoots along the sharpest direction: :mod:`distmon.step.grad_cosine`), as they also do in
+stable runs at a high constant rate; what tells the two apart is that the schedule still raises
+the rate. Given the schedule's highest rate, one more column holds ``1 -`` the interval's mean
+cosine, with bound ``1 - cosine_below``; the judge counts its samples only while ``peak_lr`` is
+``rate_headroom`` times the rate or more (``gate`` in :meth:`PrecursorDetector.update`).
+Measured (``benchmarks/results/early_warning.md``): over 66 diverging runs and 52 healthy ones
+it warned in 55 (median 30% of the steps ahead) and on 1 healthy run; blind to runs whose rate
+is already too high when a short warm-up ends, and it can warn on a run whose peak lies between
+where oscillation set in and the critical rate.
 
 Everything is batched over the ``k`` samples of a call (EMA in closed form, running minimum
 by ``cummin``, run lengths by prefix sums): device ops only, no host sync (``update`` runs on
@@ -91,10 +97,23 @@ class PrecursorConfig:
             (:func:`distmon.step.attention_watch.find_attention`).
         keys: a regular expression of the key modules, one per block (with ``queries``).
         head_dim: the head size; None: read from each block's attributes.
+        peak_lr: the highest learning rate the schedule will reach (the first optimizer's first
+            parameter group); None: the oscillation rule is off. Given, distmon also keeps the
+            cosine between consecutive steps' gradients (its mean over each sampling interval)
+            and warns while it is below ``cosine_below`` and the schedule will still raise the
+            rate to ``rate_headroom`` times the current one or more: the optimizer already
+            oscillates across the sharpest direction, and the warm-up is taking the rate past
+            where the curvature allows it. Costs two copies of the gradient's memory and a
+            pass over it per step; one process and DDP only.
+        cosine_below: the oscillation rule's bound on the interval's mean cosine.
+        rate_headroom: how far above the current rate ``peak_lr`` must lie for the oscillation
+            rule to warn.
 
     Example:
         >>> PrecursorConfig().hold, PrecursorConfig(queries=r"attn\.c_attn$").keys
         (2, None)
+        >>> PrecursorConfig(peak_lr=6e-4).oscillation_bound   # on 1 - cosine, the column's units
+        1.2
     """
 
     every: int = 10
@@ -106,6 +125,14 @@ class PrecursorConfig:
     queries: str | None = None
     keys: str | None = None
     head_dim: int | None = None
+    peak_lr: float | None = None
+    cosine_below: float = -0.2
+    rate_headroom: float = 1.2
+
+    @property
+    def oscillation_bound(self) -> float:
+        """The oscillation rule's bound on its column, ``1 - cosine`` (> 0 where sampled)."""
+        return 1.0 - self.cosine_below
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.hold < 1 or self.warmup < 0 or not self.bound > 0:
@@ -119,6 +146,16 @@ class PrecursorConfig:
                 re.compile(pattern)  # a re.error names what is wrong with it
         if self.head_dim is not None and not (isinstance(self.head_dim, int) and self.head_dim > 0):
             raise ValueError(f"distmon: precursor head_dim must be an int > 0, got {self.head_dim!r}")
+        if self.peak_lr is not None and not (math.isfinite(self.peak_lr) and self.peak_lr > 0):
+            raise ValueError(
+                f"distmon: precursor peak_lr must be the schedule's highest learning rate (> 0), got "
+                f"{self.peak_lr!r}"
+            )
+        if not (-1.0 < self.cosine_below < 1.0) or not self.rate_headroom >= 1.0:
+            raise ValueError(
+                "distmon: precursor cosine_below must be in (-1, 1) and rate_headroom >= 1, got "
+                f"{self.cosine_below!r} and {self.rate_headroom!r}"
+            )
 
 
 class PrecursorVerdict(NamedTuple):
@@ -169,16 +206,42 @@ class PrecursorDetector:
         self.samples = 0  # host count: the warm-up needs no device read
         self._max_run = stable_run(self.cfg.ema_alpha)
 
-    def update(self, samples: torch.Tensor) -> PrecursorVerdict:
-        """Judge ``samples`` ``(k, n_signals)`` (consecutive samples, oldest first); advance the state."""
+    @classmethod
+    def of(
+        cls, cfg: PrecursorConfig, *, blocks: int, oscillation: bool, device: torch.device | str = "cpu"
+    ) -> PrecursorDetector:
+        """The detector of a monitor's samples: one bound column per attention block (``cfg.bound``),
+        then with ``oscillation`` the ``1 - cosine`` column (``cfg.oscillation_bound``).
+
+        Example:
+            >>> det = PrecursorDetector.of(PrecursorConfig(peak_lr=1.0), blocks=1, oscillation=True)
+            >>> out = det.update(torch.tensor([[5.0, 1.3], [5.0, 1.3]]))   # a cosine of -0.3, twice
+            >>> det.n, out.warn.tolist(), out.column.tolist()
+            (2, [False, True], [-1, 1])
+        """
+        bounds = [cfg.bound] * blocks + ([cfg.oscillation_bound] if oscillation else [])
+        return cls(len(bounds), cfg, bounds=bounds, device=device)
+
+    def update(self, samples: torch.Tensor, gate: torch.Tensor | None = None) -> PrecursorVerdict:
+        """Judge ``samples`` ``(k, n_signals)`` (consecutive samples, oldest first); advance the state.
+
+        ``gate`` ``(k, n_signals)`` bool: where False, the sample counts as not measured (it
+        moves nothing and breaks a run): the oscillation column while the schedule has no
+        headroom left.
+        """
         if samples.dim() != 2 or samples.shape[1] != self.n:
             raise ValueError(f"distmon: precursor samples must be (k, {self.n}), got {tuple(samples.shape)}")
         if len(samples) > self._max_run:  # keep the closed-form EMA's powers moderate
             step = self._max_run
-            parts = [self.update(samples[i : i + step]) for i in range(0, len(samples), step)]
+            parts = [
+                self.update(samples[i : i + step], None if gate is None else gate[i : i + step])
+                for i in range(0, len(samples), step)
+            ]
             return PrecursorVerdict(*(torch.cat(p) for p in zip(*parts)))
         cfg, k = self.cfg, len(samples)
         x = samples.detach().to(self.ema.dtype)
+        if gate is not None:
+            x = torch.where(gate, x, 0.0)
         # NaN/Inf: the forward overflowed (warns at once); 0 (or less): not measured this sample
         # (a block no forward called): it moves nothing and breaks a run of samples over a rule
         finite = torch.isfinite(x) & (x > 0)
@@ -218,9 +281,9 @@ class PrecursorDetector:
             value = torch.tensor(state[name], dtype=torch.float32, device=self.ema.device)
             if value.shape != (self.n,):
                 raise ValueError(
-                    f"distmon: the precursor state's {name} is {tuple(value.shape)}, this model has "
-                    f"{self.n} attention blocks: load a state saved with the same blocks, or drop its "
-                    f"'precursor' entry"
+                    f"distmon: the precursor state's {name} is {tuple(value.shape)}, this monitor's "
+                    f"precursor reads {self.n} signals (one per attention block, one more with "
+                    f"peak_lr=): load a state saved with the same ones, or drop its 'precursor' entry"
                 )
             getattr(self, name).copy_(value)
         self.samples = int(state["samples"])

@@ -64,7 +64,8 @@ STATE_FIELDS: dict[str, str] = {
     "log-norm, the median window, the spike and vanishing runs, the rank-outlier scales",
     "noise": "dict of lists and numbers, or None (no batch_size): the noise scale's EMAs and counts",
     "precursor": "dict of lists and numbers, or None (precursor off): the divergence precursor's "
-    "EMAs of each attention block's log logit bound, its runs and its sample count",
+    "EMAs of each signal's log (each attention block's logit bound, with peak_lr= the oscillation "
+    "rule's 1 - cosine), its runs and its sample count",
     "scaler_run": "int: consecutive steps the GradScaler skipped (scaler_stuck)",
     "disabled": "True, only in the state of a disabled monitor (DISTMON_DISABLE), which holds "
     "`version` and this alone: a monitor that loads it starts afresh",
