@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Does distmon's precursor warn of divergence earlier than the alternatives? Side by side, same runs.
 
-    python benchmarks/early_warning.py            # the sweep (49 runs) and the hold-out runs (26):
-                                                  # ~20-30 min on 2 cores the first time (recordings
-                                                  # are cached), then ~1 min; + cost
+    python benchmarks/early_warning.py            # the sweep (49 runs), the hold-out (26), stress (20)
+                                                  # and validation runs (24): ~40-50 min on 2 cores
+                                                  # the first time (recordings are cached), then
+                                                  # ~1 min; + cost
     python benchmarks/early_warning.py --quick    # smoke: 2 short runs, under a minute
 
 Runs (or reads from the cache) the reproductions of ``benchmarks/divergence`` (a tiny pre-LN
@@ -47,6 +48,16 @@ CHOSEN_LABEL = (
     "product sees them), sampled every 10 steps; a warning once it is above 1000 for 2 samples in a row "
     "(the defaults of `PrecursorConfig`)"
 )
+# with PrecursorConfig(peak_lr=the run's peak rate): the oscillation rule as well
+OSCILLATION = PrecursorConfig(peak_lr=1.0)  # the peak itself is each run's own (schedule=True)
+WITH_OSCILLATION: list[tuple[str, float | None]] = [*CHOSEN, ("1-grad_cos", OSCILLATION.oscillation_bound)]
+OSCILLATION_LABEL = (
+    "and, with `PrecursorConfig(peak_lr=` the run's peak rate `)`, the cosine between consecutive "
+    f"steps' gradients (the mean of the 10 pairs up to each sample) below {OSCILLATION.cosine_below} for "
+    f"2 samples in a row while the peak rate is {OSCILLATION.rate_headroom} times the rate at the sample "
+    "or more"
+)
+SETS = ("sweep", "hold-out", "stress", "validation")
 AFTER = 50  # the alternatives' warm-up in steps (distmon's DetectorConfig.warmup_steps)
 
 
@@ -63,6 +74,9 @@ def detector_table(triples, healthy_gn: float) -> dict[str, dict[str, object]]: 
         "distmon_precursor": detectors.summarize(
             triples, lambda r: detectors.precursor_steps(r, CHOSEN, CONFIG)
         ),
+        "distmon_precursor_peak_lr": detectors.summarize(
+            triples, lambda r: detectors.precursor_steps(r, WITH_OSCILLATION, OSCILLATION, schedule=True)
+        ),
         "distmon_spike": detectors.summarize(triples, spike),
         "lightning_spike": detectors.summarize(triples, lightning),
         "gradnorm_threshold": detectors.summarize(
@@ -73,6 +87,7 @@ def detector_table(triples, healthy_gn: float) -> dict[str, dict[str, object]]: 
 
 LABELS = {
     "distmon_precursor": "distmon precursor",
+    "distmon_precursor_peak_lr": "distmon precursor, peak_lr=",
     "distmon_spike": "distmon spike",
     "lightning_spike": "Lightning SpikeDetection",
     "gradnorm_threshold": "gradient-norm threshold",
@@ -80,11 +95,12 @@ LABELS = {
 
 
 def head_to_head(table: dict[str, dict[str, object]]) -> dict[str, dict[str, int]]:
-    """Per alternative: diverging runs where the precursor warned earlier, at the same step, later."""
-    mine = {r["run"]: r for r in table["distmon_precursor"]["runs"] if r["diverged_at"] is not None}
+    """Per alternative: diverging runs where the precursor (with ``peak_lr``) warned earlier, at the
+    same step, later."""
+    mine = {r["run"]: r for r in table["distmon_precursor_peak_lr"]["runs"] if r["diverged_at"] is not None}
     out = {}
     for name, summary in table.items():
-        if name == "distmon_precursor":
+        if name.startswith("distmon_precursor"):
             continue
         earlier = same = later = 0
         for r in summary["runs"]:
@@ -112,14 +128,19 @@ def markdown(result: dict[str, object]) -> str:
         "**attention** no qk-layernorm, no z-loss, peak rate 0.7/1.0; **qkln** qk-layernorm, no z-loss, "
         "peak 0.5/1.0; **mitigated** qk-layernorm + z-loss 1e-4, peak 0.5; **gray** no mitigation, "
         "peak 0.3 (attention logits blow up, the loss may or may not pass the divergence bar); "
-        "**healthy** no mitigation at peak 0.003/0.01, qk-layernorm + z-loss 1e-4 at peak 0.2/0.3.",
+        "**healthy** no mitigation at peak 0.003/0.01, qk-layernorm + z-loss 1e-4 at peak 0.2/0.3 "
+        "(and in the stress and validation runs up to 0.4, some after shorter warm-ups); "
+        "**constant** (stress and validation runs) qk-layernorm warmed up to 0.5 in 100 steps: a "
+        "divergence at a constant rate.",
         "",
         "distmon precursor: `distmon.verdicts.precursor.PrecursorDetector` on "
-        f"{result['precursor']['label']}.",
+        f"{result['precursor']['label']}; `peak_lr=`: {result['precursor']['oscillation']}.",
+        "",
+        "On the sweep:",
         "",
         "| detector | detected / diverging | median lead (steps) | min lead "
         "| median lead / steps to divergence | false warnings (healthy runs warned) / healthy runs "
-        "| earlier than it on |",
+        "| the precursor with peak_lr= earlier on |",
         "|---|---|---|---|---|---|---|",
     ]
     h2h = result["head_to_head"]
@@ -132,6 +153,21 @@ def markdown(result: dict[str, object]) -> str:
             f"| {LABELS[name]} | {s['detected']}/{s['diverging_runs']} | {med} | {mn} | {frac} | "
             f"{s['false_warnings']} ({s['healthy_runs_warned']}) / {s['healthy_runs']} | {vs} |"
         )
+    if result.get("sets"):
+        lines += ["", "## Every set of runs", ""]
+        lines += [
+            "Detected / diverging runs, median lead (as % of the steps to divergence); healthy runs warned. "
+            "The sweep and the hold-out runs are those every candidate was scored on; the stress runs "
+            "were recorded while the oscillation rule was chosen (near its edges: healthy runs warmed up "
+            "close to the critical rate, runs diverging at a constant rate after a 100-step warm-up); "
+            "the validation runs were recorded after it was fixed and scored once (`runs.py`). "
+            "The gradient-norm threshold is the sweep's.",
+            "",
+            "| detector | " + " | ".join(SETS) + " | all |",
+            "|---" * (len(SETS) + 2) + "|",
+        ]
+        for name, cells in result["sets"].items():
+            lines.append(f"| {LABELS[name]} | " + " | ".join(cells[s] for s in (*SETS, "all")) + " |")
     lines += ["", "## Per class: detected / diverged, median lead (lead as % of the steps to divergence)", ""]
     classes = list(next(iter(result["by_class"].values())))
     lines += ["| detector | " + " | ".join(classes) + " |", "|---" * (len(classes) + 1) + "|"]
@@ -183,6 +219,18 @@ def markdown(result: dict[str, object]) -> str:
                     f"[{m['quartiles_ms'][0]:.2f}, {m['quartiles_ms'][1]:.2f}] | "
                     f"{100 * m['fraction']:.2f}% | {10 * m['fraction']:.3f}% |"
                 )
+        lines += [
+            "",
+            "The oscillation rule (`peak_lr=`): the gradients' copy and fused dot product, every step.",
+            "",
+            "| model | step (ms) | extra per step (ms) [quartiles] | per step |",
+            "|---|---|---|---|",
+        ]
+        for c in result["cost"]["oscillation"]:
+            lines.append(
+                f"| {c['label']} | {c['step_ms']:.1f} | {c['extra_ms']:.3f} "
+                f"[{c['quartiles_ms'][0]:.3f}, {c['quartiles_ms'][1]:.3f}] | {100 * c['fraction']:.2f}% |"
+            )
         lines.append(
             f"\nDetector update over 10 samples x {result['cost']['detector_signals']} signals: "
             f"{1e6 * result['cost']['detector_update_s']:.0f} us (once per export)."
@@ -201,7 +249,7 @@ def by_class(triples, table) -> dict[str, dict[str, str]]:  # noqa: ANN001
     for name, summary in table.items():
         rows = {r["run"]: r for r in summary["runs"]}
         out[name] = {}
-        for cls in ("attention", "qkln", "mitigated", "gray", "healthy"):
+        for cls in ("attention", "qkln", "mitigated", "constant", "gray", "healthy"):
             mine = [rows[rec["name"]] for c, rec, _ in triples if c == cls]
             if not mine:
                 continue
@@ -217,6 +265,25 @@ def by_class(triples, table) -> dict[str, dict[str, str]]:  # noqa: ANN001
                     f"; warned {sum(r['first_warning'] is not None for r in quiet)}/{len(quiet)} not diverged"
                 )
             out[name][cls] = cell
+    return out
+
+
+def set_cells(by_set, healthy_gn: float) -> dict[str, dict[str, str]]:  # noqa: ANN001
+    """Per detector and set of runs (and all of them): ``detected/diverging, median lead (%);
+    healthy warned``."""
+    every = [t for ts in by_set.values() for t in ts]
+    tables = {name: detector_table(ts, healthy_gn) for name, ts in (*by_set.items(), ("all", every))}
+    out: dict[str, dict[str, str]] = {}
+    for det in tables["all"]:
+        out[det] = {}
+        for name, table in tables.items():
+            s = table[det]
+            lead = "" if s["median_lead_steps"] is None else f", {s['median_lead_steps']:.0f}"
+            pct = "" if s["median_lead_fraction"] is None else f" ({100 * s['median_lead_fraction']:.0f}%)"
+            out[det][name] = (
+                f"{s['detected']}/{s['diverging_runs']}{lead}{pct}; "
+                f"healthy {s['healthy_runs_warned']}/{s['healthy_runs']}"
+            )
     return out
 
 
@@ -285,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     plan = runs.quick() if args.quick else runs.sweep()
     held = [] if args.quick else runs.holdout()
-    runs.ensure(plan + held, args.cache, jobs=args.jobs, log=lambda m: print(m, flush=True))
+    more = {} if args.quick else {"stress": runs.stress(), "validation": runs.validation()}
+    every_plan = plan + held + [r for rs in more.values() for r in rs]
+    runs.ensure(every_plan, args.cache, jobs=args.jobs, log=lambda m: print(m, flush=True))
 
     def triple(cls: str, spec: RunSpec) -> tuple[str, dict[str, object], int | None]:
         rec = runs.load(runs.cache_path(args.cache, spec))
@@ -317,13 +386,22 @@ def main(argv: list[str] | None = None) -> int:
         "model": "TinyGPT d_model 64, 2 blocks, 4 heads, 64-byte context, batch 16, AdamW (0.9, 0.95, 1e-8), "
         "clip 1.0, warm-up 1,000 steps to the peak rate then constant, 1,500 steps at most",
         "divergence": {"factor": FACTOR, "window": WINDOW},
-        "precursor": {"signals": [list(p) for p in CHOSEN], "config": CONFIG.__dict__, "label": CHOSEN_LABEL},
+        "precursor": {
+            "signals": [list(p) for p in CHOSEN],
+            "config": CONFIG.__dict__,
+            "label": CHOSEN_LABEL,
+            "oscillation": OSCILLATION_LABEL,
+        },
         "gradnorm_threshold": healthy_gn,
         "detectors": table,
         "head_to_head": head_to_head(table),
         "by_class": by_class(triples, table),
         "runs": meta,
     }
+    if not args.quick:
+        by_set = {"sweep": triples, "hold-out": [triple(c, s) for c, s in held]}
+        by_set |= {name: [triple(c, s) for c, s in rs] for name, rs in more.items()}
+        result["sets"] = set_cells(by_set, healthy_gn)
     result["holdout"] = runs.describe(held)
     result["candidates"] = candidates.score(triples, held_out=[triple(c, spec) for c, spec in held])
     result["intervals"] = intervals(triples)
@@ -336,17 +414,20 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1, default=float)
     with open(os.path.join(args.out, "early_warning.md"), "w") as f:
         f.write(markdown(result))
-    plot(os.path.join(args.out, "early_warning.png"), panels(triples, table), parts=CHOSEN)
+    plot(os.path.join(args.out, "early_warning.png"), panels(triples, table), parts=WITH_OSCILLATION)
     print(markdown(result).split("\n## Per class")[0])
     return 0
 
 
 def panels(triples, table) -> list[tuple[str, dict, int | None, dict[str, int | None]]]:  # noqa: ANN001
-    """One run per class that has one: the first diverging attention and output runs, a healthy one."""
+    """One run per class that has one: the first diverging attention run, the first qk-layernorm run
+    the precursor with ``peak_lr`` warned on, the healthy run at the highest rate."""
     firsts = {name: {r["run"]: r["first_warning"] for r in s["runs"]} for name, s in table.items()}
     chosen = []
     for cls in ("attention", "qkln", "healthy"):
         pick = [(c, rec, d) for c, rec, d in triples if c == cls and (d is not None) == (cls != "healthy")]
+        if cls == "qkln":
+            pick = [t for t in pick if firsts["distmon_precursor_peak_lr"][t[1]["name"]] is not None] or pick
         if cls == "healthy":  # the hardest healthy run: mitigated, at the highest rate
             pick.sort(key=lambda t: -t[1]["spec"]["lr"])
         if pick:
@@ -368,8 +449,17 @@ def measure_cost() -> dict[str, object]:
         },
         {"label": "d_model 256, 4 blocks, batch 8 x 128", **cost.measure(wide, 8, 36)},
     ]
+    oscillation = [
+        {"label": hooks[0]["label"], **cost.cosine_cost(ModelConfig(), 16, 120)},
+        {"label": hooks[1]["label"], **cost.cosine_cost(wide, 8, 36)},
+    ]
     n = 2 * 4  # e.g. 4 blocks' attention bound + RMS columns
-    return {"hooks": hooks, "detector_update_s": cost.detector_cost(n, 10), "detector_signals": n}
+    return {
+        "hooks": hooks,
+        "oscillation": oscillation,
+        "detector_update_s": cost.detector_cost(n, 10),
+        "detector_signals": n,
+    }
 
 
 if __name__ == "__main__":

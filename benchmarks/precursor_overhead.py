@@ -4,12 +4,13 @@
     python benchmarks/precursor_overhead.py             # 5M GPT of benchmarks/overhead.py, 30 rounds
     python benchmarks/precursor_overhead.py --write     # and benchmarks/results/precursor_overhead.md
 
-One process, two copies of the same model and batch, each under a monitor with distmon's defaults,
-one of them with ``precursor=True`` (every attention block's logit bound on every 10th step's
-forwards, the detector at each export). A round trains 10 steps (one sampled step, one export)
-on each, in a balanced order (ABBA), timed in the thread's CPU time (robust to other processes on
-a shared machine; torch on one thread); the median of the rounds' ratios is the cost per step at
-the defaults.
+One process, three copies of the same model and batch, each under a monitor with distmon's
+defaults: one alone, one with ``precursor=True`` (every attention block's logit bound on every
+10th step's forwards, the detector at each export), one with
+``precursor=PrecursorConfig(peak_lr=...)`` (the oscillation rule too: the gradients' copy and
+dot product every step). A round trains 10 steps (one sampled step, one export) on each, in a
+balanced order, timed in the thread's CPU time (robust to other processes on a shared machine;
+torch on one thread); the median of the rounds' ratios to the defaults alone is the cost per step.
 """
 
 import argparse
@@ -43,16 +44,16 @@ def main(argv=None) -> int:  # noqa: ANN001
     shape = dict(SIZES[args.size])
     batch = shape.pop("batch")
     runs = []
-    for precursor in (False, True):
+    for precursor in (False, True, distmon.PrecursorConfig(peak_lr=1e-4)):
         torch.manual_seed(0)
         model = GPT(GPTConfig(**shape))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         mon = distmon.GradMonitor(model, opt, serve="none", export_interval_s=0, precursor=precursor)
         runs.append((model, opt, mon))
     x = torch.randint(0, shape["vocab"], (batch, shape["seq_len"] + 1))
-    times: list[list[float]] = [[], []]
+    times: list[list[float]] = [[], [], []]
     for r in range(args.rounds + 2):
-        for which in round_order(r, 2):
+        for which in round_order(r, 3):
             model, opt, _ = runs[which]
             t = time.thread_time()
             for _ in range(STEPS):
@@ -64,21 +65,26 @@ def main(argv=None) -> int:  # noqa: ANN001
     blocks = len(runs[1][2]._schedule.attention.names)
     for _, _, mon in runs:
         mon.close()
-    off, on = times[0][2:], times[1][2:]
-    ratios = sorted(b / a for a, b in zip(off, on))
-    q = statistics.quantiles(ratios, n=4)
+    off = times[0][2:]
+    cells = []
+    for on in (times[1][2:], times[2][2:]):
+        ratios = sorted(b / a for a, b in zip(off, on))
+        q = statistics.quantiles(ratios, n=4)
+        cells.append(f"{statistics.median(ratios):.4f} [{q[0]:.4f}, {q[2]:.4f}]")
     step_ms = 1e3 * statistics.median(off) / STEPS
     line = (
         f"| {args.size} GPT, {blocks} attention blocks, batch {batch}x{shape['seq_len']} | "
-        f"{step_ms:.1f} | {statistics.median(ratios):.4f} [{q[0]:.4f}, {q[2]:.4f}] |"
+        f"{step_ms:.1f} | {cells[0]} | {cells[1]} |"
     )
     out = (
         "# Divergence precursor: cost per training step\n\n"
-        "`python benchmarks/precursor_overhead.py --write`: distmon's defaults with `precursor=True` "
-        f"against without, {args.rounds} rounds of {STEPS} steps (one sampled step, one export), "
-        f"interleaved, thread CPU time, torch {torch.__version__} on one thread.\n\n"
-        "| model | step, defaults (ms CPU) | with the precursor / without, median [quartiles] |\n"
-        "|---|---:|---:|\n" + line + "\n"
+        f"`python benchmarks/precursor_overhead.py --size {args.size} --rounds {args.rounds} --write`: "
+        "distmon's defaults with `precursor=True`, and with `precursor=PrecursorConfig(peak_lr=...)`, "
+        f"against the defaults alone, {args.rounds} rounds of {STEPS} steps (one sampled step, one "
+        f"export), interleaved, thread CPU time, torch {torch.__version__} on one thread.\n\n"
+        "| model | step, defaults (ms CPU) | `precursor=True` / defaults, median [quartiles] "
+        "| `peak_lr=` / defaults, median [quartiles] |\n"
+        "|---|---:|---:|---:|\n" + line + "\n"
     )
     print(out)
     if args.write:

@@ -120,6 +120,47 @@ def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[st
     return out
 
 
+def cosine_cost(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[str, object]:
+    """The oscillation rule's cost (``PrecursorConfig(peak_lr=...)``): one training step with and without
+    :class:`distmon.step.grad_cosine.GradientCosine`'s read of the gradients (a copy and a fused
+    dot, every step), alternating which goes first, in the thread's CPU time; the median paired
+    extra and its fraction of the median step, and the quartiles."""
+    from distmon.step.grad_cosine import GradientCosine
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    cos = GradientCosine(list(model.parameters()), torch.device("cpu"), peak_lr=1e-3, rate=lambda: 1e-3)
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len))
+
+    def step(on: bool) -> float:
+        t = time.thread_time()
+        _, loss, _ = model(x, x)
+        loss.backward()
+        if on:
+            cos.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.thread_time() - t
+
+    extra, base = [], []
+    for r in range(rounds + warm):
+        order = (True, False) if r % 2 else (False, True)
+        took = {on: step(on) for on in order}
+        if r >= warm:
+            extra.append(took[True] - took[False])
+            base.append(took[False])
+    q1, med, q3 = statistics.quantiles(extra, n=4)
+    step_s = statistics.median(base)
+    return {
+        "step_ms": 1e3 * step_s,
+        "extra_ms": 1e3 * med,
+        "fraction": med / step_s,
+        "quartiles_ms": [1e3 * q1, 1e3 * q3],
+    }
+
+
 def detector_cost(n_signals: int, k: int, calls: int = 200) -> float:
     """Median seconds of one :meth:`PrecursorDetector.update` over ``k`` samples."""
     from distmon.verdicts.precursor import PrecursorConfig, PrecursorDetector

@@ -25,7 +25,16 @@ import torch
 
 from distmon.verdicts.precursor import PrecursorConfig, PrecursorDetector
 
+from .model import ModelConfig
+from .train import RunSpec
+
 Recording = dict[str, object]
+
+
+def spec_of(rec: Recording) -> RunSpec:
+    """The :class:`RunSpec` a recording was made with."""
+    d = dict(rec["spec"])
+    return RunSpec(**{**d, "model": ModelConfig(**d["model"])})
 
 
 def signal(rec: Recording, name: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -64,22 +73,37 @@ def precursor_steps(
     cfg: PrecursorConfig,
     *,
     chunk: int = 10,
+    schedule: bool = False,
 ) -> list[int]:
     """Steps whose sample warns: the signals of ``parts`` (``(name, bound)``, None: the rise rule)
     side by side as the detector's columns, sampled every ``cfg.every`` steps, ``chunk`` samples
-    per call."""
+    per call. With ``schedule``, the ``1-grad_cos`` columns count only while the run's peak rate
+    is ``cfg.rate_headroom`` times its rate at the sample or more: the oscillation rule as
+    ``PrecursorConfig(peak_lr=`` the run's peak ``)`` applies it (``distmon.verdicts.judge``)."""
     cols: list[np.ndarray] = []
     bounds: list[float | None] = []
+    gated: list[bool] = []
     steps = None
     for name, bound in parts:
         steps, values, names = signal(rec, name)
         cols.append(values)
         bounds += [bound] * len(names)
+        gated += [schedule and name == "1-grad_cos"] * len(names)
     keep = steps % cfg.every == 0
     values = np.concatenate(cols, 1)[keep]
+    gate = None
+    if any(gated):
+        spec = spec_of(rec)
+        room = np.array([spec.lr / spec.lr_at(int(s)) for s in steps[keep]]) >= cfg.rate_headroom
+        gate = torch.tensor(np.where(np.array(gated)[None, :], room[:, None], True))
     det = PrecursorDetector(len(bounds), cfg, bounds=bounds)
     x = torch.tensor(values, dtype=torch.float32)
-    warn = torch.cat([det.update(x[i : i + chunk]).warn for i in range(0, len(x), chunk)])
+    warn = torch.cat(
+        [
+            det.update(x[i : i + chunk], None if gate is None else gate[i : i + chunk]).warn
+            for i in range(0, len(x), chunk)
+        ]
+    )
     return [int(s) for s in steps[keep][warn.numpy()]]
 
 

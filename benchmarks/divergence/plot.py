@@ -7,12 +7,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .detectors import Recording, signal
-from .model import ModelConfig
-from .train import RunSpec
+from .detectors import Recording, signal, spec_of
 
 COLORS = {
     "distmon precursor": "tab:red",
+    "distmon precursor, peak_lr=": "tab:green",
     "distmon spike": "tab:purple",
     "Lightning SpikeDetection": "tab:orange",
     "gradient-norm threshold": "tab:brown",
@@ -36,6 +35,16 @@ def plot(
         top, bottom = axes[0, col], axes[1, col]
         for name, bound in parts:
             steps, values, names = signal(rec, name)
+            if name == "1-grad_cos":  # a cosine: on its own linear axis, as the cosine itself
+                right = top.twinx()
+                cos = np.where(values[:, 0] > 0, 1.0 - values[:, 0], np.nan)
+                right.plot(steps, cos, lw=0.8, color="tab:green", label="consecutive gradients' cosine")
+                right.axhline(1.0 - bound, color="tab:green", ls=":", lw=1, label=f"cosine {1.0 - bound:g}")
+                right.set_ylim(-1.0, 1.0)
+                right.set_ylabel("cosine", color="tab:green", fontsize=8)
+                right.tick_params(axis="y", labelsize=7, colors="tab:green")
+                right.legend(fontsize=6, loc="lower right")
+                continue
             for j, layer in enumerate(names):
                 top.plot(steps, values[:, j], lw=1.2, label=f"{name} {layer}")
             if bound is not None:
@@ -60,7 +69,7 @@ def plot(
                     )
         spec = rec["spec"]
         t = np.arange(len(loss))
-        run = RunSpec(**{**spec, "model": ModelConfig(**spec["model"])})
+        run = spec_of(rec)
         lr = np.asarray([run.lr_at(int(i)) for i in t])
         twin = bottom.twinx()
         twin.plot(t, lr, color="tab:blue", lw=0.8, alpha=0.6)

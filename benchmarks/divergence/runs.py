@@ -16,7 +16,13 @@ its mechanism sets in. Classes:
 - ``healthy``: the same model at stable rates (peak 0.003 and 0.01, no mitigation), and with
   qk-layernorm and z-loss 1e-4 at peaks 0.2 and 0.3;
 - ``gray``: no mitigation at peak 0.3: attention logits grow x1e5, the loss ends 15-25% above
-  its best, not the 30% that :mod:`.divergence` calls a divergence; reported apart.
+  its best, not the 30% that :mod:`.divergence` calls a divergence; reported apart;
+- ``constant`` (:func:`stress` and :func:`validation` only): qk-layernorm warmed up to 0.5 in
+  100 steps, diverging at that constant rate ~100 steps later.
+
+:func:`sweep` and :func:`holdout` are the runs every candidate signal was scored on;
+:func:`stress` the runs recorded while the oscillation rule (``PrecursorConfig(peak_lr=...)``)
+was chosen, :func:`validation` those recorded after it was fixed.
 
 A recording is one ``.npz`` per run under the cache folder (its arrays, and its metadata as
 JSON), written by a child process so two runs share the two cores.
@@ -97,6 +103,41 @@ def describe(plan: Iterable[tuple[str, RunSpec]]) -> str:
     )
 
 
+def stress() -> list[tuple[str, RunSpec]]:
+    """Runs at the edges of the oscillation rule (``PrecursorConfig(peak_lr=...)``), recorded while
+    it was being chosen: qk-layernorm + z-loss warmed up to 0.35/0.4 (near the critical rate
+    ~0.47; healthy if they do not diverge) or to 0.3 in 300 steps; qk-layernorm to 0.6 in
+    1,000 steps and to 1.0 in 2,000; to 0.5 in 100 steps (then diverging at a constant rate,
+    which the rule does not see); no mitigation at 0.7."""
+    runs: list[tuple[str, RunSpec]] = []
+    for s in (10, 11, 12):
+        runs += [("healthy", replace(BASE, lr=lr, seed=s, model=MITIGATED)) for lr in (0.35, 0.4)]
+        runs += [("healthy", replace(BASE, lr=0.3, warmup=300, seed=s, model=MITIGATED))]
+        runs += [("qkln", replace(BASE, lr=0.6, seed=s, model=QKLN))]
+        runs += [("qkln", replace(BASE, lr=1.0, warmup=2000, steps=2500, seed=s, model=QKLN))]
+        runs += [("constant", replace(BASE, lr=0.5, warmup=100, seed=s, model=QKLN))]
+    runs += [("attention", replace(BASE, lr=0.7, seed=s, model=PLAIN)) for s in (10, 11)]
+    return runs
+
+
+def validation() -> list[tuple[str, RunSpec]]:
+    """Runs recorded after the oscillation rule and its settings were fixed, and scored once: other
+    seeds, peaks and warm-ups (qk-layernorm to 0.7 and to 0.8 over 1,500 steps, with z-loss to
+    0.6; healthy with z-loss to 0.38 in 500 steps and to 0.4, without to 0.35; 0.5 in 100
+    steps; no mitigation at 1.0)."""
+    runs: list[tuple[str, RunSpec]] = []
+    for s in (13, 14, 15):
+        runs += [("qkln", replace(BASE, lr=0.7, seed=s, model=QKLN))]
+        runs += [("qkln", replace(BASE, lr=0.8, warmup=1500, steps=2000, seed=s, model=QKLN))]
+        runs += [("mitigated", replace(BASE, lr=0.6, seed=s, model=MITIGATED))]
+        runs += [("healthy", replace(BASE, lr=0.38, warmup=500, seed=s, model=MITIGATED))]
+        runs += [("healthy", replace(BASE, lr=0.4, seed=s, model=MITIGATED))]
+        runs += [("healthy", replace(BASE, lr=0.35, seed=s, model=QKLN))]
+        runs += [("constant", replace(BASE, lr=0.5, warmup=100, seed=s, model=QKLN))]
+        runs += [("attention", replace(BASE, lr=1.0, seed=s, model=PLAIN))]
+    return runs
+
+
 def quick() -> list[tuple[str, RunSpec]]:
     """A smoke sweep (well under a minute): one short run per class, fast rates."""
     short = replace(BASE, steps=150, warmup=100)
@@ -129,11 +170,10 @@ def load(path: str) -> dict[str, object]:
 
 
 def _child(spec_json: str, path: str) -> None:
+    from .detectors import spec_of
     from .train import train
 
-    d = json.loads(spec_json)
-    spec = RunSpec(**{**d, "model": ModelConfig(**d["model"])})
-    save(path, train(spec))
+    save(path, train(spec_of({"spec": json.loads(spec_json)})))
 
 
 def ensure(runs: Iterable[tuple[str, RunSpec]], cache: str, *, jobs: int = 2, log=print) -> None:  # noqa: ANN001
