@@ -33,7 +33,8 @@ a fault's step number maps to a predictable time even on a busy machine (end-to-
 tests of the alerts rely on it).
 
 The demo turns on three figures that are off by default (each block's activations, the
-update-to-weight ratios and the divergence precursor), so that every panel of the dashboard
+update-to-weight ratios and the divergence precursor, with its oscillation rule at the
+schedule's peak rate), so that every panel of the dashboard
 has data. Monitoring settings not given on the command line come from distmon's defaults and its
 ``DISTMON_*`` environment variables (``DISTMON_SERVE``, ``DISTMON_PORT``,
 ``DISTMON_ADDR``, ``DISTMON_RUN_ID``, ``DISTMON_FILE_SD_DIR`` ...).
@@ -615,7 +616,9 @@ def make_monitor(
         "batch_size": args.batch_size * args.seq_len * args.grad_accum if world_size > 1 else None,
         "activations": True,  # each transformer block's output, every export_every steps
         "update_ratio": True,  # |update| / |weights| per layer, every export_every steps
-        "precursor": True,  # each attention block's logit bound, warned on before the loss diverges
+        # each attention block's logit bound, and consecutive gradients' cosine against the schedule's
+        # peak rate: warned on before the loss diverges
+        "precursor": distmon.PrecursorConfig(peak_lr=args.lr),
     }
     return distmon.GradMonitor(model, opt, **{k: v for k, v in options.items() if v is not None})
 
