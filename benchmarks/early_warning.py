@@ -226,10 +226,11 @@ def markdown(result: dict[str, object]) -> str:
             "| model | step (ms) | extra per step (ms) [quartiles] | per step |",
             "|---|---|---|---|",
         ]
-        for c in result["cost"]["oscillation"]:
+        for c in result["cost"]["hooks"]:
+            m = c["cosine"]
             lines.append(
-                f"| {c['label']} | {c['step_ms']:.1f} | {c['extra_ms']:.3f} "
-                f"[{c['quartiles_ms'][0]:.3f}, {c['quartiles_ms'][1]:.3f}] | {100 * c['fraction']:.2f}% |"
+                f"| {c['label']} | {c['step_ms']:.1f} | {m['extra_ms']:.3f} "
+                f"[{m['quartiles_ms'][0]:.3f}, {m['quartiles_ms'][1]:.3f}] | {100 * m['fraction']:.2f}% |"
             )
         lines.append(
             f"\nDetector update over 10 samples x {result['cost']['detector_signals']} signals: "
@@ -447,19 +448,10 @@ def measure_cost() -> dict[str, object]:
             "label": "sweep model (d_model 64, 2 blocks, batch 16 x 64)",
             **cost.measure(ModelConfig(), 16, 120),
         },
-        {"label": "d_model 256, 4 blocks, batch 8 x 128", **cost.measure(wide, 8, 36)},
-    ]
-    oscillation = [
-        {"label": hooks[0]["label"], **cost.cosine_cost(ModelConfig(), 16, 120)},
-        {"label": hooks[1]["label"], **cost.cosine_cost(wide, 8, 36)},
+        {"label": "d_model 256, 4 blocks, batch 8 x 128", **cost.measure(wide, 8, 48)},
     ]
     n = 2 * 4  # e.g. 4 blocks' attention bound + RMS columns
-    return {
-        "hooks": hooks,
-        "oscillation": oscillation,
-        "detector_update_s": cost.detector_cost(n, 10),
-        "detector_signals": n,
-    }
+    return {"hooks": hooks, "detector_update_s": cost.detector_cost(n, 10), "detector_signals": n}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from distmon.step.grad_cosine import GradientCosine
 from distmon.step.sums import sq_sums
 
 from .model import ModelConfig, TinyGPT
@@ -51,7 +52,7 @@ class SignalHooks:
 
     def _bound(self, i: int, heads: int):  # noqa: ANN202
         def hook(module: nn.Module, inputs: object, out: torch.Tensor) -> None:
-            if self.mode != "off":
+            if self.mode in ("bound", "full"):
                 d_head = out.shape[-1] // (3 * heads)
                 qk = out.detach().unflatten(-1, (3, heads, d_head))[..., :2, :, :]  # (..., q/k, head, d)
                 peak = torch.linalg.vector_norm(qk, dim=-1).transpose(-1, -2).flatten(0, -2).amax(0)
@@ -70,13 +71,15 @@ class SignalHooks:
             h.remove()
 
 
-MODES = ("off", "bound", "full")  # no sampling; the attention bound; the bound and every Linear's RMS
+# no sampling; the attention bound; the bound and every Linear's RMS; the oscillation rule's read of
+# the gradients (distmon.step.grad_cosine: a copy and a fused dot, every step, not only sampled ones)
+MODES = ("off", "bound", "full", "cosine")
 
 
 def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[str, object]:
     """Per mode, the median paired extra of a sampled step over an unsampled one (ms and fraction
-    of the median unsampled step) and the quartiles of the paired extras: each round steps the
-    three modes once, in an order that cycles through all six permutations. Times are the
+    of the median unsampled step) and the quartiles of the paired extras: each round steps
+    every mode once, in an order that cycles through all their permutations. Times are the
     thread's CPU time (``time.thread_time``): on a shared machine wall time mostly measures the
     neighbours; on one CPU thread every op runs synchronously, so CPU time is the step's cost."""
     torch.set_num_threads(1)
@@ -84,6 +87,7 @@ def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[st
     model = TinyGPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     hooks = SignalHooks(model)
+    cos = GradientCosine(list(model.parameters()), torch.device("cpu"))
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len))
 
     def step(mode: str) -> float:
@@ -91,9 +95,11 @@ def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[st
         t = time.thread_time()  # CPU time of this thread: what the hooks add, whatever else the cores run
         _, loss, _ = model(x, x)
         loss.backward()
+        if mode == "cosine":
+            cos.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if mode != "off":
+        if mode in ("bound", "full"):
             hooks.close_sample()
         return time.thread_time() - t
 
@@ -118,47 +124,6 @@ def measure(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[st
         q1, med, q3 = statistics.quantiles(extra, n=4)
         out[m] = {"extra_ms": 1e3 * med, "fraction": med / base, "quartiles_ms": [1e3 * q1, 1e3 * q3]}
     return out
-
-
-def cosine_cost(cfg: ModelConfig, batch: int, rounds: int, warm: int = 3) -> dict[str, object]:
-    """The oscillation rule's cost (``PrecursorConfig(peak_lr=...)``): one training step with and without
-    :class:`distmon.step.grad_cosine.GradientCosine`'s read of the gradients (a copy and a fused
-    dot, every step), alternating which goes first, in the thread's CPU time; the median paired
-    extra and its fraction of the median step, and the quartiles."""
-    from distmon.step.grad_cosine import GradientCosine
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyGPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    cos = GradientCosine(list(model.parameters()), torch.device("cpu"), peak_lr=1e-3, rate=lambda: 1e-3)
-    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len))
-
-    def step(on: bool) -> float:
-        t = time.thread_time()
-        _, loss, _ = model(x, x)
-        loss.backward()
-        if on:
-            cos.step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.thread_time() - t
-
-    extra, base = [], []
-    for r in range(rounds + warm):
-        order = (True, False) if r % 2 else (False, True)
-        took = {on: step(on) for on in order}
-        if r >= warm:
-            extra.append(took[True] - took[False])
-            base.append(took[False])
-    q1, med, q3 = statistics.quantiles(extra, n=4)
-    step_s = statistics.median(base)
-    return {
-        "step_ms": 1e3 * step_s,
-        "extra_ms": 1e3 * med,
-        "fraction": med / step_s,
-        "quartiles_ms": [1e3 * q1, 1e3 * q3],
-    }
 
 
 def detector_cost(n_signals: int, k: int, calls: int = 200) -> float:

@@ -81,6 +81,7 @@ class GradientCosine:
                     out=now,
                 )
                 dot += torch.dot(now, prev).float()
+                # its own norm, not the step row's: .grad may be clipped, the row's is the gradient's
                 sq += torch.dot(now, now).float()
             norm = torch.sqrt(sq)
             cos = dot / (norm * self._prev_norm)  # the norms apart: their squares' product underflows sooner

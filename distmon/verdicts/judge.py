@@ -120,14 +120,15 @@ class Judge:
         sampled = rows[(-first) % every :: every]
         if not len(sampled):
             return
-        samples, gate = sampled[:, self._columns], None
+        samples = sampled[:, self._columns]
         if self._headroom is not None:
             # the oscillation column counts only while the schedule will still raise the rate by
-            # rate_headroom or more (and where it was sampled: NaN is no overflow here)
-            gate = torch.ones_like(samples, dtype=torch.bool)
-            headroom = sampled[:, self._headroom]
-            gate[:, -1] = (headroom >= self.precursor.cfg.rate_headroom) & torch.isfinite(samples[:, -1])
-        verdict = self.precursor.update(samples, gate)
+            # rate_headroom or more, and where a pair was measured (NaN is no overflow here):
+            # elsewhere it reads 0, the detector's "not measured"
+            cos = samples[:, -1]
+            keep = (sampled[:, self._headroom] >= self.precursor.cfg.rate_headroom) & torch.isfinite(cos)
+            samples = torch.cat([samples[:, :-1], torch.where(keep, cos, 0.0).unsqueeze(1)], 1)
+        verdict = self.precursor.update(samples)
         before = torch.cat([self._warned.view(1), verdict.warn[:-1]])
         self._warned.copy_(verdict.warn[-1])
         columns = (verdict.warn, verdict.warn & ~before, verdict.column, verdict.score)

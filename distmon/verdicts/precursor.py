@@ -39,8 +39,8 @@ loss's curvature allows. Before that, consecutive steps' gradients point apart (
 overshoots along the sharpest direction: :mod:`distmon.step.grad_cosine`), as they also do in
 stable runs at a high constant rate; what tells the two apart is that the schedule still raises
 the rate. Given the schedule's highest rate, one more column holds ``1 -`` the interval's mean
-cosine, with bound ``1 - cosine_below``; the judge counts its samples only while ``peak_lr`` is
-``rate_headroom`` times the rate or more (``gate`` in :meth:`PrecursorDetector.update`).
+cosine, with bound ``1 - cosine_below``; the judge hands it over only while ``peak_lr`` is
+``rate_headroom`` times the rate or more, and 0 ("not measured") elsewhere.
 Measured (``benchmarks/results/early_warning.md``): over 66 diverging runs and 52 healthy ones
 it warned in 55 (median 30% of the steps ahead) and on 1 healthy run; blind to runs whose rate
 is already too high when a short warm-up ends, and it can warn on a run whose peak lies between
@@ -222,26 +222,16 @@ class PrecursorDetector:
         bounds = [cfg.bound] * blocks + ([cfg.oscillation_bound] if oscillation else [])
         return cls(len(bounds), cfg, bounds=bounds, device=device)
 
-    def update(self, samples: torch.Tensor, gate: torch.Tensor | None = None) -> PrecursorVerdict:
-        """Judge ``samples`` ``(k, n_signals)`` (consecutive samples, oldest first); advance the state.
-
-        ``gate`` ``(k, n_signals)`` bool: where False, the sample counts as not measured (it
-        moves nothing and breaks a run): the oscillation column while the schedule has no
-        headroom left.
-        """
+    def update(self, samples: torch.Tensor) -> PrecursorVerdict:
+        """Judge ``samples`` ``(k, n_signals)`` (consecutive samples, oldest first); advance the state."""
         if samples.dim() != 2 or samples.shape[1] != self.n:
             raise ValueError(f"distmon: precursor samples must be (k, {self.n}), got {tuple(samples.shape)}")
         if len(samples) > self._max_run:  # keep the closed-form EMA's powers moderate
             step = self._max_run
-            parts = [
-                self.update(samples[i : i + step], None if gate is None else gate[i : i + step])
-                for i in range(0, len(samples), step)
-            ]
+            parts = [self.update(samples[i : i + step]) for i in range(0, len(samples), step)]
             return PrecursorVerdict(*(torch.cat(p) for p in zip(*parts)))
         cfg, k = self.cfg, len(samples)
         x = samples.detach().to(self.ema.dtype)
-        if gate is not None:
-            x = torch.where(gate, x, 0.0)
         # NaN/Inf: the forward overflowed (warns at once); 0 (or less): not measured this sample
         # (a block no forward called): it moves nothing and breaks a run of samples over a rule
         finite = torch.isfinite(x) & (x > 0)
