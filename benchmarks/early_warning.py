@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Does distmon's precursor warn of divergence earlier than the alternatives? Side by side, same runs.
 
-    python benchmarks/early_warning.py            # the sweep (49 runs), the hold-out (26), stress (20)
-                                                  # and validation runs (24): ~40-50 min on 2 cores
+    python benchmarks/early_warning.py            # the sweep (49 runs), the hold-out (26), stress (20),
+                                                  # validation (24) and fast warm-up runs (13):
+                                                  # ~45-55 min on 2 cores
                                                   # the first time (recordings are cached), then
                                                   # ~1 min; + cost
     python benchmarks/early_warning.py --quick    # smoke: 2 short runs, under a minute
@@ -57,7 +58,7 @@ OSCILLATION_LABEL = (
     f"2 samples in a row while the peak rate is {OSCILLATION.rate_headroom} times the rate at the sample "
     "or more"
 )
-SETS = ("sweep", "hold-out", "stress", "validation")
+SETS = ("sweep", "hold-out", "stress", "validation", "fast warm-ups")
 AFTER = 50  # the alternatives' warm-up in steps (distmon's DetectorConfig.warmup_steps)
 
 
@@ -129,9 +130,9 @@ def markdown(result: dict[str, object]) -> str:
         "peak 0.5/1.0; **mitigated** qk-layernorm + z-loss 1e-4, peak 0.5; **gray** no mitigation, "
         "peak 0.3 (attention logits blow up, the loss may or may not pass the divergence bar); "
         "**healthy** no mitigation at peak 0.003/0.01, qk-layernorm + z-loss 1e-4 at peak 0.2/0.3 "
-        "(and in the stress and validation runs up to 0.4, some after shorter warm-ups); "
-        "**constant** (stress and validation runs) qk-layernorm warmed up to 0.5 in 100 steps: a "
-        "divergence at a constant rate.",
+        "(and in the later sets up to 0.4, some after warm-ups of 50-500 steps); "
+        "**constant** (stress, validation and fast warm-up runs) qk-layernorm (some with z-loss) "
+        "warmed up to 0.45-0.6 in 50-200 steps: a divergence at (or near) a constant rate.",
         "",
         "distmon precursor: `distmon.verdicts.precursor.PrecursorDetector` on "
         f"{result['precursor']['label']}; `peak_lr=`: {result['precursor']['oscillation']}.",
@@ -160,7 +161,9 @@ def markdown(result: dict[str, object]) -> str:
             "The sweep and the hold-out runs are those every candidate was scored on; the stress runs "
             "were recorded while the oscillation rule was chosen (near its edges: healthy runs warmed up "
             "close to the critical rate, runs diverging at a constant rate after a 100-step warm-up); "
-            "the validation runs were recorded after it was fixed and scored once (`runs.py`). "
+            "the validation runs were recorded after it was fixed and scored once; the fast warm-ups "
+            "(50-200 steps) in a later session, to test a gradient-norm jump rule (below), and scored "
+            "once (`runs.py`). "
             "The gradient-norm threshold is the sweep's.",
             "",
             "| detector | " + " | ".join(SETS) + " | all |",
@@ -168,6 +171,25 @@ def markdown(result: dict[str, object]) -> str:
         ]
         for name, cells in result["sets"].items():
             lines.append(f"| {LABELS[name]} | " + " | ".join(cells[s] for s in (*SETS, "all")) + " |")
+        lines.append("")
+        for name in ("distmon_precursor", "distmon_precursor_peak_lr"):
+            warned = result["sets"][name]["warned"]
+            lines.append(f"Healthy runs warned by {LABELS[name]} (its first warning): {warned or 'none'}.  ")
+    if result.get("jumps"):
+        lines += ["", "## A gradient-norm jump rule for the constant-rate class (tried, not kept)", ""]
+        lines += [
+            "The largest rise of the global gradient norm within 100 steps (10-step means, from step 50 "
+            "on, up to the divergence): over the healthy runs, the largest; over the diverging runs and "
+            "those of the constant class, the range. Runs diverging at a constant rate after a short "
+            "warm-up jump further than any healthy run of the sets recorded before them, but healthy "
+            "fast warm-ups (recorded to test that) jump nearly as far: the norm jumps with the warm-up's "
+            "speed, not only before a divergence, and no threshold keeps a margin on both.",
+            "",
+            "| set | healthy (largest) | diverged (range) | constant class (range) |",
+            "|---|---|---|---|",
+        ]
+        for name, row in result["jumps"].items():
+            lines.append(f"| {name} | {row['healthy']} | {row['diverged']} | {row['constant']} |")
     lines += ["", "## Per class: detected / diverged, median lead (lead as % of the steps to divergence)", ""]
     classes = list(next(iter(result["by_class"].values())))
     lines += ["| detector | " + " | ".join(classes) + " |", "|---" * (len(classes) + 1) + "|"]
@@ -271,7 +293,7 @@ def by_class(triples, table) -> dict[str, dict[str, str]]:  # noqa: ANN001
 
 def set_cells(by_set, healthy_gn: float) -> dict[str, dict[str, str]]:  # noqa: ANN001
     """Per detector and set of runs (and all of them): ``detected/diverging, median lead (%);
-    healthy warned``."""
+    healthy warned``; under ``warned``, the healthy runs it warned and the step of the first warning."""
     every = [t for ts in by_set.values() for t in ts]
     tables = {name: detector_table(ts, healthy_gn) for name, ts in (*by_set.items(), ("all", every))}
     out: dict[str, dict[str, str]] = {}
@@ -285,6 +307,12 @@ def set_cells(by_set, healthy_gn: float) -> dict[str, dict[str, str]]:  # noqa: 
                 f"{s['detected']}/{s['diverging_runs']}{lead}{pct}; "
                 f"healthy {s['healthy_runs_warned']}/{s['healthy_runs']}"
             )
+        warned = [
+            r
+            for r in tables["all"][det]["runs"]
+            if r["class"] == "healthy" and r["first_warning"] is not None
+        ]
+        out[det]["warned"] = ", ".join(f"{r['run']} (step {r['first_warning']})" for r in warned)
     return out
 
 
@@ -296,6 +324,35 @@ MECHANISM_SIGNALS = {
     "gradient norm": "grad_norm",
     "1 - consecutive gradients' cosine": "1-grad_cos",
 }
+
+
+def jumps(by_set) -> dict[str, dict[str, str]]:  # noqa: ANN001
+    """Per set of runs: the largest rise of the gradient norm within 100 steps
+    (:func:`detectors.gradnorm_jump`) over its healthy runs, and its range over the runs that
+    diverged (up to their divergence): where a jump rule would have to draw its line."""
+    out: dict[str, dict[str, str]] = {}
+    for name, triples in by_set.items():
+        healthy = [
+            detectors.gradnorm_jump(rec, None, after=AFTER)
+            for c, rec, d in triples
+            if d is None and c == "healthy"
+        ]
+        diverged = [detectors.gradnorm_jump(rec, d, after=AFTER) for c, rec, d in triples if d is not None]
+        constant = [
+            detectors.gradnorm_jump(rec, d, after=AFTER)
+            for c, rec, d in triples
+            if d is not None and c == "constant"
+        ]
+        out[name] = {
+            "healthy": f"x{max(healthy):.1f} ({len(healthy)} runs)" if healthy else "-",
+            "diverged": f"x{min(diverged):.1f}-{max(diverged):.1f} ({len(diverged)} runs)"
+            if diverged
+            else "-",
+            "constant": f"x{min(constant):.1f}-{max(constant):.1f} ({len(constant)} runs)"
+            if constant
+            else "-",
+        }
+    return out
 
 
 def mechanism(triples, after: int = AFTER) -> dict[str, dict[str, str]]:  # noqa: ANN001
@@ -354,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = runs.quick() if args.quick else runs.sweep()
     held = [] if args.quick else runs.holdout()
     more = {} if args.quick else {"stress": runs.stress(), "validation": runs.validation()}
+    more |= {} if args.quick else {"fast warm-ups": runs.fast_warmups()}
     every_plan = plan + held + [r for rs in more.values() for r in rs]
     runs.ensure(every_plan, args.cache, jobs=args.jobs, log=lambda m: print(m, flush=True))
 
@@ -403,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         by_set = {"sweep": triples, "hold-out": [triple(c, s) for c, s in held]}
         by_set |= {name: [triple(c, s) for c, s in rs] for name, rs in more.items()}
         result["sets"] = set_cells(by_set, healthy_gn)
+        result["jumps"] = jumps(by_set)
     result["holdout"] = runs.describe(held)
     result["candidates"] = candidates.score(triples, held_out=[triple(c, spec) for c, spec in held])
     result["intervals"] = intervals(triples)

@@ -60,7 +60,9 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
     assert divergence_step(flat[:250] + [math.inf] + flat[251:]) == 250
 
 
-@pytest.mark.parametrize("name", ["model", "data", "recorder", "divergence", "detectors", "runs"])
+@pytest.mark.parametrize(
+    "name", ["model", "data", "recorder", "divergence", "detectors", "runs", "sharpness_probe"]
+)
 def test_the_benchmark_modules_examples_hold(name):
     """benchmarks/ is outside the suite's doctest paths: its modules' examples run here."""
     import doctest
@@ -145,3 +147,43 @@ def test_the_recorded_cosine_is_what_the_monitor_computes():
             assert 1.0 - float(mine.take()) == pytest.approx(recorded.mean(), abs=1e-5), step
         elif step % 10 == 0:
             mine.take()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_gradient_norm_jump_is_the_largest_ratio_of_interval_means_within_the_window(seed):
+    """``gradnorm_jump`` against every pair of 10-step intervals at most 100 steps apart."""
+    from benchmarks.divergence.detectors import gradnorm_jump
+
+    gen = np.random.default_rng(seed)
+    n = int(gen.integers(80, 400))
+    norms = np.exp(np.cumsum(gen.normal(0, 0.2, n)))
+    until = None if seed % 2 else int(gen.integers(60, n))
+    series = norms[: until if until is not None else None]
+    means = [series[i : i + 10].mean() for i in range(0, len(series) - 9, 10)]
+    best = max(means[j] / means[i] for j in range(5, len(means)) for i in range(max(0, j - 10), j + 1))
+    assert gradnorm_jump({"grad_norm": list(norms)}, until) == pytest.approx(best, rel=1e-9)
+
+
+def test_the_sharpness_probe_reads_adams_curvature_along_its_step():
+    """On a quadratic, full batch, the probe's ``s`` equals ``lr * dtheta.H dtheta / dtheta.D dtheta``
+    with ``H dtheta`` from autograd's Hessian-vector product and ``D`` from Adam's state."""
+    from benchmarks.divergence.sharpness_probe import AdamSecant
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    hess = a @ a.T + torch.eye(6, dtype=torch.float64)
+    w = torch.nn.Parameter(torch.randn(6, generator=gen, dtype=torch.float64))
+    opt = torch.optim.AdamW([w], lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    probe, before = AdamSecant(), []
+    for steps in range(8):
+        opt.zero_grad()
+        (0.5 * w @ hess @ w).backward()
+        probe(opt)
+        before.append(w.detach().clone())
+        if steps:  # the second moments the probe read, bias-corrected after `steps` steps
+            v = opt.state[w]["exp_avg_sq"].clone() / (1 - 0.95**steps)
+        opt.step()
+    d = before[-1] - before[-2]
+    _, h_d = torch.autograd.functional.hvp(lambda x: 0.5 * x @ hess @ x, before[-1], d)
+    assert probe.num[-1] == pytest.approx(0.05 * float(d @ h_d), rel=1e-9)
+    assert probe.den[-1] == pytest.approx(float(d @ ((v.sqrt() + 1e-8) * d)), rel=1e-12)

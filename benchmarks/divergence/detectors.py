@@ -12,7 +12,8 @@ warns once). Steps are 0-based loop indices, like the recording's loss.
 - :func:`lightning_spike_step`: Lightning's ``SpikeDetection`` rule, reimplemented line by
   line from ``lightning.fabric.utilities.spike`` (defaults: mode min, window 10, warmup 1,
   atol None, rtol 2.0, finite_only True) on the per-step loss;
-- :func:`gradnorm_steps`: the global gradient norm (before clipping) above a fixed threshold.
+- :func:`gradnorm_steps`: the global gradient norm (before clipping) above a fixed threshold
+  (and :func:`gradnorm_jump`, its largest rise within a window: a rule tried and not kept).
 """
 
 from __future__ import annotations
@@ -148,6 +149,24 @@ def gradnorm_steps(rec: Recording, threshold: float, *, after: int = 50) -> list
     over = ~np.isfinite(g) | (g > threshold)
     over[:after] = False
     return [int(s) for s in np.flatnonzero(over)]
+
+
+def gradnorm_jump(rec: Recording, until: int | None, *, window: int = 100, after: int = 50) -> float:
+    """The largest rise of the global gradient norm within ``window`` steps, as a factor: the norm
+    averaged over consecutive 10-step intervals, each interval's mean over the lowest of the
+    intervals up to ``window`` steps before it, for intervals from ``after`` up to ``until``
+    (the divergence step; None: the whole run). What a jump rule on the norm would threshold.
+
+    Example:
+        >>> rec = {"grad_norm": [1.0] * 60 + [4.0] * 40}
+        >>> gradnorm_jump(rec, None, after=0)
+        4.0
+    """
+    g = np.asarray(rec["grad_norm"], np.float64)[: until if until is not None else None]
+    means = np.log(g[: len(g) // 10 * 10].reshape(-1, 10).mean(1))
+    back = window // 10
+    rises = [means[j] - means[max(0, j - back) : j + 1].min() for j in range(after // 10, len(means))]
+    return float(np.exp(max(rises))) if rises else math.nan
 
 
 def episodes(steps: Sequence[int], gap: int) -> int:

@@ -138,6 +138,24 @@ def validation() -> list[tuple[str, RunSpec]]:
     return runs
 
 
+def fast_warmups() -> list[tuple[str, RunSpec]]:
+    """Short warm-ups (50-200 steps), recorded after both rules were fixed and scored once: healthy
+    if they do not diverge (qk-layernorm with and without z-loss to 0.3 in 100 steps, with z-loss
+    to 0.2 in 50, 0.35 in 100 and 0.4 in 200; no mitigation to 0.01 in 100), and diverging at
+    (or near) a constant rate (qk-layernorm to 0.5 in 100, 0.6 in 200 and 0.45 in 50; with
+    z-loss to 0.5 in 100). They test a gradient-norm jump rule for the constant-rate class
+    (``early_warning.py``'s jump table: it cannot tell the two apart)."""
+    runs: list[tuple[str, RunSpec]] = []
+    for s in (16, 17):
+        runs += [("healthy", replace(BASE, lr=0.3, warmup=100, seed=s, model=m)) for m in (MITIGATED, QKLN)]
+        runs += [("constant", replace(BASE, lr=0.5, warmup=100, seed=s, model=QKLN))]
+    healthy = [(0.2, 50, MITIGATED), (0.01, 100, PLAIN), (0.35, 100, MITIGATED), (0.4, 200, MITIGATED)]
+    runs += [("healthy", replace(BASE, lr=lr, warmup=wu, seed=16, model=m)) for lr, wu, m in healthy]
+    diverging = [(0.6, 200, QKLN), (0.45, 50, QKLN), (0.5, 100, MITIGATED)]
+    runs += [("constant", replace(BASE, lr=lr, warmup=wu, seed=16, model=m)) for lr, wu, m in diverging]
+    return runs
+
+
 def quick() -> list[tuple[str, RunSpec]]:
     """A smoke sweep (well under a minute): one short run per class, fast rates."""
     short = replace(BASE, steps=150, warmup=100)

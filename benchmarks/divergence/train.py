@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -58,8 +59,15 @@ class RunSpec:
         return self.lr
 
 
-def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -> dict[str, object]:
-    """Run ``spec``; return the recording: arrays per signal, names, divergence step, distmon events."""
+def train(
+    spec: RunSpec,
+    *,
+    record_every: int = 5,
+    distmon_watch: bool = True,
+    probe: Callable[[torch.optim.Optimizer], None] | None = None,
+) -> dict[str, object]:
+    """Run ``spec``; return the recording: arrays per signal, names, divergence step, distmon events.
+    ``probe(optimizer)`` runs after each backward, before clipping (the gradients as computed)."""
     torch.set_num_threads(1)
     torch.manual_seed(spec.seed)
     model = TinyGPT(spec.model)
@@ -105,6 +113,8 @@ def train(spec: RunSpec, *, record_every: int = 5, distmon_watch: bool = True) -
         recorded = rec.begin(step)
         _, loss, ce = model(x, y)
         loss.backward()
+        if probe is not None:
+            probe(opt)
         extra: dict[str, np.ndarray] = {}
         if recorded:
             extra["layer_grad_norm"] = layer_grad_norms(model, rec.layers)

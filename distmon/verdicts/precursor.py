@@ -27,8 +27,8 @@ largest logit, and it needs no ``T x T`` scores: two vector norms and two max), 
 different batches, tensor-parallel ranks different heads), so that every rank holds the same
 samples and reaches the same verdict. ``benchmarks/divergence/cost.py`` measures that
 sampling (forward hooks on each block's fused qkv projection, device ops only): on one CPU
-thread, in the thread's CPU time, paired within rounds, 0.5-1.1 ms on a sampled 18-23 ms step
-of the benchmark's 0.14M-parameter model (0.3-0.5% of a step at every 10 steps, over four runs
+thread, in the thread's CPU time, paired within rounds, 0.4-1.1 ms on a sampled 18-23 ms step
+of the benchmark's 0.14M-parameter model (0.2-0.5% of a step at every 10 steps, over five runs
 of the benchmark; ``benchmarks/results/early_warning.md`` holds the latest), and below this
 shared machine's noise on a 3.3M-parameter one;
 :meth:`PrecursorDetector.update` over 10 samples of 8 columns takes ~0.2 ms, once per export.
@@ -41,10 +41,10 @@ stable runs at a high constant rate; what tells the two apart is that the schedu
 the rate. Given the schedule's highest rate, one more column holds ``1 -`` the interval's mean
 cosine, with bound ``1 - cosine_below``; the judge hands it over only while ``peak_lr`` is
 ``rate_headroom`` times the rate or more, and 0 ("not measured") elsewhere.
-Measured (``benchmarks/results/early_warning.md``): over 66 diverging runs and 52 healthy ones
-it warned in 55 (median 30% of the steps ahead) and on 1 healthy run; blind to runs whose rate
-is already too high when a short warm-up ends, and it can warn on a run whose peak lies between
-where oscillation set in and the critical rate.
+Measured (``benchmarks/results/early_warning.md``): over 71 diverging runs and 60 healthy ones
+it warned in 57 (median 31% of the steps ahead) and on 2 healthy runs (one by a block's
+bound); blind to runs whose rate is already too high when a short warm-up ends, and it can
+warn on a run whose peak lies between where oscillation set in and the critical rate.
 
 Everything is batched over the ``k`` samples of a call (EMA in closed form, running minimum
 by ``cummin``, run lengths by prefix sums): device ops only, no host sync (``update`` runs on
