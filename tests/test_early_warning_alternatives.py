@@ -187,3 +187,54 @@ def test_the_sharpness_probe_reads_adams_curvature_along_its_step():
     _, h_d = torch.autograd.functional.hvp(lambda x: 0.5 * x @ hess @ x, before[-1], d)
     assert probe.num[-1] == pytest.approx(0.05 * float(d @ h_d), rel=1e-9)
     assert probe.den[-1] == pytest.approx(float(d @ ((v.sqrt() + 1e-8) * d)), rel=1e-12)
+
+
+class _Quadratic(torch.nn.Module):
+    """``0.5 w.H w`` as the benchmark's model returns its loss: ``model(x, y)[1]``."""
+
+    def __init__(self, hess, w):
+        super().__init__()
+        self.hess, self.w = hess, torch.nn.Parameter(w)
+
+    def forward(self, x, y):
+        return None, 0.5 * self.w @ self.hess @ self.w, None
+
+
+def test_the_power_iteration_finds_the_top_eigenvalue_of_adams_preconditioned_hessian():
+    """On a quadratic, ``lr * lambda_max(D^-1 H)`` against ``eigvalsh`` of ``D^-1/2 H D^-1/2``."""
+    from benchmarks.divergence.sharpness_probe import PreconditionedSharpness
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    hess = a @ a.T + torch.diag(torch.arange(8, dtype=torch.float64) * 3)
+    model = _Quadratic(hess, torch.randn(8, generator=gen, dtype=torch.float64))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    power = PreconditionedSharpness((None, None), every=3, iters=400)
+    for steps in range(7):
+        opt.zero_grad()
+        model(None, None)[1].backward()
+        power(opt, model)
+        if steps % 3 == 0 and steps:
+            v = opt.state[model.w]["exp_avg_sq"] / (1 - 0.95**steps)
+            inv = (v.sqrt() + 1e-8).rsqrt()
+            want = 0.05 * float(torch.linalg.eigvalsh(inv[:, None] * hess * inv[None, :]).max())
+            assert power.samples[-1][1] == pytest.approx(want, rel=1e-6)
+        opt.step()
+    assert [s for s, _, _ in power.samples] == [3, 6]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_top_eigenvalue_is_the_most_positive_also_behind_a_larger_negative_one(seed):
+    """``top_eigenvalue`` against ``eigvalsh`` on symmetric matrices, half of them with a negative
+    eigenvalue larger in magnitude than every positive one."""
+    from benchmarks.divergence.sharpness_probe import top_eigenvalue
+
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(12, 12, generator=gen, dtype=torch.float64))
+    spectrum = torch.linspace(-3.0, 10.0, 12, dtype=torch.float64)
+    if seed % 2:
+        spectrum[0] = -25.0
+    m = q @ torch.diag(spectrum) @ q.T
+    value, vector = top_eigenvalue(lambda x: m @ x, torch.randn(12, generator=gen, dtype=torch.float64), 300)
+    assert value == pytest.approx(float(torch.linalg.eigvalsh(m).max()), rel=1e-6)
+    assert float(vector @ m @ vector) == pytest.approx(value, rel=1e-6)

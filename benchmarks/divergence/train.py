@@ -64,10 +64,11 @@ def train(
     *,
     record_every: int = 5,
     distmon_watch: bool = True,
-    probe: Callable[[torch.optim.Optimizer], None] | None = None,
+    probe: Callable[[torch.optim.Optimizer, torch.nn.Module], None] | None = None,
 ) -> dict[str, object]:
     """Run ``spec``; return the recording: arrays per signal, names, divergence step, distmon events.
-    ``probe(optimizer)`` runs after each backward, before clipping (the gradients as computed)."""
+    ``probe(optimizer, model)`` runs after each backward, before clipping (the gradients as
+    computed); ``model(x, y)[1]`` is the training loss of a batch."""
     torch.set_num_threads(1)
     torch.manual_seed(spec.seed)
     model = TinyGPT(spec.model)
@@ -114,7 +115,7 @@ def train(
         _, loss, ce = model(x, y)
         loss.backward()
         if probe is not None:
-            probe(opt)
+            probe(opt, model)
         extra: dict[str, np.ndarray] = {}
         if recorded:
             extra["layer_grad_norm"] = layer_grad_norms(model, rec.layers)
