@@ -330,27 +330,18 @@ def jumps(by_set) -> dict[str, dict[str, str]]:  # noqa: ANN001
     """Per set of runs: the largest rise of the gradient norm within 100 steps
     (:func:`detectors.gradnorm_jump`) over its healthy runs, and its range over the runs that
     diverged (up to their divergence): where a jump rule would have to draw its line."""
+
+    def span(values: list[float]) -> str:
+        return f"x{min(values):.1f}-{max(values):.1f} ({len(values)} runs)" if values else "-"
+
     out: dict[str, dict[str, str]] = {}
     for name, triples in by_set.items():
-        healthy = [
-            detectors.gradnorm_jump(rec, None, after=AFTER)
-            for c, rec, d in triples
-            if d is None and c == "healthy"
-        ]
-        diverged = [detectors.gradnorm_jump(rec, d, after=AFTER) for c, rec, d in triples if d is not None]
-        constant = [
-            detectors.gradnorm_jump(rec, d, after=AFTER)
-            for c, rec, d in triples
-            if d is not None and c == "constant"
-        ]
+        jump = [(c, d, detectors.gradnorm_jump(rec, d, after=AFTER)) for c, rec, d in triples]
+        healthy = [j for c, d, j in jump if d is None and c == "healthy"]
         out[name] = {
             "healthy": f"x{max(healthy):.1f} ({len(healthy)} runs)" if healthy else "-",
-            "diverged": f"x{min(diverged):.1f}-{max(diverged):.1f} ({len(diverged)} runs)"
-            if diverged
-            else "-",
-            "constant": f"x{min(constant):.1f}-{max(constant):.1f} ({len(constant)} runs)"
-            if constant
-            else "-",
+            "diverged": span([j for c, d, j in jump if d is not None]),
+            "constant": span([j for c, d, j in jump if d is not None and c == "constant"]),
         }
     return out
 
@@ -410,8 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     plan = runs.quick() if args.quick else runs.sweep()
     held = [] if args.quick else runs.holdout()
-    more = {} if args.quick else {"stress": runs.stress(), "validation": runs.validation()}
-    more |= {} if args.quick else {"fast warm-ups": runs.fast_warmups()}
+    more = (
+        {}
+        if args.quick
+        else {
+            "stress": runs.stress(),
+            "validation": runs.validation(),
+            "fast warm-ups": runs.fast_warmups(),
+        }
+    )
     every_plan = plan + held + [r for rs in more.values() for r in rs]
     runs.ensure(every_plan, args.cache, jobs=args.jobs, log=lambda m: print(m, flush=True))
 
