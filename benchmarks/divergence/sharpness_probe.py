@@ -173,7 +173,7 @@ def _power(
 
 def probe(spec: RunSpec) -> dict[str, object]:
     """One run with both probes: its divergence step, ``s`` per ``WINDOW``-step window, the power
-    iteration's samples, and the run's seconds per step without them."""
+    iteration's samples and their seconds, and the run's seconds per step without them."""
     batch = Batches(seq_len=spec.model.seq_len, batch=EVAL_BATCH, seed=EVAL_SEED).next()
     sec, power = AdamSecant(), PreconditionedSharpness(batch)
 
@@ -195,7 +195,7 @@ def probe(spec: RunSpec) -> dict[str, object]:
         "s": s,
         "power": [(st, v) for st, v, _ in power.samples],
         "sample_s": probe_s / max(1, len(power.samples)),
-        "step_s": (rec["seconds"] - probe_s) / rec["steps_run"],
+        "step_s": (rec["seconds"] - probe_s) / rec["steps_run"],  # with the secant's cheap reads
     }
 
 
@@ -283,12 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(results)
     print(text)
     if args.write:
-        with open(
-            os.path.join(
-                os.path.dirname(os.path.dirname(HERE)), "benchmarks", "results", "sharpness_probe.md"
-            ),
-            "w",
-        ) as f:
+        with open(os.path.join(os.path.dirname(HERE), "results", "sharpness_probe.md"), "w") as f:
             f.write(text)
     return 0
 
