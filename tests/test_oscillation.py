@@ -147,6 +147,48 @@ def test_a_constant_rate_that_oscillates_and_converges_does_not_warn():
     assert float(run["w"].abs().max()) < 1.0  # and converges
 
 
+def test_a_decaying_rate_that_still_oscillates_does_not_warn():
+    # past the peak the schedule no longer raises the rate, though the peak is 1.2 times it or more
+    rates = [0.19 - 0.0025 * i for i in range(60)]  # from 0.19 (converging) down through 0.1
+    run = _quadratic_run(rates, peak_lr=0.19, curvature=[10.0])
+    falling = [s for s, c in run["cosines"].items() if c < -0.2 and 0.19 >= 1.2 * rates[s - 1]]
+    assert len(falling) >= 2  # oscillating samples with headroom, twice and more: the old gate's warning
+    assert [e for e in run["events"] if e.kind == "divergence_warning"] == []
+
+
+def test_a_rate_of_zero_at_a_sample_is_read_as_rising_headroom():
+    # a warm-up from 0 (or a schedule that rests at 0) samples lr 0: no error, no figure lost
+    rates = [0.0] * EVERY + [0.01] * EVERY
+    net = Quadratic()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    cfg = PrecursorConfig(every=EVERY, peak_lr=0.3)
+    with distmon.GradMonitor(net, opt, serve="none", export_every=EVERY, precursor=cfg) as mon:
+        for lr in rates:
+            opt.param_groups[0]["lr"] = lr
+            net().backward()
+            opt.step()
+            opt.zero_grad()
+        snap = mon.flush()
+    assert snap.monitor_errors == 0 and snap.valid
+
+
+@pytest.mark.parametrize("on_device", [False, True])  # a host float, or a capturable optimizer's tensor
+def test_the_headroom_is_peak_over_rate_while_the_rate_rises_and_0_once_it_fell(on_device):
+    rates = [0.0, 0.1, 0.2, 0.2, 0.3, 0.25, 0.3, 0.1]
+    want = [math.inf, 3.0, 1.5, 1.5, 1.0, 0.0, 1.0, 0.0]  # peak 0.3; falls at 0.25 and 0.1
+    w = torch.nn.Parameter(torch.zeros(1))
+    now = {"lr": 0.0}
+    rate = (lambda: torch.tensor(now["lr"])) if on_device else (lambda: now["lr"])
+    cos = GradientCosine([w], torch.device("cpu"), peak_lr=0.3, rate=rate)
+    out = torch.zeros(2)
+    got = []
+    for lr in rates:
+        now["lr"] = lr
+        cos.sample(out)
+        got.append(float(out[1]))
+    assert got == pytest.approx(want)
+
+
 def test_no_host_sync_on_ordinary_steps_and_training_bit_identical():
     rates = [0.003 * i for i in range(1, 41)]
     net = Quadratic()

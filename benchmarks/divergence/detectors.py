@@ -78,8 +78,8 @@ def precursor_steps(
 ) -> list[int]:
     """Steps whose sample warns: the signals of ``parts`` (``(name, bound)``, None: the rise rule)
     side by side as the detector's columns, sampled every ``cfg.every`` steps, ``chunk`` samples
-    per call. With ``schedule``, the ``1-grad_cos`` columns count only while the run's peak rate
-    is ``cfg.rate_headroom`` times its rate at the sample or more: the oscillation rule as
+    per call. With ``schedule``, the ``1-grad_cos`` columns count only while the run's rate still
+    rises and its peak is ``cfg.rate_headroom`` times the rate at the sample or more: the oscillation rule as
     ``PrecursorConfig(peak_lr=`` the run's peak ``)`` applies it (``distmon.verdicts.judge``)."""
     cols: list[np.ndarray] = []
     bounds: list[float | None] = []
@@ -94,7 +94,9 @@ def precursor_steps(
     values = np.concatenate(cols, 1)[keep]
     if any(gated):  # elsewhere 0, the detector's "not measured", as distmon's judge hands it over
         spec = spec_of(rec)
-        room = np.array([spec.lr / spec.lr_at(int(s)) for s in steps[keep]]) >= cfg.rate_headroom
+        lr = np.array([spec.lr_at(int(s)) for s in steps[keep]])
+        # headroom while the rate still rises (not below its highest so far), as GradientCosine gives it
+        room = (spec.lr / lr >= cfg.rate_headroom) & (lr >= np.maximum.accumulate(lr))
         cols_gated = np.array(gated)
         values[:, cols_gated] = np.where(room[:, None], values[:, cols_gated], 0.0)
     det = PrecursorDetector(len(bounds), cfg, bounds=bounds)

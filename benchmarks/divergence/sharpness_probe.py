@@ -116,9 +116,11 @@ class PreconditionedSharpness:
 
     def __call__(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
         step, self.step = self.step, self.step + 1
+        if step % self.every:
+            return
         params = [p for g in opt.param_groups for p in g["params"]]
         scale = _adam_scale(opt, params)
-        if step % self.every or scale is None:
+        if scale is None:
             return
         t0 = time.perf_counter()
         inv = scale.rsqrt()

@@ -13,7 +13,8 @@ swap roles. The pair's cosine is added to an interval sum on the device; a pair 
 non-finite or zero gradient (a step the loss scaler skips) is left out. :meth:`take` gives the
 interval's ``1 - mean cosine`` (NaN: no pair measured) and starts the next interval;
 :meth:`sample` writes it into a sampled step's row with the rate headroom (``peak_lr`` over the
-learning rate now, :class:`~distmon.step.rows.Oscillation`). Device ops only, no host sync.
+learning rate now while the rate still rises, 0 once it fell from its highest:
+:class:`~distmon.step.rows.Oscillation`). Device ops only, no host sync.
 The buffers cost two copies of the gradient's memory, hence opt-in
 (``PrecursorConfig(peak_lr=...)``), and they need every rank to hold the whole gradient (one
 process, DDP): sharded layouts are refused at construction.
@@ -21,6 +22,7 @@ process, DDP): sharded layouts are refused at construction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,7 @@ class GradientCosine:
         rate: Callable[[], float | torch.Tensor] = lambda: 1.0,
     ) -> None:
         self.peak_lr, self.rate = peak_lr, rate  # the schedule's highest rate, and the rate now
+        self._top: float | torch.Tensor | None = None  # the highest rate a sample read
         groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             # fp16's range cannot hold a gradient's squared norm: its copies are kept in fp32
@@ -103,8 +106,19 @@ class GradientCosine:
         """A sampled step: ``out`` (the :class:`~distmon.step.rows.Oscillation` columns) takes the
         interval's ``1 - mean cosine`` and the rate headroom; the next interval starts."""
         out[Oscillation.ONE_MINUS_COS] = self.take()
-        lr = self.rate()  # a host float, or a device tensor (a capturable optimizer's): no sync
-        out[Oscillation.HEADROOM] = self.peak_lr / lr
+        out[Oscillation.HEADROOM] = self._headroom(self.rate())
+
+    def _headroom(self, lr: float | torch.Tensor) -> float | torch.Tensor:
+        """``peak_lr / lr`` while the rate is still rising (not below the highest it reached at a
+        sample; a rate of 0 rises to anything); 0 once it fell: past its peak the schedule will not
+        raise it again, however far below ``peak_lr`` a decay takes it."""
+        if isinstance(lr, torch.Tensor):  # a capturable optimizer's rate, on the device: no sync
+            self._top = lr.detach().clone() if self._top is None else torch.maximum(self._top, lr)
+            return torch.where(lr >= self._top, self.peak_lr / lr, 0.0)
+        self._top = lr if self._top is None else max(self._top, lr)
+        if lr < self._top:
+            return 0.0
+        return self.peak_lr / lr if lr > 0 else math.inf
 
     def reset(self) -> None:
         """Forget the previous gradient (a step whose figures were dropped): the next pair starts afresh."""

@@ -108,7 +108,7 @@ class Oscillation(IntEnum):
     """The oscillation rule's columns among the precursor's samples (after the blocks' bounds)."""
 
     ONE_MINUS_COS = 0  # 1 - the sampling interval's mean cosine of consecutive gradients (NaN: none)
-    HEADROOM = 1  # PrecursorConfig.peak_lr over the learning rate at the sample
+    HEADROOM = 1  # PrecursorConfig.peak_lr over the rate at the sample while it rises (0 once it fell)
 
 
 class Early(IntEnum):

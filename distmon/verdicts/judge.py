@@ -123,7 +123,8 @@ class Judge:
         samples = sampled[:, self._columns]
         if self._headroom is not None:
             # the oscillation column counts only while the schedule will still raise the rate by
-            # rate_headroom or more, and where a pair was measured (NaN is no overflow here):
+            # rate_headroom or more (a headroom of 0: it fell from its highest), and where a pair
+            # was measured (NaN is no overflow here):
             # elsewhere it reads 0, the detector's "not measured"
             cos = samples[:, -1]
             keep = (sampled[:, self._headroom] >= self.precursor.cfg.rate_headroom) & torch.isfinite(cos)

@@ -39,8 +39,9 @@ loss's curvature allows. Before that, consecutive steps' gradients point apart (
 overshoots along the sharpest direction: :mod:`distmon.step.grad_cosine`), as they also do in
 stable runs at a high constant rate; what tells the two apart is that the schedule still raises
 the rate. Given the schedule's highest rate, one more column holds ``1 -`` the interval's mean
-cosine, with bound ``1 - cosine_below``; the judge hands it over only while ``peak_lr`` is
-``rate_headroom`` times the rate or more, and 0 ("not measured") elsewhere.
+cosine, with bound ``1 - cosine_below``; the judge hands it over only while the rate still
+rises (it has not fallen from its highest) and ``peak_lr`` is ``rate_headroom`` times it or
+more, and 0 ("not measured") elsewhere.
 Measured (``benchmarks/results/early_warning.md``): over 71 diverging runs and 60 healthy ones
 it warned in 57 (median 31% of the steps ahead) and on 2 healthy runs (one by a block's
 bound); blind to runs whose rate is already too high when a short warm-up ends, and it can
@@ -101,7 +102,8 @@ class PrecursorConfig:
             parameter group); None: the oscillation rule is off. Given, distmon also keeps the
             cosine between consecutive steps' gradients (its mean over each sampling interval)
             and warns while it is below ``cosine_below`` and the schedule will still raise the
-            rate to ``rate_headroom`` times the current one or more: the optimizer already
+            rate to ``rate_headroom`` times the current one or more (the rate has not fallen
+            from the highest it reached, and ``peak_lr`` lies that far above): the optimizer already
             oscillates across the sharpest direction, and the warm-up is taking the rate past
             where the curvature allows it. Costs two copies of the gradient's memory and a
             pass over it per step; one process and DDP only.
