@@ -24,8 +24,9 @@ gradient of the chosen rank, before DDP's all-reduce, the way a real fault would
   ``--spike-until U`` keeps the spike on through step U (a sustained explosion).
 * ``--corrupt-rank`` scales that rank's loss before ``backward()`` (a bad data shard:
   that rank's whole gradient is off by the factor).
-* ``--hang-step`` stops the loop (sleeping) on all ranks: the process stays alive and
-  keeps answering scrapes, which is what distmon's "training stalled" alert is for.
+* ``--hang-step`` stops the loop (sleeping) on all ranks, or on ``--hang-rank`` only (its
+  peers then wait in that step's all-reduce, as behind a hung or lost machine): the processes
+  stay alive and keep answering scrapes, which is what distmon's "training stalled" alert is for.
 
 Step numbers are distmon's: step S is the S-th optimizer step (the first is 1).
 ``--min-step-s`` makes every step last at least that long (the loop sleeps the rest), so
@@ -251,7 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--hang-step",
         type=int,
         default=None,
-        help="all ranks hang (sleep forever) before step S; metrics keep being served",
+        help="all ranks (or --hang-rank) hang (sleep forever) before step S; metrics keep being served",
+    )
+    f.add_argument(
+        "--hang-rank",
+        type=int,
+        default=None,
+        help="the one rank that hangs at --hang-step; the others wait for it in that step's "
+        "all-reduce (default: every rank hangs)",
     )
     c = p.add_argument_group("checkpoints (a job started again with the same directory resumes)")
     c.add_argument(
@@ -300,6 +308,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--spike-until needs --spike-step")
         if args.spike_until < args.spike_step:
             parser.error(f"--spike-until ({args.spike_until}) must be >= --spike-step ({args.spike_step})")
+    if args.hang_rank is not None and args.hang_step is None:
+        parser.error("--hang-rank needs --hang-step")
     return args
 
 
@@ -351,7 +361,7 @@ def validate_faults(args: argparse.Namespace, model: nn.Module, world_size: int)
         value = getattr(args, flag)
         if value is not None and value < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1 (steps count from 1)")
-    for flag in ("nan_rank", "spike_rank", "corrupt_rank", "crash_rank"):
+    for flag in ("nan_rank", "spike_rank", "corrupt_rank", "crash_rank", "hang_rank"):
         value = getattr(args, flag)
         if value is not None and not 0 <= value < world_size:
             fail(f"--{flag.replace('_', '-')} {value} is not a rank of this job (world size {world_size})")
@@ -402,7 +412,8 @@ class FaultInjector:
                 "(bad shard)"
             )
         if args.hang_step is not None:
-            self.descriptions.append(f"all ranks hang before step {args.hang_step}")
+            who = "all ranks hang" if args.hang_rank is None else f"rank {args.hang_rank} hangs"
+            self.descriptions.append(f"{who} before step {args.hang_step}")
         if args.crash_step is not None:
             self.descriptions.append(
                 f"rank {args.crash_rank} fails at step {args.crash_step} (first attempt only)"
@@ -438,7 +449,8 @@ class FaultInjector:
         return 1.0
 
     def should_hang(self) -> bool:
-        return self.args.hang_step is not None and self.step == self.args.hang_step
+        a = self.args
+        return a.hang_step == self.step and a.hang_rank in (None, self.rank)
 
     def crash(self) -> None:
         """``--crash-step``: this rank fails now, unless torchrun already restarted the job."""
@@ -806,10 +818,18 @@ def train(args: argparse.Namespace, ctx: DistContext) -> dict[str, Any]:
                 injector.step = step
                 injector.crash()
                 if injector.should_hang():
-                    say(
-                        f"--hang-step {step}: the training loop hangs here on all ranks (sleeping); "
-                        f"the process stays up{' and keeps serving ' + url if url else ''}. Ctrl-C to stop."
-                    )
+                    if args.hang_rank is None:
+                        serving = f" and keeps serving {url}" if url else ""
+                        say(
+                            f"--hang-step {step}: the training loop hangs here on all ranks (sleeping); "
+                            f"the process stays up{serving}. Ctrl-C to stop."
+                        )
+                    else:  # said by the rank that hangs, which need not be rank 0
+                        print(
+                            f"--hang-step {step}: rank {ctx.rank} hangs here (sleeping), the other ranks "
+                            "wait for it in this step's all-reduce; the processes stay up. Ctrl-C to stop.",
+                            flush=True,
+                        )
                     while True:
                         time.sleep(3600)
                 opt.zero_grad(set_to_none=True)

@@ -24,6 +24,10 @@ What is checked, by direct scrapes of the four endpoints and by Prometheus queri
   (``distmon_last_nonfinite_step{rank, layer}`` on rank 0's endpoint), by
   DistmonNonFiniteGradientsRank (rank 2 only, its counter served by node 1's endpoint) and by
   ``first_nonfinite`` in every node's log;
+* rank 6 (node 3) hangs before step HANG_STEP (``--hang-step --hang-rank``), the other ranks
+  waiting for it in that step's all-reduce: no export after the one before it can complete
+  anywhere, so every node's log ends at that export (a stop at an arbitrary moment could land
+  inside an export's collective, which some peers complete and log and others never do);
 * node 3 then goes dark: every process of its agent is stopped (SIGSTOP), as a machine that
   dies or drops off the network looks to its peers. Why not SIGKILL: on one host a killed
   process' sockets are closed at once and every gloo peer fails within seconds (measured: all
@@ -90,6 +94,8 @@ NAN_RANK, NAN_STEP, NAN_LAYER = (
 )  # rank 2 on node 1; a scheduled export step (export_every 10)
 DARK_NODE = 3
 SEEN_STEPS = NAN_STEP + 10  # Prometheus has scraped this many steps when node 3 goes dark
+# the job hangs mid-interval after SEEN_STEPS, an export step: every node logs through it, none beyond
+HANG_STEP, HANG_RANK = SEEN_STEPS + 5, PER_NODE * DARK_NODE
 # the families a node's serving rank serves for each of its ranks (labels rank, local_rank, node ...)
 PER_RANK = sorted(name for name, spec in METRICS.items() if spec.labels == RANK_LABELS)
 
@@ -151,7 +157,8 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
     workdir = stack.workdir / "nodes4"
     logs = workdir / "logs"
     env = {"DISTMON_FILE_SD_DIR": str(stack.sd_dir), "DISTMON_RUN_ID": RUN}
-    job = agents(RUN, workdir, NODES, train_args(logs / "run.jsonl", BAD_RANK, 100_000), env)
+    hang = ["--hang-step", str(HANG_STEP), "--hang-rank", str(HANG_RANK)]
+    job = agents(RUN, workdir, NODES, [*train_args(logs / "run.jsonl", BAD_RANK, 100_000), *hang], env)
     ref_sd = workdir / "reference-sd"  # not under Prometheus' file_sd glob: scraped here only
     reference: list[TorchrunJob] = []  # built when it starts: its rendezvous port drawn then
     figures: list[str] = []
@@ -273,18 +280,17 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
         assert rec.prom_alert("DistmonNonFiniteGradients", RUN, "firing"), diag()
 
         # ---- node 3 goes dark --------------------------------------------------------------
-        # between two exports: every line of the last export it took part in is in its log
+        # the job hangs at HANG_STEP: once every node's log holds the export before it, none can follow
         def last_logged(path: Path) -> int:
             rows = read_jsonl(path)
             return rows[-1]["step"] if rows else 0
 
-        dark_log = logs / f"run.node{DARK_NODE}.jsonl"
+        node_logs = [logs / "run.jsonl"] + [logs / f"run.node{n}.jsonl" for n in range(1, NODES)]
         wait_for(
-            lambda: last_logged(dark_log) == last_logged(logs / "run.jsonl") >= SEEN_STEPS,
+            lambda: [last_logged(p) for p in node_logs] == [SEEN_STEPS] * NODES,
             30,
-            f"node {DARK_NODE}'s log to hold rank 0's last export",
+            f"every node's log to hold step {SEEN_STEPS}, the last export before the hang at {HANG_STEP}",
             diag,
-            interval=0.05,
         )
         frozen = stop(job[DARK_NODE])
         t_dark = time.time()
@@ -361,7 +367,7 @@ def test_four_nodes_serve_their_own_ranks_name_the_faults_and_page_for_a_dark_no
     paths = sorted(str(p) for p in logs.glob("*.jsonl"))
     assert [Path(p).name for p in paths] == ["run.jsonl"] + [f"run.node{n}.jsonl" for n in range(1, NODES)]
     last = {Path(p).name: last_logged(Path(p)) for p in paths}
-    assert len(set(last.values())) == 1, last  # the job hung: no export after node 3's last
+    assert set(last.values()) == {SEEN_STEPS}, last  # the job hung: no export after the hang
     for path in paths:  # every node's log names the faults alike (job-wide fields)
         rows = read_jsonl(Path(path))
         (bad,) = [r for r in rows if r["first_nonfinite"]]

@@ -249,6 +249,9 @@ def test_bad_fault_flags_are_rejected_before_training(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         train.main(["--no-monitor", "--hang-step", "0"])
     with pytest.raises(SystemExit):
+        train.main(["--no-monitor", "--hang-rank", "0"])  # without --hang-step
+    assert "--hang-rank needs --hang-step" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         train.main(["--no-monitor", "--guard", "skip"])
 
 
