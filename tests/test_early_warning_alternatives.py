@@ -238,3 +238,31 @@ def test_the_top_eigenvalue_is_the_most_positive_also_behind_a_larger_negative_o
     value, vector = top_eigenvalue(lambda x: m @ x, torch.randn(12, generator=gen, dtype=torch.float64), 300)
     assert value == pytest.approx(float(torch.linalg.eigvalsh(m).max()), rel=1e-6)
     assert float(vector @ m @ vector) == pytest.approx(value, rel=1e-6)
+
+
+def test_the_hessian_batch_table_compares_the_same_steps_before_the_divergence():
+    """``sharpness_batch.markdown`` on generated samples whose ratio is known: samples before
+    step 100 or past the divergence are left out, the largest is taken after the warm-up."""
+    from benchmarks.divergence.sharpness_batch import markdown
+
+    def run(
+        name: str, diverged: int | None, ratio: float, warmup: int, falls: bool = False
+    ) -> dict[str, object]:
+        steps = range(25, 501, 25)
+        small = [(st, float(1000 - st if falls else st)) for st in steps]
+        large = [(st, v * (ratio if st >= 100 else 50.0)) for st, v in small]  # early: unsettled
+        return {"name": name, "diverged": diverged, "warmup": warmup, "top": {32: small, 256: large}}
+
+    text = markdown(
+        [
+            ("constant", run("c", 200, 1.5, 100)),
+            ("healthy", run("h", None, 1.5, 200)),
+            ("healthy", run("g", None, 0.5, 300, falls=True)),  # its largest is before its warm-up ends
+        ]
+    )
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 1.50 (1.50-1.50) | 200 / 300 |" in rows["c"], rows["c"]  # steps 100..200
+    assert "100/150 150/225 200/300 |" in rows["c"], rows["c"]
+    assert "| 500 / 750 |" in rows["h"] and "| 700 / 350 |" in rows["g"], rows
+    assert "2 of 2 healthy runs pass" in text and "constant class reaches 300-300" in text, text
+    assert "the healthy runs 350-750" in text, text
