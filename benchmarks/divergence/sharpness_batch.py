@@ -17,11 +17,9 @@ Writes ``benchmarks/results/sharpness_batch.md``; the runs are not cached.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -31,7 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.data import Batches  # noqa: E402
 from benchmarks.divergence.runs import BASE, MITIGATED, QKLN  # noqa: E402
-from benchmarks.divergence.sharpness_probe import EDGE, EVAL_SEED, PreconditionedSharpness  # noqa: E402
+from benchmarks.divergence.sharpness_probe import (  # noqa: E402
+    EDGE,
+    EVAL_SEED,
+    PreconditionedSharpness,
+    run_and_write,
+)
 from benchmarks.divergence.train import RunSpec, train  # noqa: E402
 
 BATCHES = (32, 256)  # the power iteration's fixed batches, in sequences
@@ -121,18 +124,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--write", action="store_true", help="write benchmarks/results/sharpness_batch.md")
-    args = p.parse_args(argv)
-    with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(zip([c for c, _ in RUNS], pool.map(probe, [s for _, s in RUNS])))
-    text = markdown(results)
-    print(text)
-    if args.write:
-        with open(os.path.join(os.path.dirname(HERE), "results", "sharpness_batch.md"), "w") as f:
-            f.write(text)
-    return 0
+    return run_and_write("sharpness_batch", __doc__, RUNS, probe, markdown, argv)
 
 
 if __name__ == "__main__":

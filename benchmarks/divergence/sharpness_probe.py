@@ -275,19 +275,32 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_and_write(
+    name: str,
+    doc: str,
+    runs: list[tuple[str, RunSpec]],
+    probe: Callable[[RunSpec], dict[str, object]],
+    markdown: Callable[[list[tuple[str, dict[str, object]]]], str],
+    argv: list[str] | None,
+) -> int:
+    """The command line of a probe script: ``probe`` every run of ``runs`` (``--jobs`` at once), print
+    their ``markdown``, and with ``--write`` save it as ``benchmarks/results/{name}.md``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--write", action="store_true", help="write benchmarks/results/sharpness_probe.md")
+    p.add_argument("--write", action="store_true", help=f"write benchmarks/results/{name}.md")
     args = p.parse_args(argv)
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(zip([c for c, _ in RUNS], pool.map(probe, [s for _, s in RUNS])))
+        results = list(zip([c for c, _ in runs], pool.map(probe, [s for _, s in runs])))
     text = markdown(results)
     print(text)
     if args.write:
-        with open(os.path.join(os.path.dirname(HERE), "results", "sharpness_probe.md"), "w") as f:
+        with open(os.path.join(os.path.dirname(HERE), "results", f"{name}.md"), "w") as f:
             f.write(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_write("sharpness_probe", __doc__, RUNS, probe, markdown, argv)
 
 
 if __name__ == "__main__":
