@@ -266,3 +266,28 @@ def test_the_hessian_batch_table_compares_the_same_steps_before_the_divergence()
     assert "| 500 / 750 |" in rows["h"] and "| 700 / 350 |" in rows["g"], rows
     assert "2 of 2 healthy runs pass" in text and "constant class reaches 300-300" in text, text
     assert "the healthy runs 350-750" in text, text
+
+
+def test_the_large_batch_table_finds_the_first_sample_past_the_edge_and_its_lead():
+    """``sharpness_large_batch.markdown`` on generated samples: the first sample past Adam's edge
+    from step 50 on (an unsettled one at 25 is left out), its lead over the divergence, and the
+    range after the warm-up of a run that did not diverge."""
+    from benchmarks.divergence.sharpness_large_batch import markdown
+
+    def run(lr: float, diverged: int | None, top: list[float]) -> dict[str, object]:
+        samples = list(zip(range(25, 25 * len(top) + 1, 25), top))
+        return {"name": f"r{lr:g}", "lr": lr, "diverged": diverged, "top": samples, "s": [1.0] * 20}
+
+    text = markdown(
+        [
+            ("a", run(0.5, 160, [900.0, 20.0, 30.0, 37.0, 45.0, 60.0, 80.0, 500.0])),  # past at 125
+            ("b", run(0.3, None, [900.0, 50.0, 20.0, 33.0, 41.0, 35.0])),  # after the warm-up: 33-41
+            ("c", run(0.8, 60, [10.0, 30.0, 36.0])),  # never past before step 60
+        ]
+    )
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 20 30 37 45 60 | 125 (35) |" in rows["r0.5"], rows["r0.5"]  # to the divergence
+    assert "| 50 20 33 41 35 | 50 |" in rows["r0.3"], rows["r0.3"]
+    assert "| 30 | never |" in rows["r0.8"], rows["r0.8"]
+    assert "at 0.3 with b 33-41." in text and "1 of them had a sample past the edge" in text, text
+    assert "35-35 steps before it" in text, text
