@@ -40,14 +40,14 @@ from benchmarks.divergence.train import RunSpec, train  # noqa: E402
 BATCHES = (32, 256)  # the power iteration's fixed batches, in sequences
 EVERY, ITERS, STEPS = 25, 10, 500
 RUNS = [  # (class, spec): warmed up in 100-200 steps; the constant class diverges by step 300
-    (cls, replace(BASE, lr=lr, warmup=wu, seed=16 if seed is None else seed, model=model, steps=STEPS))
+    (cls, replace(BASE, lr=lr, warmup=wu, seed=seed, model=model, steps=STEPS))
     for cls, lr, wu, seed, model in (
         ("constant", 0.5, 100, 10, QKLN),
-        ("constant", 0.5, 100, None, QKLN),
-        ("constant", 0.5, 100, None, MITIGATED),
-        ("healthy", 0.3, 100, None, MITIGATED),
-        ("healthy", 0.4, 200, None, MITIGATED),
-        ("healthy", 0.3, 100, None, QKLN),
+        ("constant", 0.5, 100, 16, QKLN),
+        ("constant", 0.5, 100, 16, MITIGATED),
+        ("healthy", 0.3, 100, 16, MITIGATED),
+        ("healthy", 0.4, 200, 16, MITIGATED),
+        ("healthy", 0.3, 100, 16, QKLN),
     )
 ]
 
