@@ -25,22 +25,18 @@ import os
 import sys
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from benchmarks.divergence.data import Batches  # noqa: E402
 from benchmarks.divergence.runs import BASE, MITIGATED, QKLN  # noqa: E402
 from benchmarks.divergence.sharpness_probe import (  # noqa: E402
     EDGE,
-    EVAL_SEED,
-    AdamSecant,
-    PreconditionedSharpness,
     run_and_write,
+    secant_and_power,
 )
-from benchmarks.divergence.train import RunSpec, train  # noqa: E402
+from benchmarks.divergence.train import RunSpec  # noqa: E402
 
 BATCH, EVERY, ITERS, STEPS, WARMUP = 256, 25, 10, 400, 100
 FIRST = 50  # the first sample shown: before it the rounds from a random start have not settled
@@ -55,19 +51,7 @@ def probe(spec: RunSpec) -> dict[str, object]:
     """One run: its divergence step, the power iteration's ``(step, lr * lambda_max)`` samples and
     the secant ``s`` per ``EVERY``-step window."""
     torch.set_num_threads(1)
-    batch = Batches(seq_len=spec.model.seq_len, batch=BATCH, seed=EVAL_SEED).next()
-    sec, power = AdamSecant(), PreconditionedSharpness(batch, EVERY, ITERS)
-
-    def both(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-        sec(opt)
-        power(opt, model)
-
-    rec = train(spec, distmon_watch=False, record_every=10**9, probe=both)
-    num, den = np.asarray(sec.num), np.asarray(sec.den)
-    s = [
-        float(np.nansum(num[a : a + EVERY]) / np.nansum(den[a : a + EVERY]))
-        for a in range(0, len(num), EVERY)
-    ]
+    rec, s, power = secant_and_power(spec, BATCH, EVERY, EVERY, ITERS)
     return {
         "name": spec.name,
         "lr": spec.lr,

@@ -173,11 +173,13 @@ def _power(
     return value, x
 
 
-def probe(spec: RunSpec) -> dict[str, object]:
-    """One run with both probes: its divergence step, ``s`` per ``WINDOW``-step window, the power
-    iteration's samples and their seconds, and the run's seconds per step without them."""
-    batch = Batches(seq_len=spec.model.seq_len, batch=EVAL_BATCH, seed=EVAL_SEED).next()
-    sec, power = AdamSecant(), PreconditionedSharpness(batch)
+def secant_and_power(
+    spec: RunSpec, batch: int, window: int, every: int = EVERY, iters: int = ITERS
+) -> tuple[dict[str, object], list[float], PreconditionedSharpness]:
+    """Train ``spec`` with both probes: its recording, the secant ``s`` per ``window``-step window,
+    and the power iteration (``iters`` rounds every ``every`` steps on a fixed ``batch`` of sequences)."""
+    fixed = Batches(seq_len=spec.model.seq_len, batch=batch, seed=EVAL_SEED).next()
+    sec, power = AdamSecant(), PreconditionedSharpness(fixed, every, iters)
 
     def both(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
         sec(opt)
@@ -186,9 +188,16 @@ def probe(spec: RunSpec) -> dict[str, object]:
     rec = train(spec, distmon_watch=False, record_every=10**9, probe=both)
     num, den = np.asarray(sec.num), np.asarray(sec.den)
     s = [
-        float(np.nansum(num[a : a + WINDOW]) / np.nansum(den[a : a + WINDOW]))
-        for a in range(0, len(num), WINDOW)
+        float(np.nansum(num[a : a + window]) / np.nansum(den[a : a + window]))
+        for a in range(0, len(num), window)
     ]
+    return rec, s, power
+
+
+def probe(spec: RunSpec) -> dict[str, object]:
+    """One run with both probes: its divergence step, ``s`` per ``WINDOW``-step window, the power
+    iteration's samples and their seconds, and the run's seconds per step without them."""
+    rec, s, power = secant_and_power(spec, EVAL_BATCH, WINDOW)
     probe_s = sum(t for _, _, t in power.samples)
     return {
         "name": spec.name,
