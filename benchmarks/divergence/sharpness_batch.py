@@ -54,7 +54,6 @@ RUNS = [  # (class, spec): warmed up in 100-200 steps; the constant class diverg
 
 def probe(spec: RunSpec) -> dict[str, object]:
     """One run: its divergence step and ``(step, lr * lambda_max)`` samples on each batch."""
-    torch.set_num_threads(1)
     probes = {
         b: PreconditionedSharpness(
             Batches(seq_len=spec.model.seq_len, batch=b, seed=EVAL_SEED).next(), EVERY, ITERS

@@ -25,8 +25,6 @@ import os
 import sys
 from dataclasses import replace
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
@@ -50,7 +48,6 @@ RUNS = [
 def probe(spec: RunSpec) -> dict[str, object]:
     """One run: its divergence step, the power iteration's ``(step, lr * lambda_max)`` samples and
     the secant ``s`` per ``EVERY``-step window."""
-    torch.set_num_threads(1)
     rec, s, power = secant_and_power(spec, BATCH, EVERY, EVERY, ITERS)
     return {
         "name": spec.name,

@@ -113,7 +113,10 @@ class GradientCosine:
         sample; a rate of 0 rises to anything); 0 once it fell: past its peak the schedule will not
         raise it again, however far below ``peak_lr`` a decay takes it."""
         if isinstance(lr, torch.Tensor):  # a capturable optimizer's rate, on the device: no sync
-            self._top = lr.detach().clone() if self._top is None else torch.maximum(self._top, lr)
+            if self._top is None:
+                self._top = lr.detach().clone()
+            else:
+                torch.maximum(self._top, lr, out=self._top)  # in place: no new tensor per sample
             return torch.where(lr >= self._top, self.peak_lr / lr, 0.0)
         self._top = lr if self._top is None else max(self._top, lr)
         if lr < self._top:
