@@ -61,7 +61,8 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
 
 
 @pytest.mark.parametrize(
-    "name", ["model", "data", "recorder", "divergence", "detectors", "runs", "sharpness_probe"]
+    "name",
+    ["model", "data", "recorder", "divergence", "detectors", "runs", "sharpness_probe", "spectral_alignment"],
 )
 def test_the_benchmark_modules_examples_hold(name):
     """benchmarks/ is outside the suite's doctest paths: its modules' examples run here."""
@@ -291,3 +292,64 @@ def test_the_large_batch_table_finds_the_first_sample_past_the_edge_and_its_lead
     assert "| 30 | never |" in rows["r0.8"], rows["r0.8"]
     assert "at 0.3 with b 33-41." in text and "1 of them had a sample past the edge" in text, text
     assert "35-35 steps before it" in text, text
+
+
+def test_the_spectral_alignment_probe_reads_each_linears_inputs_against_its_top_singular_vector():
+    """``SpectralAlignment`` on a two-layer net: at step 10 its pair per layer equals one computed
+    another way (the top eigenvector of ``W^T W`` by numpy's ``eigh``, the inputs recomputed from
+    the batch), and no sample is taken at other steps."""
+    from benchmarks.divergence.spectral_alignment import SpectralAlignment
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    probe = SpectralAlignment(every=10)
+    for step in range(12):
+        x = torch.randn(4, 7, 6)
+        net(x).square().mean().backward()
+        probe(opt, net)
+        if step == 10:
+            inputs = {"0": x.reshape(-1, 6), "2": torch.tanh(net[0](x)).detach().reshape(-1, 5)}
+            weights = {name: net.get_submodule(name).weight.detach().double().numpy() for name in inputs}
+        opt.step()
+        opt.zero_grad()
+    assert [step for step, _ in probe.samples] == [10]
+    for name, x in inputs.items():
+        v1 = np.linalg.eigh(weights[name].T @ weights[name])[1][:, -1]
+        a = x.double().numpy() @ v1 / np.linalg.norm(x.double().numpy(), axis=1)
+        share = float(np.mean(a > 0))
+        diversity, magnitude = probe.samples[0][1][name]
+        assert diversity == pytest.approx(1 - abs(2 * share - 1)) and 0 < share < 1, (name, share)
+        assert magnitude == pytest.approx(float(np.abs(a).mean()), rel=1e-9), name
+
+
+def test_the_spectral_alignment_table_holds_two_samples_from_step_100_up_to_the_divergence():
+    """``spectral_alignment.markdown`` on generated samples: the bound is the healthy runs' extreme
+    from step 100 on (a healthy dip at 80-90 does not count), and a constant-rate run warns only when
+    two samples in a row pass it before its divergence (a single sample, or one after the
+    divergence, does not)."""
+    from benchmarks.divergence.spectral_alignment import markdown
+
+    def run(name, diverged, diversity, magnitude, out=0.9):  # noqa: ANN001, ANN202
+        samples = [  # "out": inputs at right angles to the weight's top direction (magnitude 0)
+            (st, {"fc": (diversity.get(st, 0.8), magnitude.get(st, 0.3)), "out": (out, 0.0)})
+            for st in range(10, 301, 10)
+        ]
+        return {"name": name, "diverged": diverged, "samples": samples}
+
+    text = markdown(
+        [
+            ("healthy", run("h1", None, {80: 0.0, 90: 0.0, 200: 0.3, 210: 0.25}, {150: 0.7, 160: 0.6})),
+            ("healthy", run("h2", None, {}, {}, out=0.0)),  # "out" collapsed all along
+            ("constant", run("c1", 250, {150: 0.2, 160: 0.1}, {})),  # warned at 160: lead 90
+            ("constant", run("c2", 250, {150: 0.1}, {140: 0.9, 150: 0.95})),  # one sample; magnitude at 150
+            ("constant", run("c3", 200, {200: 0.1, 210: 0.1}, {})),  # at and past its divergence
+        ]
+    )
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["h1"].endswith("| None | 0.25 | 0.90 |"), rows["h1"]
+    assert rows["c3"].endswith("| 200 | 0.80 | 0.90 |"), rows["c3"]  # step 200 is not before 200
+    assert rows["fc"] == "| fc | 0.3 | 1/3, median lead 90 | 0.6 | 1/3, median lead 100 |", rows["fc"]
+    assert rows["out"] == "| out | 0 | 0/3 | 0 | 0/3 |", rows["out"]
+    assert "sign diversity, fc: 1 of 3; magnitude, fc: 1 of 3." in text, text
+    assert "healthy runs collapses to 0 in 1 of 2 layers" in text, text  # a magnitude of 0 is none
