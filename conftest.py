@@ -3,9 +3,12 @@
 Not the scripts that tests run in processes of their own: ``--doctest-modules`` imports every
 module under the test paths. The framework examples (``launch/examples``) and the jobs they run
 in (``tests/jobs``) import their framework at the top (Lightning: 5-7 s here), which every run,
-the fast tier included, would pay for nothing. ``distmon/sources/deepspeed.py`` imports
-DeepSpeed (~4 s, an optional dependency; its examples need an engine and are skipped):
-tests/test_framework_deepspeed.py runs it for real.
+the fast tier included, would pay for nothing. So do distmon's own framework modules:
+``distmon/sources/deepspeed.py`` imports DeepSpeed (~4 s), ``distmon/integrations/lightning.py``
+Lightning and ``distmon/integrations/transformers.py`` transformers (6-7 s of CPU each, in every
+pytest process that collects them: each xdist worker, each torch tier); their examples need a
+trainer or an engine and are skipped, and the framework tests (tests/test_framework_*.py) run
+them for real.
 
 ``--serial=skip|only`` (tests/run.sh): leave out, or run only, the tests marked ``serial`` (they
 bound elapsed seconds: run alone, after the parallel part). Under xdist (``-n``) the modules
@@ -15,7 +18,13 @@ start one of them last, on one worker, while the other worker idles.
 
 import pytest
 
-collect_ignore = ["launch/examples", "tests/jobs", "distmon/sources/deepspeed.py"]
+collect_ignore = [
+    "launch/examples",
+    "tests/jobs",
+    "distmon/sources/deepspeed.py",
+    "distmon/integrations/lightning.py",
+    "distmon/integrations/transformers.py",
+]
 
 # The modules of 40 s or more, longest first: their test time in one process (pytest --junitxml,
 # torch 2.13, 2 shared cores at a load of 10-18, so 2-4x a quiet machine's; test_core_behaviour's
