@@ -5,10 +5,10 @@ module under the test paths. The framework examples (``launch/examples``) and th
 in (``tests/jobs``) import their framework at the top (Lightning: 5-7 s here), which every run,
 the fast tier included, would pay for nothing. So do distmon's own framework modules:
 ``distmon/sources/deepspeed.py`` imports DeepSpeed (~4 s), ``distmon/integrations/lightning.py``
-Lightning and ``distmon/integrations/transformers.py`` transformers (6-7 s of CPU each, in every
-pytest process that collects them: each xdist worker, each torch tier); their examples need a
-trainer or an engine and are skipped, and the framework tests (tests/test_framework_*.py) run
-them for real.
+Lightning and ``distmon/integrations/transformers.py`` transformers (8.6 and 7.4 s of CPU here,
+torch included), in every pytest process that collects them (each xdist worker, each torch
+tier); their examples need a trainer or an engine and are skipped, and the framework tests
+(tests/test_framework_*.py) run them for real.
 
 ``--serial=skip|only`` (tests/run.sh): leave out, or run only, the tests marked ``serial`` (they
 bound elapsed seconds: run alone, after the parallel part). Under xdist (``-n``) the modules
