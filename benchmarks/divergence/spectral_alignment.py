@@ -45,8 +45,8 @@ EVERY = 10
 FROM = 100  # the first sample judged: the fastest warm-ups of the constant class end at 50-100
 RUNS = [r for r in stress() + validation() + fast_warmups() if r[0] == "constant"]
 RUNS += [r for r in fast_warmups() + validation() if r[0] == "healthy"]
-SIGNALS = ("sign diversity", "magnitude")  # index into a sample's per-layer pair
-FALLS = {"sign diversity": True, "magnitude": False}  # which way each moves towards trouble
+# (name, falls towards trouble), in the order of a sample's per-layer pair
+SIGNALS = (("sign diversity", True), ("magnitude", False))
 
 
 def alignment(x: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
@@ -149,16 +149,15 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "and their median lead in steps.",
         "",
         "| layer | "
-        + " | ".join(f"{s}: healthy extreme | {s}: constant runs warned" for s in SIGNALS)
+        + " | ".join(f"{s}: healthy extreme | {s}: constant runs warned" for s, _ in SIGNALS)
         + " |",
         "|---|" + "---|---|" * len(SIGNALS),
     ]
-    best: dict[str, tuple[int, str]] = {signal: (0, "") for signal in SIGNALS}
+    best: dict[str, tuple[int, str]] = {signal: (0, "") for signal, _ in SIGNALS}
     collapsed = 0  # layers whose sign diversity reaches 0 in a healthy run (held 2 samples)
     for layer in layers:
         cells = []
-        for k, signal in enumerate(SIGNALS):
-            falls = FALLS[signal]
+        for k, (signal, falls) in enumerate(SIGNALS):
             extreme = (min if falls else max)(
                 h for r in healthy for _, h in _held(*series(r, layer, k), falls)
             )
@@ -169,7 +168,8 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
                 leads += [r["diverged"] - hit[0]] if hit else []
             median = f", median lead {statistics.median(leads):g}" if leads else ""
             cells += [f"{extreme:.3g}", f"{len(leads)}/{len(constant)}{median}"]
-            collapsed += falls and extreme == 0
+            if falls and extreme == 0:
+                collapsed += 1
             best[signal] = max(best[signal], (len(leads), layer))
         lines.append(f"| {layer} | " + " | ".join(cells) + " |")
     lines += [
