@@ -62,7 +62,17 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
 
 @pytest.mark.parametrize(
     "name",
-    ["model", "data", "recorder", "divergence", "detectors", "runs", "sharpness_probe", "spectral_alignment"],
+    [
+        "model",
+        "data",
+        "recorder",
+        "divergence",
+        "detectors",
+        "runs",
+        "sharpness_probe",
+        "spectral_alignment",
+        "loss_regression",
+    ],
 )
 def test_the_benchmark_modules_examples_hold(name):
     """benchmarks/ is outside the suite's doctest paths: its modules' examples run here."""
@@ -353,3 +363,77 @@ def test_the_spectral_alignment_table_holds_two_samples_from_step_100_up_to_the_
     assert rows["out"] == "| out | 0 | 0/3 | 0 | 0/3 |", rows["out"]
     assert "sign diversity, fc: 1 of 3; magnitude, fc: 1 of 3." in text, text
     assert "healthy runs collapses to 0 in 1 of 2 layers" in text, text  # a magnitude of 0 is none
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_loss_regression_is_the_trailing_mean_over_its_best_and_warns_after_two_samples(seed):
+    """``loss_regression``'s samples against a plain loop over generated loss series (a fall, noise
+    and a late rise), its first warning and held maximum against brute force over every bound."""
+    from benchmarks.divergence import loss_regression as lr
+
+    rng = np.random.default_rng(seed)
+    n, window = int(rng.integers(150, 400)), int(rng.choice([5, 20, 50]))
+    t = np.arange(n)
+    loss = 3.0 * np.exp(-t / rng.uniform(20, 200)) + 1.0 + rng.uniform(0, 0.3) * rng.random(n)
+    loss[int(rng.integers(120, n)) :] *= rng.uniform(1.0, 1.5)
+    best, want = math.inf, []
+    for step in range(window - 1, n):
+        m = sum(loss[step - window + 1 : step + 1]) / window
+        best = min(best, m)
+        if step % 10 == 0 and step >= 100:
+            want.append((step, m / best))
+    steps, ratios = lr.regression(loss, window)
+    assert steps.tolist() == [s for s, _ in want]
+    assert np.allclose(ratios, [r for _, r in want], rtol=1e-12)
+    held = [min(ratios[i], ratios[i + 1]) for i in range(len(ratios) - 1)]
+    assert lr.held_max(steps, ratios) == pytest.approx(max(held))
+    assert lr.first_warning(steps, ratios, lr.held_max(steps, ratios), None) is None  # the edge is silent
+    for bound in sorted(set(np.round(ratios, 3))):
+        hits = [steps[i + 1] for i in range(len(held)) if held[i] > bound]
+        assert lr.first_warning(steps, ratios, bound, None) == (hits[0] if hits else None), bound
+        cut = int(steps[len(steps) // 2])
+        early = [h for h in hits if h < cut]
+        assert lr.first_warning(steps, ratios, bound, cut) == (early[0] if early else None), bound
+
+
+def test_the_loss_regression_table_counts_warnings_before_the_divergence_and_fits_the_healthy_edge():
+    """``loss_regression.markdown`` on generated runs whose answers are known: a run that stalls 14%
+    above its best from step 150 and diverges at 300 is warned at 180 (its 20-step mean is all
+    stall at 170, held at 180: lead 120) by bounds up to 1.12, not by 1.15; a healthy run 11% above
+    its best for 60 steps warns at 1.08 and 1.1 and sets the fitted bound (1.11, not a flat
+    healthy run's 1.0), which still warns the stalling run; a run that jumps past every bound at
+    its divergence is warned by none; a run of the wrong class is named and left out."""
+    from benchmarks.divergence import loss_regression as lr
+
+    def flat_then(level_at, n=400):  # noqa: ANN001, ANN202
+        return np.array([level_at(step) for step in range(n)], np.float32)
+
+    stall = flat_then(lambda st: 2.0 if st < 100 else (1.0 if st < 150 else (1.14 if st < 300 else 3.0)))
+    jump = flat_then(lambda st: 2.0 if st < 100 else (1.0 if st < 250 else 3.0))
+    bump = flat_then(lambda st: 2.0 if st < 100 else (1.11 if 200 <= st < 260 else 1.0))
+    fresh = lr.FRESH[0][1].name  # a run of runs.late_holdout(): scored at the fitted bound only
+    text = lr.markdown(
+        [
+            ("constant", {"name": "c1", "diverged": 300, "lr": 0.5, "warmup": 100, "loss": stall}),
+            ("constant", {"name": "c2", "diverged": 250, "lr": 0.5, "warmup": 100, "loss": jump}),
+            ("constant", {"name": "c3", "diverged": None, "lr": 0.5, "warmup": 100, "loss": jump}),
+            ("healthy", {"name": "h1", "diverged": None, "lr": 0.4, "warmup": 200, "loss": bump}),
+            ("healthy", {"name": "h2", "diverged": None, "lr": 0.2, "warmup": 200, "loss": jump[:240]}),
+            ("constant", {"name": fresh, "diverged": 300, "lr": 0.5, "warmup": 100, "loss": bump}),
+        ]
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| 20 | 1.") and line.count(" | ") == 4]
+    assert rows == [
+        "| 20 | 1.08 | 1/2 | 120 | 1/2 (peaks 0.4) |",
+        "| 20 | 1.1 | 1/2 | 120 | 1/2 (peaks 0.4) |",
+        "| 20 | 1.12 | 1/2 | 120 | 0/2 |",
+        "| 20 | 1.15 | 0/2 | - | 0/2 |",
+        "| 20 | 1.2 | 0/2 | - | 0/2 |",
+    ], text
+    assert (
+        "2 diverging at (or near) a constant rate, 2 healthy; not as their class says, left out: c3." in text
+    )
+    assert "| 20 | 1.110 (h1) | fitted to | 1/2 | 120 | 0/2 |" in text, text
+    # the hold-out run's 1.11 bump from step 200 is not past the bound it set: 1.110 is not > 1.110
+    assert "| 20 | 1.110 (h1) | late hold-out | 0/1 | - | 0/0 |" in text, text
+    assert "on 1 constant-rate and 0 healthy runs recorded after it was fitted" in text, text

@@ -156,6 +156,27 @@ def fast_warmups() -> list[tuple[str, RunSpec]]:
     return runs
 
 
+def late_holdout() -> list[tuple[str, RunSpec]]:
+    """Runs recorded after ``loss_regression.py`` fitted its bounds to the stress, validation and fast
+    warm-up runs, and scored once (seeds 18-20): diverging at (or near) a constant rate (qk-layernorm
+    to 0.5 in 100 steps, to 0.45 in 50, to 0.6 in 200; with z-loss to 0.5 in 100), and healthy
+    close to the critical rate ~0.47 (qk-layernorm + z-loss to 0.4 in 1,000 and 200 steps, to 0.38
+    in 500, to 0.35 in 100; qk-layernorm to 0.35 in 1,000 and 0.3 in 100) or far below it (no
+    mitigation to 0.01 in 100)."""
+    runs: list[tuple[str, RunSpec]] = []
+    for s in (18, 19, 20):
+        runs += [("constant", replace(BASE, lr=0.5, warmup=100, seed=s, model=QKLN))]
+        runs += [("healthy", replace(BASE, lr=0.4, seed=s, model=MITIGATED))]
+    diverging = [(0.45, 50, QKLN), (0.6, 200, QKLN), (0.5, 100, MITIGATED)]
+    healthy = [(0.4, 200, MITIGATED), (0.38, 500, MITIGATED), (0.35, 100, MITIGATED), (0.35, 1000, QKLN)]
+    healthy += [(0.3, 100, QKLN), (0.01, 100, PLAIN)]
+    for s in (18, 19):
+        runs += [("constant", replace(BASE, lr=lr, warmup=wu, seed=s, model=m)) for lr, wu, m in diverging]
+    runs += [("healthy", replace(BASE, lr=lr, warmup=wu, seed=18, model=m)) for lr, wu, m in healthy]
+    runs += [("healthy", replace(BASE, lr=lr, warmup=wu, seed=19, model=m)) for lr, wu, m in healthy[:2]]
+    return runs
+
+
 def quick() -> list[tuple[str, RunSpec]]:
     """A smoke sweep (well under a minute): one short run per class, fast rates."""
     short = replace(BASE, steps=150, warmup=100)

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""The training loss's own regression on runs that diverge at a constant rate and runs that do not.
+
+    python benchmarks/divergence/loss_regression.py --write   # 57 runs, ~20 min on 2 cores
+
+The precursor is blind to runs warmed up quickly to a rate too high for them (``docs/detection.md``,
+"Where it is blind": the ``constant`` class). Those runs stop improving well before they diverge:
+their loss settles 10-15% above its best for a hundred steps or more, then climbs past the 30%
+that :mod:`.divergence` calls a divergence. The plainest live rule for that is on the loss
+itself: every ``EVERY`` steps, the mean of the last ``window`` training losses over the lowest
+such mean so far (the divergence's own statistic, read as it stands, without its look ahead),
+past a bound for 2 samples in a row, from step ``FROM`` on. This script measures whether any
+bound tells those runs from healthy ones that run close to their critical rate.
+
+Runs: the constant class of the stress, validation and fast warm-up sets (11) and the healthy
+runs of the same sets (26: peaks 0.01-0.4, warm-ups of 50-1,000 steps, 1,500 steps each, some
+within 15% of the critical rate ~0.47). For two windows and a grid of bounds, the table gives
+the constant-rate runs warned before their divergence, their median lead, and the healthy runs
+warned. Per window, the bound fitted to those healthy runs (their largest held ratio: the most
+favourable case, none of them warns) is then scored once on runs recorded after it was fitted
+(:func:`.runs.late_holdout`: 9 diverging at a constant rate, 11 healthy, most close to the
+critical rate).
+
+Writes ``benchmarks/results/loss_regression.md``; the runs are not cached.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from benchmarks.divergence.runs import fast_warmups, late_holdout, stress, validation  # noqa: E402
+from benchmarks.divergence.sharpness_probe import run_and_write  # noqa: E402
+from benchmarks.divergence.train import RunSpec, train  # noqa: E402
+
+EVERY = 10
+FROM = 100  # the first sample judged: the fastest warm-ups of the constant class end at 50-100
+HOLD = 2
+WINDOWS = (20, 50)
+BOUNDS = (1.08, 1.1, 1.12, 1.15, 1.2)
+SETS = stress() + validation() + fast_warmups()
+FRESH = late_holdout()  # recorded after the bounds were fitted to SETS, scored once
+RUNS = [r for r in SETS if r[0] in ("constant", "healthy")] + FRESH
+
+
+def regression(loss: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, ratios)`` sampled every ``EVERY`` steps from ``FROM`` on: at step t, the mean of the
+    losses of steps ``t - window + 1 .. t`` over the lowest such mean up to t (1: at its best).
+
+    Example:
+        >>> loss = np.array([4.0] * 100 + [2.0] * 30 + [3.0] * 30)
+        >>> steps, ratios = regression(loss, window=10)
+        >>> steps.tolist(), [round(float(r), 2) for r in ratios]   # the 3.0s begin at step 130
+        ([100, 110, 120, 130, 140, 150], [1.0, 1.0, 1.0, 1.05, 1.5, 1.5])
+    """
+    csum = np.concatenate([[0.0], np.cumsum(np.asarray(loss, np.float64))])
+    means = (csum[window:] - csum[:-window]) / window  # means[i]: the window ending at step i + window - 1
+    best = np.minimum.accumulate(means)
+    steps = np.arange(window - 1, len(loss))
+    keep = (steps % EVERY == 0) & (steps >= FROM)
+    return steps[keep], (means / best)[keep]
+
+
+def first_warning(steps: np.ndarray, ratios: np.ndarray, bound: float, before: int | None) -> int | None:
+    """The first sampled step whose ratio and the ``HOLD - 1`` before it all exceed ``bound``,
+    before step ``before`` (None: any), or None.
+
+    Example:
+        >>> first_warning(np.array([100, 110, 120, 130]), np.array([1.2, 1.0, 1.2, 1.3]), 1.1, None)
+        130
+        >>> first_warning(np.array([100, 110, 120, 130]), np.array([1.2, 1.0, 1.2, 1.3]), 1.1, 130) is None
+        True
+    """
+    run = 0
+    for st, r in zip(steps.tolist(), ratios.tolist()):
+        if before is not None and st >= before:
+            return None
+        run = run + 1 if r > bound else 0
+        if run >= HOLD:
+            return st
+    return None
+
+
+def held_max(steps: np.ndarray, ratios: np.ndarray) -> float:
+    """The largest ratio held ``HOLD`` samples in a row: the lowest bound that never warns.
+
+    Example:
+        >>> held_max(np.array([100, 110, 120]), np.array([1.3, 1.05, 1.1]))   # 1.3 held only once
+        1.05
+    """
+    held = np.lib.stride_tricks.sliding_window_view(ratios, HOLD).min(1) if len(ratios) >= HOLD else []
+    return float(max(held, default=1.0))
+
+
+def probe(spec: RunSpec) -> dict[str, object]:
+    """One run: its divergence step, its peak rate and warm-up, and its training losses."""
+    rec = train(spec, distmon_watch=False, record_every=10**9)
+    return {
+        "name": spec.name,
+        "diverged": rec["diverged"],
+        "lr": spec.lr,
+        "warmup": spec.warmup,
+        "loss": rec["loss"],
+    }
+
+
+def _judge(
+    runs: list[dict[str, object]], window: int, bound: float
+) -> tuple[list[int], list[dict[str, object]]]:
+    """The leads of the diverging runs warned before their divergence, and the healthy runs warned."""
+    series = {r["name"]: regression(r["loss"], window) for r in runs}
+    leads = [
+        r["diverged"] - w
+        for r in runs
+        if r["diverged"] is not None
+        and (w := first_warning(*series[r["name"]], bound, r["diverged"])) is not None
+    ]
+    warned = [
+        r
+        for r in runs
+        if r["diverged"] is None and first_warning(*series[r["name"]], bound, None) is not None
+    ]
+    return leads, warned
+
+
+def _cells(leads: list[int], warned: list[dict[str, object]], constant: int, healthy: int) -> str:
+    peaks = sorted({f"{r['lr']:g}" for r in warned}, key=float)
+    median = f"{statistics.median(leads):g}" if leads else "-"
+    return f"{len(leads)}/{constant} | {median} | {len(warned)}/{healthy}" + (
+        f" (peaks {', '.join(peaks)})" if peaks else ""
+    )
+
+
+def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
+    fresh_names = {spec.name for _, spec in FRESH}
+    kept = [r for cls, r in results if (cls == "constant") == (r["diverged"] is not None)]
+    strays = [r["name"] for cls, r in results if (cls == "constant") != (r["diverged"] is not None)]
+    fit = [r for r in kept if r["name"] not in fresh_names]
+    fresh = [r for r in kept if r["name"] in fresh_names]
+
+    def counts(runs: list[dict[str, object]]) -> tuple[int, int]:
+        return sum(r["diverged"] is not None for r in runs), sum(r["diverged"] is None for r in runs)
+
+    (n_constant, n_healthy), (f_constant, f_healthy) = counts(fit), counts(fresh)
+    lines = [
+        "# The loss's regression: runs diverging at a constant rate against healthy ones",
+        "",
+        f"`python benchmarks/divergence/loss_regression.py --write`. Every {EVERY} steps from step "
+        f"{FROM} on: the mean of the last `window` training losses over the lowest such mean so far; "
+        f"a warning once it exceeds the bound for {HOLD} samples in a row (before the divergence, "
+        "for the diverging runs). Divergence (`benchmarks/divergence/divergence.py`) is the same "
+        "statistic over 20 steps past 1.3, read from the step its stretch starts.",
+        "",
+        f"Runs the bounds are fitted to (`runs.stress()`, `runs.validation()`, `runs.fast_warmups()`): "
+        f"{n_constant} diverging at (or near) a constant rate, {n_healthy} healthy"
+        + (f"; not as their class says, left out: {', '.join(strays)}" if strays else "")
+        + ".",
+        "",
+        "| window | bound | constant-rate runs warned | median lead (steps) | healthy runs warned |",
+        "|---|---|---|---|---|",
+    ]
+    fitted = []
+    for window in WINDOWS:
+        for bound in BOUNDS:
+            lines.append(
+                f"| {window} | {bound:g} | {_cells(*_judge(fit, window, bound), n_constant, n_healthy)} |"
+            )
+        top = max(
+            (r for r in fit if r["diverged"] is None), key=lambda r: held_max(*regression(r["loss"], window))
+        )
+        fitted.append((window, held_max(*regression(top["loss"], window)), top["name"]))
+    lines += [
+        "",
+        "The bound fitted to these healthy runs (the largest ratio any of them held; none warns), on "
+        f"the runs it was fitted to and, scored once, on {f_constant} constant-rate and {f_healthy} "
+        "healthy runs recorded after it was fitted (`runs.late_holdout()`):",
+        "",
+        "| window | fitted bound (set by) | runs | constant-rate runs warned | median lead (steps) "
+        "| healthy runs warned |",
+        "|---|---|---|---|---|---|",
+    ]
+    for window, edge, name in fitted:
+        for label, runs, nc, nh in (
+            ("fitted to", fit, n_constant, n_healthy),
+            ("late hold-out", fresh, f_constant, f_healthy),
+        ):
+            judged = _cells(*_judge(runs, window, edge), nc, nh)
+            lines.append(f"| {window} | {edge:.3f} ({name}) | {label} | {judged} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_write("loss_regression", __doc__, RUNS, probe, markdown, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
