@@ -5,7 +5,7 @@
 #   tests' real 2-rank DDP and FSDP2 jobs and a world of one (tests/test_torch_versions.py) and one
 #   N-D parity job (TP + FSDP2), against float64;
 # - on the newest release that installs here (2.14.1), the FSDP2 tests, the layout tests and the
-#   framework tests (Lightning, HF Trainer/accelerate, Fabric).
+#   framework tests (Lightning, HF Trainer/accelerate, Fabric) and the precursor on real HF models.
 #   bash tests/run_torch_tiers.sh                 # every tier
 #   TIERS=2.9.1 bash tests/run_torch_tiers.sh     # one (any release from 2.6 on: the older jobs)
 # Each tier's torch is a venv under ~/.cache/distmon-ci (tests/torch_env.py: the wheel alone,
@@ -21,7 +21,8 @@ NEWEST=2.14.1  # the newest release that installs here: the FSDP2, layout and fr
 OLDER=(-m slow tests/test_torch_versions.py tests/test_layouts.py -k "test_torch_versions or (tp_fsdp and not bf16 and not pp_)")
 # the newest: FSDP2's tests, every layout's and the frameworks'
 NEWER=(-m slow tests/test_fsdp.py tests/test_layouts.py
-  tests/test_framework_lightning.py tests/test_framework_hf.py tests/test_framework_fabric.py)
+  tests/test_framework_lightning.py tests/test_framework_hf.py tests/test_framework_fabric.py
+  tests/test_precursor_models.py)
 # The fast tier less the modules that never reach torch (Prometheus rules through promtool, the
 # deploy manifests, the docs site, the report and the HTTP server, the last two tested to import no
 # torch, the collective-scaling model, the test suite's own shape): they cannot differ between

@@ -60,6 +60,7 @@ FOREIGN = frozenset(
     init_process_group _create_c10d_store StaticTCPRendezvous PrefixStore SpikeDetection
     report_to log_freq on_log SummaryWriter MlflowClient log_metrics global_step define_metric
     WandbLogger TensorBoardLogger TensorBoardCallback WandbCallback get_reporting_integration_callbacks
+    query_key_value num_key_value_heads num_key_value_groups
     """.split()
 )
 # flags of other programs (torchrun, Prometheus, transformers' scripts) that pages name

@@ -330,7 +330,8 @@ def features(
         if not blocks and precursor.peak_lr is None:
             raise ValueError(
                 "distmon: precursor=True found no attention block in the model (by the names common "
-                "models use: q_proj/k_proj, q_norm/k_norm, query/key, wq/wk, a fused qkv/c_attn/Wqkv): "
+                "models use: q_proj/k_proj, q_norm/k_norm, query/key, wq/wk, a fused "
+                "qkv/c_attn/Wqkv/qkv_proj or query_key_value): "
                 "pass precursor=PrecursorConfig(queries=r'...', keys=r'...', head_dim=...) naming them, "
                 "or PrecursorConfig(peak_lr=...) for the oscillation rule alone"
             )

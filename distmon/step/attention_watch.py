@@ -13,12 +13,18 @@ Which modules are the queries and keys (:func:`find_attention`): given as name p
 (``PrecursorConfig(queries=..., keys=...)``), or found by the names the common models use, each
 block the parent module of its pair: after a qk-norm (``q_norm``/``k_norm``, ``q_layernorm``/
 ``k_layernorm``: what the dot product sees), else separate projections (``q_proj``/``k_proj``,
-``query``/``key``, ``wq``/``wk``, ``to_q``/``to_k``), else a fused projection whose output is
-``[queries | keys | values]`` in equal thirds (``qkv``, ``c_attn``, ``Wqkv``, ``qkv_proj``). The
-head size comes from ``PrecursorConfig(head_dim=...)``, else the block's ``head_dim``/
-``head_size`` attribute, else its width over its ``n_heads``/``n_head``/``num_heads``/
-``num_attention_heads``. Heads must be contiguous ``head_dim``-wide slices of the last
-dimension (every layout above); anything else is refused at construction, naming the fix.
+``query``/``key``, ``wq``/``wk``, ``to_q``/``to_k``), else a fused projection: ``qkv``, ``c_attn``,
+``Wqkv``, ``qkv_proj`` hold ``[all queries | all keys | all values]``; ``query_key_value``
+(GPT-NeoX, BLOOM, Falcon, Megatron) holds, per key head, ``[its queries | key | value]``. The
+head size comes from ``PrecursorConfig(head_dim=...)``, else the block's (or its ``config``'s)
+``head_dim``/``head_size`` attribute, else its width over its heads. A fused projection's head
+counts (queries ``n_heads``/``n_head``/``num_heads``/``num_attention_heads``; keys
+``num_key_value_heads`` and the like, or ``num_key_value_groups`` queries per key: grouped-query
+attention, where keys are fewer than queries) come from the block or its ``config``, and its
+width must hold exactly that many head vectors: a projection that does not (a key-head count
+distmon cannot find) is refused at construction, naming the fix, rather than read with the
+wrong split. Heads must be contiguous ``head_dim``-wide slices of the last dimension (every
+layout above).
 """
 
 from __future__ import annotations
@@ -47,58 +53,117 @@ PAIRS = (
     ("wq", "wk"),
     ("to_q", "to_k"),
 )
-FUSED = ("qkv", "c_attn", "Wqkv", "qkv_proj")  # [queries | keys | values], equal thirds
+FUSED = ("qkv", "c_attn", "Wqkv", "qkv_proj")  # [all queries | all keys | all values]
+GROUPED = ("query_key_value",)  # per key head [its queries | key | value]: GPT-NeoX, BLOOM, Falcon, Megatron
 HEAD_SIZE = ("head_dim", "head_size", "d_head")
 HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
+KV_HEADS = (  # key (and value) heads, fewer than the query heads under grouped-query attention
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "kv_n_heads",
+    "n_head_kv",
+    "num_query_groups",
+)
+PER_KV = "num_key_value_groups"  # query heads per key head (Hugging Face's attention modules)
 
 
 @dataclass(frozen=True)
 class AttentionBlock:
     """One attention block: its name (the label its bound is served under), the module whose
-    output holds its queries and the one holding its keys (the same one when ``fused``:
-    ``[queries | keys | values]``), and its head size."""
+    output holds its queries and the one holding its keys, and its head size. ``layout``:
+    ``"pair"`` (two modules), ``"fused"`` (one module: ``[all queries | all keys | all values]``)
+    or ``"grouped"`` (one module: per key head ``[its queries | key | value]``); a fused or
+    grouped block's ``heads`` and ``kv_heads`` (query and key heads; None: equal, a third of the
+    output's head vectors each)."""
 
     name: str
     queries: torch.nn.Module
     keys: torch.nn.Module
     head_dim: int
-    fused: bool = False
+    layout: str = "pair"
+    heads: int | None = None
+    kv_heads: int | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Queries and keys come out of one projection."""
+        return self.layout != "pair"
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused projection's output as ``(queries, keys)`` head vectors (views, ``head_dim`` last);
+        raises ``ValueError`` when its width is not this block's head vectors.
+
+        Example:
+            >>> m = torch.nn.Linear(4, 4)
+            >>> b = AttentionBlock("b", m, m, head_dim=1, layout="grouped", heads=2, kv_heads=1)
+            >>> [t.flatten().tolist() for t in b.split(torch.tensor([1.0, 2.0, 3.0, 4.0]))]  # [q q k v]
+            [[1.0, 2.0], [3.0]]
+        """
+        v = x.unflatten(-1, (-1, self.head_dim))
+        n = v.shape[-2]
+        heads, kv = (self.heads, self.kv_heads) if self.heads is not None else (n // 3, n // 3)
+        if n != heads + 2 * kv or not kv:
+            raise ValueError(
+                f"distmon: the precursor cannot split the output of attention block {self.name!r}: {n} "
+                f"head vectors of {self.head_dim}, not {heads} query + 2 x {kv} key/value heads: set the "
+                "block's head counts (num_attention_heads, num_key_value_heads) or pass "
+                "PrecursorConfig(head_dim=...)"
+            )
+        if self.layout == "fused":
+            return v[..., :heads, :], v[..., heads : heads + kv, :]
+        per = heads // kv
+        g = v.unflatten(-2, (kv, per + 2))
+        return g[..., :per, :], g[..., per, :]
 
 
 def _width(m: torch.nn.Module) -> int | None:
-    """The last-dimension width of ``m``'s output, where its kind says it (Linear, a norm)."""
+    """The last-dimension width of ``m``'s output, where its kind says it (Linear, a norm, the
+    transposed ``Conv1D`` of GPT-2 in transformers: ``nf``)."""
     if isinstance(m, torch.nn.Linear):
         return m.out_features
+    if type(m).__name__ == "Conv1D" and isinstance(getattr(m, "nf", None), int):
+        return m.nf
     shape = getattr(m, "normalized_shape", None)
     return int(shape[-1]) if shape else None
 
 
-def _queries_width(parent: torch.nn.Module, q: torch.nn.Module, fused: bool) -> int | None:
-    """The width of all heads' queries: the block's projection's (a qk-norm may see one head at a
-    time, or be an ``Identity``), else the query module's own."""
-    children = dict(parent.named_children())
-    fused_proj = next((children[f] for f in FUSED if f in children), None)
-    if fused_proj is not None and _width(fused_proj):
-        return _width(fused_proj) // 3
-    proj = next((children[p[0]] for p in PAIRS[3:] if p[0] in children), None)
-    if proj is not None and _width(proj):
-        return _width(proj)
-    width = _width(q)
-    return width // 3 if fused and width else width
-
-
-def _head_dim(parent: torch.nn.Module, width: int | None, given: int | None) -> int | None:
-    if given is not None:
-        return given
-    for attr in HEAD_SIZE:
-        value = getattr(parent, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    for attr in HEADS:
-        heads = getattr(parent, attr, None)
-        if isinstance(heads, int) and heads > 0 and width and width % heads == 0:
-            return width // heads
+def _attribute(parent: torch.nn.Module, names: Sequence[str]) -> int | None:
+    """The first positive int among ``names`` on ``parent``, then on its ``config``."""
+    for owner in (parent, getattr(parent, "config", None)):
+        for attr in names:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
+
+
+def _heads(parent: torch.nn.Module) -> tuple[int | None, int | None]:
+    """The block's query and key head counts (None: not found; keys default to the queries)."""
+    heads = _attribute(parent, HEADS)
+    kv = _attribute(parent, KV_HEADS)
+    per = _attribute(parent, (PER_KV,))
+    if kv is None and heads is not None and per is not None and heads % per == 0:
+        kv = heads // per
+    return heads, kv if kv is not None else heads
+
+
+def _split_head_dim(parent: torch.nn.Module, q: torch.nn.Module, heads: int, kv: int) -> int | None:
+    """The head size of a block of two modules, from its head counts: its fused projection's width
+    over the head vectors it holds (a qk-norm may see one head at a time, or be an ``Identity``),
+    else its query projection's width, else the query module's own, over the query heads."""
+    children = dict(parent.named_children())
+    fused = next((children[f] for f in FUSED + GROUPED if f in children), None)
+    if fused is not None and _width(fused):
+        width, vectors = _width(fused), heads + 2 * kv
+    else:
+        proj = next((children[p[0]] for p in PAIRS[3:] if p[0] in children), None)
+        width, vectors = (_width(proj) if proj is not None else None) or _width(q), heads
+    return width // vectors if width and width % vectors == 0 else None
+
+
+def _head_dim(parent: torch.nn.Module, given: int | None) -> int | None:
+    return given if given is not None else _attribute(parent, HEAD_SIZE)
 
 
 def find_attention(
@@ -112,7 +177,8 @@ def find_attention(
     ``ValueError`` naming the fix for what it cannot read.
 
     ``queries``/``keys``: regular expressions of the modules' qualified names (``keys`` None: the
-    ``queries`` modules are fused ``[queries | keys | values]`` projections); None: found by name.
+    ``queries`` modules are fused projections, read by their names as in the module docstring);
+    None: found by name.
 
     Example:
         >>> class Attention(torch.nn.Module):   # GPT-2's names: a fused c_attn, n_head heads
@@ -138,7 +204,7 @@ def find_attention(
         for name, parent in named:
             children = dict(parent.named_children())
             pair = next((p for p in PAIRS if p[0] in children and p[1] in children), None)
-            fused = next((f for f in FUSED if f in children), None)
+            fused = next((f for f in FUSED + GROUPED if f in children), None)
             prefix = f"{name}." if name else ""
             if pair is not None:
                 found.append(
@@ -152,18 +218,62 @@ def find_attention(
             elif fused is not None:
                 q = (prefix + fused, children[fused])
                 found.append((name, q, q, True))
-    blocks = []
-    for block, (qname, q), (_, k), fused in found:
-        parent = by_name.get(block, model)
-        dh = _head_dim(parent, _queries_width(parent, q, fused), head_dim)
+    return [
+        _block(block, q, k, fused, parent=by_name.get(block, model), head_dim=head_dim)
+        for block, q, k, fused in found
+    ]
+
+
+def _block(
+    block: str,
+    query: tuple[str, torch.nn.Module],
+    key: tuple[str, torch.nn.Module],
+    fused: bool,
+    *,
+    parent: torch.nn.Module,
+    head_dim: int | None,
+) -> AttentionBlock:
+    """One block's :class:`AttentionBlock`, its head size and (one projection) its head counts
+    checked against the projection's width; raises ``ValueError`` naming the fix."""
+    (qname, q), (_, k) = query, key
+    label = block or "<root>"
+    heads, kv = _heads(parent)
+    dh = _head_dim(parent, head_dim)
+    if not fused:
+        if dh is None and heads:
+            dh = _split_head_dim(parent, q, heads, kv)
         if dh is None:
             raise ValueError(
-                f"distmon: the precursor cannot tell the head size of attention block {block or '<root>'!r} "
+                f"distmon: the precursor cannot tell the head size of attention block {label!r} "
                 f"(queries from {qname!r}; no {'/'.join(HEAD_SIZE)} or {'/'.join(HEADS)} attribute): "
                 "pass GradMonitor(..., precursor=PrecursorConfig(head_dim=...))"
             )
-        blocks.append(AttentionBlock(block or "<root>", queries=q, keys=k, head_dim=dh, fused=fused))
-    return blocks
+        return AttentionBlock(label, q, k, dh)
+    layout = "grouped" if qname.rpartition(".")[2] in GROUPED else "fused"
+    width = _width(q)
+    if dh is None and heads and width and width % (heads + 2 * kv) == 0:
+        dh = width // (heads + 2 * kv)
+    if dh is None:
+        raise ValueError(
+            f"distmon: the precursor cannot tell the head size of attention block {label!r} (queries "
+            f"and keys from {qname!r}; no {'/'.join(HEAD_SIZE)} attribute, and no head count that "
+            "divides its width): pass GradMonitor(..., precursor=PrecursorConfig(head_dim=...))"
+        )
+    if width is not None:  # else the hook checks each output's width
+        n, rest = divmod(width, dh)
+        if heads is None and not rest and n % 3 == 0:
+            heads = kv = n // 3
+        if rest or heads is None or n != heads + 2 * kv or heads % kv:
+            raise ValueError(
+                f"distmon: the precursor cannot split attention block {label!r}: {qname!r} outputs "
+                f"{width} features, {n if not rest else width / dh:g} head vectors of {dh}, which is not "
+                f"{heads or '?'} query heads + 2 x {kv or '?'} key/value heads (key heads dividing the "
+                f"query heads). Set the block's head counts (its num_attention_heads and, with "
+                f"grouped-query attention, num_key_value_heads), pass PrecursorConfig(head_dim=...) "
+                f"if the head size is wrong, or name separate query and key modules "
+                f"(PrecursorConfig(queries=..., keys=...))"
+            )
+    return AttentionBlock(label, q, k, dh, layout=layout, heads=heads, kv_heads=kv)
 
 
 class AttentionWatch:
@@ -201,16 +311,10 @@ class AttentionWatch:
         try:
             for i, b in enumerate(self.blocks):
                 if b.fused:
-                    self._handles.append(
-                        b.queries.register_forward_hook(self._hook(i, b.head_dim, fused=True))
-                    )
+                    self._handles.append(b.queries.register_forward_hook(self._hook(i, b)))
                 else:
-                    self._handles.append(
-                        b.queries.register_forward_hook(self._hook(i, b.head_dim, into=self._q))
-                    )
-                    self._handles.append(
-                        b.keys.register_forward_hook(self._hook(i, b.head_dim, into=self._k))
-                    )
+                    self._handles.append(b.queries.register_forward_hook(self._hook(i, b, into=self._q)))
+                    self._handles.append(b.keys.register_forward_hook(self._hook(i, b, into=self._k)))
         except BaseException:
             self.remove()
             raise
@@ -221,8 +325,11 @@ class AttentionWatch:
         self._handles.clear()
 
     def _hook(
-        self, index: int, head_dim: int, *, into: torch.Tensor | None = None, fused: bool = False
+        self, index: int, block: AttentionBlock, *, into: torch.Tensor | None = None
     ) -> Callable[[torch.nn.Module, object, object], None]:
+        """The forward hook of ``block``'s query module (``into``: ``_q``), key module (``_k``), or
+        with ``into`` None its one projection (both)."""
+
         @torch.compiler.disable
         def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
             if not self.active or graph_task_id() != -1:
@@ -231,21 +338,21 @@ class AttentionWatch:
                 x = output.detach() if isinstance(output, torch.Tensor) else None
                 if x is None or not x.is_floating_point() or not x.numel():
                     return
-                if fused:  # [queries | keys | values]
-                    third = x.shape[-1] // 3
-                    self._keep(self._q, index, x[..., :third], head_dim)
-                    self._keep(self._k, index, x[..., third : 2 * third], head_dim)
+                if into is None:
+                    q, k = block.split(x)
+                    self._keep(self._q, index, q)
+                    self._keep(self._k, index, k)
                 else:
-                    self._keep(into, index, x, head_dim)
+                    self._keep(into, index, x.unflatten(-1, (-1, block.head_dim)))
             except Exception:
                 self._errors.record("attention hook")
 
         return hook
 
     @staticmethod
-    def _keep(into: torch.Tensor, index: int, x: torch.Tensor, head_dim: int) -> None:
-        """``into[index]`` <- the larger of it and ``x``'s largest head vector norm (NaN wins)."""
-        heads = x.unflatten(-1, (-1, head_dim))
+    def _keep(into: torch.Tensor, index: int, heads: torch.Tensor) -> None:
+        """``into[index]`` <- the larger of it and the largest norm of the head vectors ``heads``
+        (``head_dim`` last; NaN wins)."""
         norm = torch.linalg.vector_norm(heads, dim=-1, dtype=torch.float32).amax()
         into[index] = torch.maximum(into[index], norm)
 
