@@ -11,8 +11,8 @@ projections (Llama, grouped-query), a per-head qk-norm (Qwen3), a fused ``[Q | K
 (GPT-2's ``Conv1D``; Phi-3 with as many and with fewer key heads than query heads) and fused
 projections that hold ``[queries | key | value]`` per key head (GPT-NeoX, BLOOM, Falcon classic,
 multi-query and grouped). Before the fused split read head counts, Phi-3 with grouped-query
-attention was served a wrong bound (thirds of its projection: 0.160 against 0.176); a
-projection whose width the found head counts do not explain is refused at construction.
+attention was served a wrong bound (its projection read in thirds: phi3-gqa fails here with that
+split); a projection whose width the found head counts do not explain is refused at construction.
 """
 
 from __future__ import annotations
