@@ -129,6 +129,8 @@ def test_a_fused_projection_the_head_counts_do_not_explain_is_refused_naming_the
     assert [(b.layout, b.heads, b.kv_heads, b.head_dim) for b in found] == [("fused", 4, 2, 2)]
     found = find_attention(torch.nn.ModuleDict({"a": _Fused(num_attention_heads=4, num_key_value_groups=2)}))
     assert [(b.heads, b.kv_heads) for b in found] == [(4, 2)]
+    found = find_attention(torch.nn.ModuleDict({"a": _Fused(num_key_value_heads=2)}))  # 8 - 2 x 2 queries
+    assert [(b.heads, b.kv_heads) for b in found] == [(4, 2)]
     for heads in ({"n_heads": 4}, {}, {"n_heads": 4, "num_key_value_heads": 3}):
         with pytest.raises(ValueError, match=r"'a\.qkv' outputs 16 features, 8 head vectors of 2") as e:
             find_attention(torch.nn.ModuleDict({"a": _Fused(**heads)}))
@@ -138,3 +140,20 @@ def test_a_fused_projection_the_head_counts_do_not_explain_is_refused_naming_the
     model = torch.nn.ModuleDict({"a": _Fused(n_heads=4)})
     with pytest.raises(ValueError, match="8 head vectors of 2, which is not 4 query heads"):
         distmon.GradMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1), serve="none", precursor=True)
+
+
+def test_a_projection_read_at_run_time_is_split_by_its_key_heads_or_not_at_all():
+    """A fused module whose width is unknown at construction is split when its output comes: the
+    queries are what the key and value heads leave; with no head count and no three equal parts,
+    nothing is read (the hook counts the error)."""
+    from distmon.step.attention_watch import AttentionBlock
+
+    m = torch.nn.Identity()
+    x = torch.arange(16.0)  # 8 head vectors of 2
+    q, k = AttentionBlock("a", m, m, head_dim=2, layout="fused", kv_heads=2).split(x)
+    assert q.flatten().tolist() == list(range(8)) and k.flatten().tolist() == [8.0, 9.0, 10.0, 11.0]
+    q, k = AttentionBlock("a", m, m, head_dim=2, layout="grouped", kv_heads=2).split(x)  # [q q k v] x 2
+    assert q.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0]
+    assert k.flatten().tolist() == [4.0, 5.0, 12.0, 13.0]
+    with pytest.raises(ValueError, match=r"8 head vectors of 2, not \? query \+ 2 x \? key/value heads"):
+        AttentionBlock("a", m, m, head_dim=2, layout="fused").split(x)

@@ -102,12 +102,14 @@ class AttentionBlock:
         """
         v = x.unflatten(-1, (-1, self.head_dim))
         n = v.shape[-2]
-        heads, kv = (self.heads, self.kv_heads) if self.heads is not None else (n // 3, n // 3)
-        if n != heads + 2 * kv or not kv:
+        heads, kv = (
+            (self.heads, self.kv_heads) if self.heads is not None else _unnamed_heads(n, self.kv_heads)
+        )
+        if heads is None or n != heads + 2 * kv or heads % kv:
             raise ValueError(
                 f"distmon: the precursor cannot split the output of attention block {self.name!r}: {n} "
-                f"head vectors of {self.head_dim}, not {heads} query + 2 x {kv} key/value heads: set the "
-                "block's head counts (num_attention_heads, num_key_value_heads) or pass "
+                f"head vectors of {self.head_dim}, not {heads or '?'} query + 2 x {kv or '?'} key/value "
+                "heads: set the block's head counts (num_attention_heads, num_key_value_heads) or pass "
                 "PrecursorConfig(head_dim=...)"
             )
         if self.layout == "fused":
@@ -115,6 +117,20 @@ class AttentionBlock:
         per = heads // kv
         g = v.unflatten(-2, (kv, per + 2))
         return g[..., :per, :], g[..., per, :]
+
+
+def _unnamed_heads(vectors: int, kv: int | None) -> tuple[int | None, int | None]:
+    """``(query heads, key heads)`` of a fused projection of ``vectors`` head vectors whose query
+    heads no attribute names: what ``kv`` key and value heads leave, else a third each (None: no
+    whole number of heads).
+
+    Example:
+        >>> _unnamed_heads(12, None), _unnamed_heads(12, 2), _unnamed_heads(8, None)
+        ((4, 4), (8, 2), (None, None))
+    """
+    if kv:
+        return (vectors - 2 * kv, kv) if vectors > 2 * kv else (None, kv)
+    return (vectors // 3, vectors // 3) if vectors % 3 == 0 else (None, None)
 
 
 def _width(m: torch.nn.Module) -> int | None:
@@ -261,8 +277,8 @@ def _block(
         )
     if width is not None:  # else the hook checks each output's width
         n, rest = divmod(width, dh)
-        if heads is None and not rest and n % 3 == 0:
-            heads = kv = n // 3
+        if heads is None and not rest:  # the query heads: what the key heads leave, else a third
+            heads, kv = _unnamed_heads(n, kv)
         if rest or heads is None or n != heads + 2 * kv or heads % kv:
             raise ValueError(
                 f"distmon: the precursor cannot split attention block {label!r}: {qname!r} outputs "
