@@ -126,7 +126,7 @@ def test_a_fused_projection_the_head_counts_do_not_explain_is_refused_naming_the
     count the same projection is not three equal parts, and reading it as thirds would serve a
     wrong bound: refused, naming the counts it found and what to set."""
     found = find_attention(torch.nn.ModuleDict({"a": _Fused(n_heads=4, num_key_value_heads=2)}))
-    assert [(b.layout, b.heads, b.kv_heads, b.head_dim) for b in found] == [("fused", 4, 2, 2)]
+    assert [(b.layout, b.heads, b.kv_heads, b.head_dim) for b in found] == [("stacked", 4, 2, 2)]
     found = find_attention(torch.nn.ModuleDict({"a": _Fused(num_attention_heads=4, num_key_value_groups=2)}))
     assert [(b.heads, b.kv_heads) for b in found] == [(4, 2)]
     found = find_attention(torch.nn.ModuleDict({"a": _Fused(num_key_value_heads=2)}))  # 8 - 2 x 2 queries
@@ -150,10 +150,10 @@ def test_a_projection_read_at_run_time_is_split_by_its_key_heads_or_not_at_all()
 
     m = torch.nn.Identity()
     x = torch.arange(16.0)  # 8 head vectors of 2
-    q, k = AttentionBlock("a", m, m, head_dim=2, layout="fused", kv_heads=2).split(x)
+    q, k = AttentionBlock("a", m, m, head_dim=2, layout="stacked", kv_heads=2).split(x)
     assert q.flatten().tolist() == list(range(8)) and k.flatten().tolist() == [8.0, 9.0, 10.0, 11.0]
     q, k = AttentionBlock("a", m, m, head_dim=2, layout="grouped", kv_heads=2).split(x)  # [q q k v] x 2
     assert q.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0]
     assert k.flatten().tolist() == [4.0, 5.0, 12.0, 13.0]
     with pytest.raises(ValueError, match=r"8 head vectors of 2, not \? query \+ 2 x \? key/value heads"):
-        AttentionBlock("a", m, m, head_dim=2, layout="fused").split(x)
+        AttentionBlock("a", m, m, head_dim=2, layout="stacked").split(x)

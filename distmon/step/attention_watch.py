@@ -72,10 +72,10 @@ PER_KV = "num_key_value_groups"  # query heads per key head (Hugging Face's atte
 class AttentionBlock:
     """One attention block: its name (the label its bound is served under), the module whose
     output holds its queries and the one holding its keys, and its head size. ``layout``:
-    ``"pair"`` (two modules), ``"fused"`` (one module: ``[all queries | all keys | all values]``)
-    or ``"grouped"`` (one module: per key head ``[its queries | key | value]``); a fused or
-    grouped block's ``heads`` and ``kv_heads`` (query and key heads; None: equal, a third of the
-    output's head vectors each)."""
+    ``"pair"`` (two modules), ``"stacked"`` (one module: ``[all queries | all keys | all values]``)
+    or ``"grouped"`` (one module: per key head ``[its queries | key | value]``); a stacked or
+    grouped block's ``heads`` and ``kv_heads`` (query and key heads; None: not named, read from
+    each output: the query heads are what the key and value heads leave, else a third each)."""
 
     name: str
     queries: torch.nn.Module
@@ -112,7 +112,7 @@ class AttentionBlock:
                 "heads: set the block's head counts (num_attention_heads, num_key_value_heads) or pass "
                 "PrecursorConfig(head_dim=...)"
             )
-        if self.layout == "fused":
+        if self.layout == "stacked":
             return v[..., :heads, :], v[..., heads : heads + kv, :]
         per = heads // kv
         g = v.unflatten(-2, (kv, per + 2))
@@ -265,7 +265,7 @@ def _block(
                 "pass GradMonitor(..., precursor=PrecursorConfig(head_dim=...))"
             )
         return AttentionBlock(label, q, k, dh)
-    layout = "grouped" if qname.rpartition(".")[2] in GROUPED else "fused"
+    layout = "grouped" if qname.rpartition(".")[2] in GROUPED else "stacked"
     width = _width(q)
     if dh is None and heads and width and width % (heads + 2 * kv) == 0:
         dh = width // (heads + 2 * kv)
