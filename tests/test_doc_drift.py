@@ -60,7 +60,6 @@ FOREIGN = frozenset(
     init_process_group _create_c10d_store StaticTCPRendezvous PrefixStore SpikeDetection
     report_to log_freq on_log SummaryWriter MlflowClient log_metrics global_step define_metric
     WandbLogger TensorBoardLogger TensorBoardCallback WandbCallback get_reporting_integration_callbacks
-    query_key_value num_key_value_heads num_key_value_groups
     """.split()
 )
 # flags of other programs (torchrun, Prometheus, transformers' scripts) that pages name
@@ -258,7 +257,14 @@ def attention_names() -> set[str]:
     """The module and attribute names the precursor looks for (``step/attention_watch.py``)."""
     from distmon.step import attention_watch as aw
 
-    return {*(n for pair in aw.PAIRS for n in pair), *aw.FUSED, *aw.HEAD_SIZE, *aw.HEADS}
+    return {
+        *(n for pair in aw.PAIRS for n in pair),
+        *aw.FUSED,
+        *aw.HEAD_SIZE,
+        *aw.HEADS,
+        *aw.KV_HEADS,
+        aw.PER_KV,
+    }
 
 
 _ENV = re.compile(r"\bDISTMON_[A-Z0-9_]*[A-Z0-9]\b")

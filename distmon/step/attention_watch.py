@@ -53,8 +53,9 @@ PAIRS = (
     ("wq", "wk"),
     ("to_q", "to_k"),
 )
-FUSED = ("qkv", "c_attn", "Wqkv", "qkv_proj")  # [all queries | all keys | all values]
+STACKED = ("qkv", "c_attn", "Wqkv", "qkv_proj")  # [all queries | all keys | all values]
 GROUPED = ("query_key_value",)  # per key head [its queries | key | value]: GPT-NeoX, BLOOM, Falcon, Megatron
+FUSED = STACKED + GROUPED  # one projection holds queries and keys
 HEAD_SIZE = ("head_dim", "head_size", "d_head")
 HEADS = ("n_heads", "n_head", "num_heads", "num_attention_heads")
 KV_HEADS = (  # key (and value) heads, fewer than the query heads under grouped-query attention
@@ -102,14 +103,13 @@ class AttentionBlock:
         """
         v = x.unflatten(-1, (-1, self.head_dim))
         n = v.shape[-2]
-        heads, kv = (
-            (self.heads, self.kv_heads) if self.heads is not None else _unnamed_heads(n, self.kv_heads)
-        )
-        if heads is None or n != heads + 2 * kv or heads % kv:
+        heads, kv = _counts(n, self.heads, self.kv_heads)
+        if heads is None:
             raise ValueError(
                 f"distmon: the precursor cannot split the output of attention block {self.name!r}: {n} "
-                f"head vectors of {self.head_dim}, not {heads or '?'} query + 2 x {kv or '?'} key/value "
-                "heads: set the block's head counts (num_attention_heads, num_key_value_heads) or pass "
+                f"head vectors of {self.head_dim}, not {self.heads or '?'} query + 2 x "
+                f"{self.kv_heads or '?'} key/value heads: set the block's head counts "
+                "(num_attention_heads, num_key_value_heads) or pass "
                 "PrecursorConfig(head_dim=...)"
             )
         if self.layout == "stacked":
@@ -119,18 +119,28 @@ class AttentionBlock:
         return g[..., :per, :], g[..., per, :]
 
 
-def _unnamed_heads(vectors: int, kv: int | None) -> tuple[int | None, int | None]:
-    """``(query heads, key heads)`` of a fused projection of ``vectors`` head vectors whose query
-    heads no attribute names: what ``kv`` key and value heads leave, else a third each (None: no
-    whole number of heads).
+def _counts(vectors: int, heads: int | None, kv: int | None) -> tuple[int | None, int | None]:
+    """``(query heads, key heads)`` of a fused projection of ``vectors`` head vectors, given the
+    counts its block names (None: not named): the query heads unnamed are what the key and value
+    heads leave, else a third each; ``(None, None)`` when no such split exists (the key heads must
+    divide the query heads).
 
     Example:
-        >>> _unnamed_heads(12, None), _unnamed_heads(12, 2), _unnamed_heads(8, None)
-        ((4, 4), (8, 2), (None, None))
+        >>> _counts(12, None, None), _counts(12, None, 2), _counts(12, 8, 2)
+        ((4, 4), (8, 2), (8, 2))
+        >>> _counts(8, None, None), _counts(12, 4, 2), _counts(11, None, 3)  # no thirds; 4 + 4; 5 + 6
+        ((None, None), (None, None), (None, None))
     """
-    if kv:
-        return (vectors - 2 * kv, kv) if vectors > 2 * kv else (None, kv)
-    return (vectors // 3, vectors // 3) if vectors % 3 == 0 else (None, None)
+    if heads is None:
+        if kv is None:
+            if vectors % 3:
+                return None, None
+            kv = vectors // 3
+        heads = vectors - 2 * kv
+    kv = kv or heads
+    if heads <= 0 or kv <= 0 or vectors != heads + 2 * kv or heads % kv:
+        return None, None
+    return heads, kv
 
 
 def _width(m: torch.nn.Module) -> int | None:
@@ -169,7 +179,7 @@ def _split_head_dim(parent: torch.nn.Module, q: torch.nn.Module, heads: int, kv:
     over the head vectors it holds (a qk-norm may see one head at a time, or be an ``Identity``),
     else its query projection's width, else the query module's own, over the query heads."""
     children = dict(parent.named_children())
-    fused = next((children[f] for f in FUSED + GROUPED if f in children), None)
+    fused = next((children[f] for f in FUSED if f in children), None)
     if fused is not None and _width(fused):
         width, vectors = _width(fused), heads + 2 * kv
     else:
@@ -220,7 +230,7 @@ def find_attention(
         for name, parent in named:
             children = dict(parent.named_children())
             pair = next((p for p in PAIRS if p[0] in children and p[1] in children), None)
-            fused = next((f for f in FUSED + GROUPED if f in children), None)
+            fused = next((f for f in FUSED if f in children), None)
             prefix = f"{name}." if name else ""
             if pair is not None:
                 found.append(
@@ -277,9 +287,8 @@ def _block(
         )
     if width is not None:  # else the hook checks each output's width
         n, rest = divmod(width, dh)
-        if heads is None and not rest:  # the query heads: what the key heads leave, else a third
-            heads, kv = _unnamed_heads(n, kv)
-        if rest or heads is None or n != heads + 2 * kv or heads % kv:
+        split = _counts(n, heads, kv) if not rest else (None, None)
+        if split[0] is None:
             raise ValueError(
                 f"distmon: the precursor cannot split attention block {label!r}: {qname!r} outputs "
                 f"{width} features, {n if not rest else width / dh:g} head vectors of {dh}, which is not "
@@ -289,6 +298,7 @@ def _block(
                 f"if the head size is wrong, or name separate query and key modules "
                 f"(PrecursorConfig(queries=..., keys=...))"
             )
+        heads, kv = split
     return AttentionBlock(label, q, k, dh, layout=layout, heads=heads, kv_heads=kv)
 
 
