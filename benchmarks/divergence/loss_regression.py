@@ -36,12 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.runs import fast_warmups, late_holdout, stress, validation  # noqa: E402
-from benchmarks.divergence.sharpness_probe import run_and_write  # noqa: E402
+from benchmarks.divergence.sharpness_probe import held, run_and_write  # noqa: E402
 from benchmarks.divergence.train import RunSpec, train  # noqa: E402
 
 EVERY = 10
 FROM = 100  # the first sample judged: the fastest warm-ups of the constant class end at 50-100
-HOLD = 2
 WINDOWS = (20, 50)
 BOUNDS = (1.08, 1.1, 1.12, 1.15, 1.2)
 SETS = stress() + validation() + fast_warmups()
@@ -68,8 +67,8 @@ def regression(loss: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def first_warning(steps: np.ndarray, ratios: np.ndarray, bound: float, before: int | None) -> int | None:
-    """The first sampled step whose ratio and the ``HOLD - 1`` before it all exceed ``bound``,
-    before step ``before`` (None: any), or None.
+    """The first sampled step whose ratio and the one before it both exceed ``bound``, before step
+    ``before`` (None: any), or None.
 
     Example:
         >>> first_warning(np.array([100, 110, 120, 130]), np.array([1.2, 1.0, 1.2, 1.3]), 1.1, None)
@@ -77,25 +76,19 @@ def first_warning(steps: np.ndarray, ratios: np.ndarray, bound: float, before: i
         >>> first_warning(np.array([100, 110, 120, 130]), np.array([1.2, 1.0, 1.2, 1.3]), 1.1, 130) is None
         True
     """
-    run = 0
-    for st, r in zip(steps.tolist(), ratios.tolist()):
-        if before is not None and st >= before:
-            return None
-        run = run + 1 if r > bound else 0
-        if run >= HOLD:
-            return st
-    return None
+    past = (st for st, h in held(steps.tolist(), ratios.tolist(), False, FROM) if h > bound)
+    first = next(past, None)
+    return first if first is not None and (before is None or first < before) else None
 
 
 def held_max(steps: np.ndarray, ratios: np.ndarray) -> float:
-    """The largest ratio held ``HOLD`` samples in a row: the lowest bound that never warns.
+    """The largest ratio held 2 samples in a row: the lowest bound that never warns.
 
     Example:
         >>> held_max(np.array([100, 110, 120]), np.array([1.3, 1.05, 1.1]))   # 1.3 held only once
         1.05
     """
-    held = np.lib.stride_tricks.sliding_window_view(ratios, HOLD).min(1) if len(ratios) >= HOLD else []
-    return float(max(held, default=1.0))
+    return max((h for _, h in held(steps.tolist(), ratios.tolist(), False, FROM)), default=1.0)
 
 
 def probe(spec: RunSpec) -> dict[str, object]:
@@ -153,7 +146,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "",
         f"`python benchmarks/divergence/loss_regression.py --write`. Every {EVERY} steps from step "
         f"{FROM} on: the mean of the last `window` training losses over the lowest such mean so far; "
-        f"a warning once it exceeds the bound for {HOLD} samples in a row (before the divergence, "
+        "a warning once it exceeds the bound for 2 samples in a row (before the divergence, "
         "for the diverging runs). Divergence (`benchmarks/divergence/divergence.py`) is the same "
         "statistic over 20 steps past 1.3, read from the step its stretch starts.",
         "",

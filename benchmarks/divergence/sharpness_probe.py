@@ -34,7 +34,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
@@ -282,6 +282,18 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         + f" {past} of {len(healthy)} healthy runs pass Adam's edge of {EDGE:g} and train on.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def held(steps: Sequence[int], values: Sequence[float], falls: bool, start: int) -> list[tuple[int, float]]:
+    """``(step, value held for 2 samples)`` from step ``start`` on: a sample is past a bound in the
+    direction of trouble (down if ``falls``, else up) only if the sample before it is too.
+
+    Example:
+        >>> held([90, 100, 110, 120], [0.9, 0.1, 0.5, 0.2], falls=True, start=100)
+        [(100, 0.9), (110, 0.5), (120, 0.5)]
+    """
+    pick = max if falls else min
+    return [(st, pick(a, b)) for st, a, b in zip(steps[1:], values, values[1:]) if st >= start]
 
 
 def run_and_write(

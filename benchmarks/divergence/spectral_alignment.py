@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.runs import fast_warmups, stress, validation  # noqa: E402
-from benchmarks.divergence.sharpness_probe import run_and_write  # noqa: E402
+from benchmarks.divergence.sharpness_probe import held, run_and_write  # noqa: E402
 from benchmarks.divergence.train import RunSpec, train  # noqa: E402
 
 EVERY = 10
@@ -159,12 +159,12 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         cells = []
         for k, (signal, falls) in enumerate(SIGNALS):
             extreme = (min if falls else max)(
-                h for r in healthy for _, h in _held(*series(r, layer, k), falls)
+                h for r in healthy for _, h in held(*series(r, layer, k), falls, FROM)
             )
             leads = []
             for r in constant:
-                held = _held(*series(r, layer, k), falls)
-                hit = [st for st, h in held if (h < extreme if falls else h > extreme)]
+                kept = held(*series(r, layer, k), falls, FROM)
+                hit = [st for st, h in kept if (h < extreme if falls else h > extreme)]
                 leads += [r["diverged"] - hit[0]] if hit else []
             median = f", median lead {statistics.median(leads):g}" if leads else ""
             cells += [f"{extreme:.3g}", f"{len(leads)}/{len(constant)}{median}"]
@@ -182,18 +182,6 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         + f". The sign diversity of healthy runs collapses to 0 in {collapsed} of {len(layers)} layers.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _held(steps: list[int], values: list[float], falls: bool) -> list[tuple[int, float]]:
-    """``(step, value held for 2 samples)`` from step ``FROM`` on: a sample is past a bound in the
-    direction of trouble only if the sample before it is too.
-
-    Example:
-        >>> _held([90, 100, 110, 120], [0.9, 0.1, 0.5, 0.2], falls=True)
-        [(100, 0.9), (110, 0.5), (120, 0.5)]
-    """
-    pick = max if falls else min
-    return [(st, pick(a, b)) for st, a, b in zip(steps[1:], values, values[1:]) if st >= FROM]
 
 
 def main(argv: list[str] | None = None) -> int:
