@@ -103,29 +103,21 @@ def probe(spec: RunSpec) -> dict[str, object]:
     }
 
 
-def _judge(
-    runs: list[dict[str, object]], window: int, bound: float
-) -> tuple[list[int], list[dict[str, object]]]:
-    """The leads of the diverging runs warned before their divergence, and the healthy runs warned."""
+def _row(runs: list[dict[str, object]], window: int, bound: float) -> str:
+    """The table cells of ``runs`` at ``bound``: constant-rate runs warned before their divergence,
+    their median lead, healthy runs warned (and their peak rates)."""
     series = {r["name"]: regression(r["loss"], window) for r in runs}
+    diverging = [r for r in runs if r["diverged"] is not None]
+    healthy = [r for r in runs if r["diverged"] is None]
     leads = [
         r["diverged"] - w
-        for r in runs
-        if r["diverged"] is not None
-        and (w := first_warning(*series[r["name"]], bound, r["diverged"])) is not None
+        for r in diverging
+        if (w := first_warning(*series[r["name"]], bound, r["diverged"])) is not None
     ]
-    warned = [
-        r
-        for r in runs
-        if r["diverged"] is None and first_warning(*series[r["name"]], bound, None) is not None
-    ]
-    return leads, warned
-
-
-def _cells(leads: list[int], warned: list[dict[str, object]], constant: int, healthy: int) -> str:
+    warned = [r for r in healthy if first_warning(*series[r["name"]], bound, None) is not None]
     peaks = sorted({f"{r['lr']:g}" for r in warned}, key=float)
     median = f"{statistics.median(leads):g}" if leads else "-"
-    return f"{len(leads)}/{constant} | {median} | {len(warned)}/{healthy}" + (
+    return f"{len(leads)}/{len(diverging)} | {median} | {len(warned)}/{len(healthy)}" + (
         f" (peaks {', '.join(peaks)})" if peaks else ""
     )
 
@@ -136,11 +128,8 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     strays = [r["name"] for cls, r in results if (cls == "constant") != (r["diverged"] is not None)]
     fit = [r for r in kept if r["name"] not in fresh_names]
     fresh = [r for r in kept if r["name"] in fresh_names]
-
-    def counts(runs: list[dict[str, object]]) -> tuple[int, int]:
-        return sum(r["diverged"] is not None for r in runs), sum(r["diverged"] is None for r in runs)
-
-    (n_constant, n_healthy), (f_constant, f_healthy) = counts(fit), counts(fresh)
+    n_constant = sum(r["diverged"] is not None for r in fit)
+    f_constant = sum(r["diverged"] is not None for r in fresh)
     lines = [
         "# The loss's regression: runs diverging at a constant rate against healthy ones",
         "",
@@ -151,7 +140,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "statistic over 20 steps past 1.3, read from the step its stretch starts.",
         "",
         f"Runs the bounds are fitted to (`runs.stress()`, `runs.validation()`, `runs.fast_warmups()`): "
-        f"{n_constant} diverging at (or near) a constant rate, {n_healthy} healthy"
+        f"{n_constant} diverging at (or near) a constant rate, {len(fit) - n_constant} healthy"
         + (f"; not as their class says, left out: {', '.join(strays)}" if strays else "")
         + ".",
         "",
@@ -160,31 +149,23 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     ]
     fitted = []
     for window in WINDOWS:
-        for bound in BOUNDS:
-            lines.append(
-                f"| {window} | {bound:g} | {_cells(*_judge(fit, window, bound), n_constant, n_healthy)} |"
-            )
-        top = max(
-            (r for r in fit if r["diverged"] is None), key=lambda r: held_max(*regression(r["loss"], window))
-        )
-        fitted.append((window, held_max(*regression(top["loss"], window)), top["name"]))
+        lines += [f"| {window} | {bound:g} | {_row(fit, window, bound)} |" for bound in BOUNDS]
+        healthy = (r for r in fit if r["diverged"] is None)
+        edges = ((held_max(*regression(r["loss"], window)), r["name"]) for r in healthy)
+        fitted.append((window, *max(edges, key=lambda edge: edge[0])))  # the first run of the largest
     lines += [
         "",
         "The bound fitted to these healthy runs (the largest ratio any of them held; none warns), on "
-        f"the runs it was fitted to and, scored once, on {f_constant} constant-rate and {f_healthy} "
-        "healthy runs recorded after it was fitted (`runs.late_holdout()`):",
+        f"the runs it was fitted to and, scored once, on {f_constant} constant-rate and "
+        f"{len(fresh) - f_constant} healthy runs recorded after it was fitted (`runs.late_holdout()`):",
         "",
         "| window | fitted bound (set by) | runs | constant-rate runs warned | median lead (steps) "
         "| healthy runs warned |",
         "|---|---|---|---|---|---|",
     ]
     for window, edge, name in fitted:
-        for label, runs, nc, nh in (
-            ("fitted to", fit, n_constant, n_healthy),
-            ("late hold-out", fresh, f_constant, f_healthy),
-        ):
-            judged = _cells(*_judge(runs, window, edge), nc, nh)
-            lines.append(f"| {window} | {edge:.3f} ({name}) | {label} | {judged} |")
+        for label, runs in (("fitted to", fit), ("late hold-out", fresh)):
+            lines.append(f"| {window} | {edge:.3f} ({name}) | {label} | {_row(runs, window, edge)} |")
     return "\n".join(lines) + "\n"
 
 
