@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -66,9 +68,11 @@ def regression(loss: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     return steps[keep], (means / best)[keep]
 
 
-def first_warning(steps: np.ndarray, ratios: np.ndarray, bound: float, before: int | None) -> int | None:
-    """The first sampled step whose ratio and the one before it both exceed ``bound``, before step
-    ``before`` (None: any), or None.
+def first_warning(
+    steps: np.ndarray, values: np.ndarray, bound: float, before: int | None, start: int = FROM
+) -> int | None:
+    """The first sampled step from ``start`` on whose value and the one before it both exceed
+    ``bound``, before step ``before`` (None: any), or None.
 
     Example:
         >>> first_warning(np.array([100, 110, 120, 130]), np.array([1.2, 1.0, 1.2, 1.3]), 1.1, None)
@@ -76,19 +80,19 @@ def first_warning(steps: np.ndarray, ratios: np.ndarray, bound: float, before: i
         >>> first_warning(np.array([100, 110, 120, 130]), np.array([1.2, 1.0, 1.2, 1.3]), 1.1, 130) is None
         True
     """
-    past = (st for st, h in held(steps.tolist(), ratios.tolist(), False, FROM) if h > bound)
+    past = (st for st, h in held(steps.tolist(), values.tolist(), False, start) if h > bound)
     first = next(past, None)
     return first if first is not None and (before is None or first < before) else None
 
 
-def held_max(steps: np.ndarray, ratios: np.ndarray) -> float:
-    """The largest ratio held 2 samples in a row: the lowest bound that never warns.
+def held_max(steps: np.ndarray, values: np.ndarray, start: int = FROM) -> float:
+    """The largest value held 2 samples in a row from ``start`` on: the lowest bound that never warns.
 
     Example:
         >>> held_max(np.array([100, 110, 120]), np.array([1.3, 1.05, 1.1]))   # 1.3 held only once
         1.05
     """
-    return max((h for _, h in held(steps.tolist(), ratios.tolist(), False, FROM)), default=1.0)
+    return max((h for _, h in held(steps.tolist(), values.tolist(), False, start)), default=1.0)
 
 
 def probe(spec: RunSpec) -> dict[str, object]:
@@ -103,18 +107,21 @@ def probe(spec: RunSpec) -> dict[str, object]:
     }
 
 
-def _row(runs: list[dict[str, object]], window: int, bound: float) -> str:
+Series = Callable[[dict[str, object]], tuple[np.ndarray, np.ndarray]]  # a run -> (steps, values)
+
+
+def cells(runs: list[dict[str, object]], series: Series, bound: float, start: int = FROM) -> str:
     """The table cells of ``runs`` at ``bound``: constant-rate runs warned before their divergence,
-    their median lead, healthy runs warned (and their peak rates)."""
-    series = {r["name"]: regression(r["loss"], window) for r in runs}
+    their median lead, healthy runs warned (and their peak rates); ``series`` samples a run."""
+    sampled = {r["name"]: series(r) for r in runs}
     diverging = [r for r in runs if r["diverged"] is not None]
     healthy = [r for r in runs if r["diverged"] is None]
     leads = [
         r["diverged"] - w
         for r in diverging
-        if (w := first_warning(*series[r["name"]], bound, r["diverged"])) is not None
+        if (w := first_warning(*sampled[r["name"]], bound, r["diverged"], start)) is not None
     ]
-    warned = [r for r in healthy if first_warning(*series[r["name"]], bound, None) is not None]
+    warned = [r for r in healthy if first_warning(*sampled[r["name"]], bound, None, start) is not None]
     peaks = sorted({f"{r['lr']:g}" for r in warned}, key=float)
     median = f"{statistics.median(leads):g}" if leads else "-"
     return f"{len(leads)}/{len(diverging)} | {median} | {len(warned)}/{len(healthy)}" + (
@@ -122,12 +129,31 @@ def _row(runs: list[dict[str, object]], window: int, bound: float) -> str:
     )
 
 
-def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
+def fitted_bound(runs: list[dict[str, object]], series: Series, start: int = FROM) -> tuple[float, str]:
+    """The bound fitted to the healthy runs of ``runs``: the largest value any of them held (none
+    warns: the most favourable case), and the first run that held it."""
+    edges = [(held_max(*series(r), start), r["name"]) for r in runs if r["diverged"] is None]
+    return max(edges, key=lambda edge: edge[0])
+
+
+def split(
+    results: list[tuple[str, dict[str, object]]],
+) -> tuple[list[dict[str, object]], list[dict[str, object]], list[str]]:
+    """``(fitted, fresh, strays)``: the runs the bounds are fitted to, those of :data:`FRESH` (scored
+    once), and the names of runs left out because they did not do what their class says (a
+    constant-rate run that did not diverge, a healthy one that did)."""
     fresh_names = {spec.name for _, spec in FRESH}
     kept = [r for cls, r in results if (cls == "constant") == (r["diverged"] is not None)]
     strays = [r["name"] for cls, r in results if (cls == "constant") != (r["diverged"] is not None)]
-    fit = [r for r in kept if r["name"] not in fresh_names]
-    fresh = [r for r in kept if r["name"] in fresh_names]
+    return (
+        [r for r in kept if r["name"] not in fresh_names],
+        [r for r in kept if r["name"] in fresh_names],
+        strays,
+    )
+
+
+def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
+    fit, fresh, strays = split(results)
     n_constant = sum(r["diverged"] is not None for r in fit)
     f_constant = sum(r["diverged"] is not None for r in fresh)
     lines = [
@@ -149,10 +175,9 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     ]
     fitted = []
     for window in WINDOWS:
-        lines += [f"| {window} | {bound:g} | {_row(fit, window, bound)} |" for bound in BOUNDS]
-        healthy = (r for r in fit if r["diverged"] is None)
-        edges = ((held_max(*regression(r["loss"], window)), r["name"]) for r in healthy)
-        fitted.append((window, *max(edges, key=lambda edge: edge[0])))  # the first run of the largest
+        series = partial(_loss_series, window=window)
+        lines += [f"| {window} | {bound:g} | {cells(fit, series, bound)} |" for bound in BOUNDS]
+        fitted.append((window, series, *fitted_bound(fit, series)))
     lines += [
         "",
         "The bound fitted to these healthy runs (the largest ratio any of them held; none warns), on "
@@ -163,10 +188,14 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "| healthy runs warned |",
         "|---|---|---|---|---|---|",
     ]
-    for window, edge, name in fitted:
+    for window, series, edge, name in fitted:
         for label, runs in (("fitted to", fit), ("late hold-out", fresh)):
-            lines.append(f"| {window} | {edge:.3f} ({name}) | {label} | {_row(runs, window, edge)} |")
+            lines.append(f"| {window} | {edge:.3f} ({name}) | {label} | {cells(runs, series, edge)} |")
     return "\n".join(lines) + "\n"
+
+
+def _loss_series(run: dict[str, object], window: int) -> tuple[np.ndarray, np.ndarray]:
+    return regression(run["loss"], window)
 
 
 def main(argv: list[str] | None = None) -> int:
