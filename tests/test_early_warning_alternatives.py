@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from helpers import flat  # noqa: E402
+
 from benchmarks.divergence.detectors import lightning_spike_step, precursor_steps  # noqa: E402
 from benchmarks.divergence.divergence import divergence_step  # noqa: E402
 from benchmarks.divergence.recorder import ConsecutiveCosine  # noqa: E402
@@ -72,6 +74,7 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
         "sharpness_probe",
         "spectral_alignment",
         "loss_regression",
+        "oscillation_lags",
     ],
 )
 def test_the_benchmark_modules_examples_hold(name):
@@ -437,3 +440,152 @@ def test_the_loss_regression_table_counts_warnings_before_the_divergence_and_fit
     # the hold-out run's 1.11 bump from step 200 is not past the bound it set: 1.110 is not > 1.110
     assert "| 20 | 1.110 (h1) | late hold-out | 0/1 | - | 0/0 |" in text, text
     assert "on 1 constant-rate and 0 healthy runs recorded after it was fitted" in text, text
+
+
+def _group_by_module(model: torch.nn.Module) -> dict[str, str]:
+    """TinyGPT's parameters by the type and name of the module that holds them (the reference's own
+    rule, apart from ``oscillation_lags``'s names)."""
+    by_module = {}
+    for mod_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding):
+            group = "embeddings"
+        elif isinstance(module, torch.nn.LayerNorm):
+            group = "norms"
+        elif isinstance(module, torch.nn.Linear):
+            leaf = mod_name.rsplit(".", 1)[-1]
+            group = {"qkv": "attention qkv", "proj": "attention output", "fc1": "mlp fc1"}.get(leaf)
+            group = group or {"fc2": "mlp fc2", "lm_head": "output head"}[leaf]
+        else:
+            continue
+        by_module.update({f"{mod_name}.{n}": group for n, _ in module.named_parameters(recurse=False)})
+    return by_module
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_lag_cosines_are_each_groups_cosines_1_and_2_steps_apart(seed):
+    """``LagCosines`` on a real TinyGPT (qk-layernorm) trained by AdamW at a high rate: every step's
+    row equals ``F.cosine_similarity`` of the gradients and of the updates 1 and 2 steps apart,
+    concatenated per layer group (groups from the modules' types, not the probe's names) and over
+    the whole model; NaN where the steps do not exist yet."""
+    from benchmarks.divergence.model import ModelConfig, TinyGPT
+    from benchmarks.divergence.oscillation_lags import GROUPS, SIGNALS, LagCosines
+
+    torch.manual_seed(seed)
+    model = TinyGPT(ModelConfig(d_model=16, n_heads=2, seq_len=8, qk_layernorm=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, betas=(0.9, 0.95))
+    groups = _group_by_module(model)
+    assert set(groups) == {n for n, _ in model.named_parameters()} and set(groups.values()) == set(
+        GROUPS[:-1]
+    )
+    probe, grads, thetas = LagCosines(), [], []
+    for _ in range(7):
+        x = torch.randint(0, 256, (4, 8))
+        model(x, x.roll(-1, 1))[1].backward()
+        probe(opt, model)
+        grads.append({n: p.grad.double().clone() for n, p in model.named_parameters()})
+        thetas.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+
+    def joined(values, group):  # noqa: ANN001, ANN202
+        return flat(v for n, v in values.items() if group in ("whole model", groups[n]))
+
+    def update(t):  # noqa: ANN001, ANN202  # the update of step t - 1, as read at step t
+        return {n: thetas[t][n] - thetas[t - 1][n] for n in thetas[t]}
+
+    for t, row in enumerate(probe.rows):
+        assert row.shape == (len(SIGNALS), len(GROUPS))
+        for g, group in enumerate(GROUPS):
+            want = [
+                (1, grads[t], grads[t - 1]),
+                (2, grads[t], grads[t - 2]),
+                (2, update(t), update(t - 1)),
+                (3, update(t), update(t - 2)),
+            ]
+            for s, (first, a, b) in enumerate(want):
+                if t < first:
+                    assert math.isnan(row[s, g]), (t, s, group)
+                else:
+                    ref = F.cosine_similarity(joined(a, group), joined(b, group), dim=0)
+                    assert row[s, g] == pytest.approx(float(ref), abs=1e-12), (t, SIGNALS[s], group)
+
+
+def test_a_parameter_without_a_layer_group_is_refused_by_name():
+    from benchmarks.divergence.oscillation_lags import layer_group
+
+    with pytest.raises(ValueError, match="'blocks.0.gate.weight'.*NAMED"):
+        layer_group("blocks.0.gate.weight")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_lag_samples_are_one_minus_the_trailing_mean_every_10_steps_from_step_50(seed):
+    from benchmarks.divergence.oscillation_lags import samples
+
+    rng = np.random.default_rng(seed)
+    cosines = rng.uniform(-1, 1, int(rng.integers(51, 400)))
+    want = [(t, 1 - sum(cosines[t - 9 : t + 1]) / 10) for t in range(len(cosines)) if t % 10 == 0 and t >= 50]
+    steps, values = samples(cosines)
+    assert steps.tolist() == [t for t, _ in want]
+    assert np.allclose(values, [v for _, v in want], rtol=0, atol=1e-12)
+
+
+def test_the_lag_table_fits_each_signals_bound_to_the_healthy_runs_and_scores_the_hold_out_once():
+    """``oscillation_lags.markdown`` on generated runs whose answers are known: every cosine 0.5
+    (1 - cosine 0.5) but where a run turns; a constant-rate run whose output head's gradients two
+    steps apart turn to -1 at step 150 (samples 0.65 at 150, 2.0 from 160: held past 0.5 at 160)
+    and which diverges at 300 is warned with a lead of 140 on that row alone; a healthy run whose
+    updates one step apart dip to cosine 0.2 over steps 200-229 sets that row's bound to 0.8 (not
+    the other healthy runs' 0.5) and is not warned by it; a hold-out run that turns at step 60 is
+    warned at 70 (judged from step 50, not 100), in its own columns; a healthy run's dip to -0.5 over
+    steps 60-89 sets its row's bound to 1.5, one before step 50 sets none. The row warning the most
+    fitted constant-rate runs is the one whose warnings are timed against the warm-ups, with the
+    warm-ups of the healthy runs it warns."""
+    from benchmarks.divergence import oscillation_lags as ol
+
+    def run(name, diverged, turn=None, n=400, warmup=100):  # noqa: ANN001, ANN202
+        cosines = np.full((n, len(ol.SIGNALS), len(ol.GROUPS)), 0.5)
+        if turn is not None:
+            (signal, group), (a, b), value = turn
+            cosines[a:b, signal, group] = value
+        return {"name": name, "diverged": diverged, "lr": 0.5, "warmup": warmup, "cosines": cosines}
+
+    head, whole = ol.GROUPS.index("output head"), ol.GROUPS.index("whole model")
+    fresh = ol.RUNS[-1][1].name  # a run of runs.late_holdout()
+    text = ol.markdown(
+        [
+            ("constant", run("c1", 300, ((1, head), (150, 400), -1.0))),
+            ("healthy", run("h1", None, ((2, whole), (200, 230), 0.2))),
+            ("healthy", run("h2", None, ((0, 0), (0, 49), -1.0))),  # before step 50: not judged
+            ("healthy", run("h3", None, ((0, 1), (60, 90), -0.5))),
+            ("constant", run(fresh, 250, ((1, head), (60, 400), -1.0), warmup=50)),
+        ]
+    )
+    rows = {tuple(line.split(" | ")[:2]): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows[("| gradients, 2 steps apart", "output head")].endswith(
+        "| 0.500 (h1) | 1/1 | 140 | 0/3 | 1/1 | 180 | 0/0 |"
+    ), text
+    for row, bound in [
+        (("| gradients, 2 steps apart", "whole model"), "0.500 (h1)"),
+        (("| updates, 1 step apart", "whole model"), "0.800 (h1)"),
+        (("| gradients, 1 step apart", "embeddings"), "0.500 (h1)"),
+        (("| gradients, 1 step apart", "attention qkv"), "1.500 (h3)"),
+    ]:
+        assert rows[row].endswith(f"| {bound} | 0/1 | - | 0/3 | 0/1 | - | 0/0 |"), (row, text)
+    assert len(rows) == 1 + len(ol.SIGNALS) * len(ol.GROUPS), text  # and the header
+    # warned at 160 (warm-up 100) and 70 (warm-up 50): 60 and 20 steps after it
+    when = "(gradients, 2 steps apart, output head) warns: 20 to 60 steps (median 40) from the end"
+    assert when in text and text.endswith("it warns no healthy run.\n"), text
+    healthy_turn = ol.markdown(
+        [
+            ("constant", run("c1", 300, ((3, 2), (150, 400), -1.0))),
+            ("healthy", run("h1", None, warmup=200)),
+            ("constant", run(fresh, None, ((3, 2), (60, 400), -1.0), warmup=50)),  # a stray
+            ("healthy", run(ol.RUNS[-2][1].name, None, ((3, 2), (300, 400), -1.0), warmup=1000)),
+        ]
+    )
+    assert "(updates, 2 steps apart, attention output) warns: 60 to 60 steps (median 60)" in healthy_turn
+    assert healthy_turn.endswith("the healthy runs it warns were warmed up in 1000 steps to 0.5.\n")
+    assert (
+        "1 diverging at (or near) a constant rate, 3 healthy. Scored once: 1 constant-rate and 0 healthy"
+        in text
+    )

@@ -110,21 +110,25 @@ def probe(spec: RunSpec) -> dict[str, object]:
 Series = Callable[[dict[str, object]], tuple[np.ndarray, np.ndarray]]  # a run -> (steps, values)
 
 
+def warned(
+    runs: list[dict[str, object]], series: Series, bound: float, start: int = FROM
+) -> list[tuple[dict[str, object], int]]:
+    """``(run, its first warning)`` for every run of ``runs`` that ``bound`` warns: a diverging run
+    before its divergence, a healthy one at any step; ``series`` samples a run."""
+    firsts = ((r, first_warning(*series(r), bound, r["diverged"], start)) for r in runs)
+    return [(r, w) for r, w in firsts if w is not None]
+
+
 def cells(runs: list[dict[str, object]], series: Series, bound: float, start: int = FROM) -> str:
     """The table cells of ``runs`` at ``bound``: constant-rate runs warned before their divergence,
-    their median lead, healthy runs warned (and their peak rates); ``series`` samples a run."""
-    sampled = {r["name"]: series(r) for r in runs}
-    diverging = [r for r in runs if r["diverged"] is not None]
-    healthy = [r for r in runs if r["diverged"] is None]
-    leads = [
-        r["diverged"] - w
-        for r in diverging
-        if (w := first_warning(*sampled[r["name"]], bound, r["diverged"], start)) is not None
-    ]
-    warned = [r for r in healthy if first_warning(*sampled[r["name"]], bound, None, start) is not None]
-    peaks = sorted({f"{r['lr']:g}" for r in warned}, key=float)
+    their median lead, healthy runs warned (and their peak rates)."""
+    hits = warned(runs, series, bound, start)
+    leads = [r["diverged"] - w for r, w in hits if r["diverged"] is not None]
+    peaks = sorted({f"{r['lr']:g}" for r, _ in hits if r["diverged"] is None}, key=float)
+    n_diverging = sum(r["diverged"] is not None for r in runs)
+    n_warned = len(hits) - len(leads)
     median = f"{statistics.median(leads):g}" if leads else "-"
-    return f"{len(leads)}/{len(diverging)} | {median} | {len(warned)}/{len(healthy)}" + (
+    return f"{len(leads)}/{n_diverging} | {median} | {n_warned}/{len(runs) - n_diverging}" + (
         f" (peaks {', '.join(peaks)})" if peaks else ""
     )
 
@@ -152,9 +156,19 @@ def split(
     )
 
 
+def fitted_runs(fit: list[dict[str, object]], strays: list[str]) -> str:
+    """The sentence that counts the runs the bounds are fitted to, and names the ones left out."""
+    n_constant = sum(r["diverged"] is not None for r in fit)
+    return (
+        f"Runs the bounds are fitted to (`runs.stress()`, `runs.validation()`, `runs.fast_warmups()`): "
+        f"{n_constant} diverging at (or near) a constant rate, {len(fit) - n_constant} healthy"
+        + (f"; not as their class says, left out: {', '.join(strays)}" if strays else "")
+        + "."
+    )
+
+
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     fit, fresh, strays = split(results)
-    n_constant = sum(r["diverged"] is not None for r in fit)
     f_constant = sum(r["diverged"] is not None for r in fresh)
     lines = [
         "# The loss's regression: runs diverging at a constant rate against healthy ones",
@@ -165,10 +179,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "for the diverging runs). Divergence (`benchmarks/divergence/divergence.py`) is the same "
         "statistic over 20 steps past 1.3, read from the step its stretch starts.",
         "",
-        f"Runs the bounds are fitted to (`runs.stress()`, `runs.validation()`, `runs.fast_warmups()`): "
-        f"{n_constant} diverging at (or near) a constant rate, {len(fit) - n_constant} healthy"
-        + (f"; not as their class says, left out: {', '.join(strays)}" if strays else "")
-        + ".",
+        fitted_runs(fit, strays),
         "",
         "| window | bound | constant-rate runs warned | median lead (steps) | healthy runs warned |",
         "|---|---|---|---|---|",
