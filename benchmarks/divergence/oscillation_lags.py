@@ -127,7 +127,7 @@ class LagCosines:
         self.thetas.append([p.detach().to(torch.float64, copy=True) for p in params])
         row = np.full((len(SIGNALS), len(GROUPS)), np.nan)
         g, th = self.grads, self.thetas
-        for lag in (1, 2):
+        for lag in (1, 2):  # SIGNALS' rows: the gradients' lags 1 and 2, then the updates'
             if len(g) > lag:
                 row[lag - 1] = group_cosines(g[-1], g[-1 - lag], self.member)
             if len(th) > lag + 1:
