@@ -75,6 +75,8 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
         "spectral_alignment",
         "loss_regression",
         "oscillation_lags",
+        "adam_moments",
+        "slowing_down",
     ],
 )
 def test_the_benchmark_modules_examples_hold(name):
@@ -589,3 +591,168 @@ def test_the_lag_table_fits_each_signals_bound_to_the_healthy_runs_and_scores_th
         "1 diverging at (or near) a constant rate, 3 healthy. Scored once: 1 constant-rate and 0 healthy"
         in text
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_adams_moments_are_its_steps_over_the_rate_and_a_gradient_over_its_own_memory(seed):
+    """``AdamMoments`` on a real TinyGPT (qk-layernorm) trained by AdamW (no weight decay) at a high
+    rate, clipped at 1 as ``train`` clips, against a reference that never reads the optimizer's
+    state: Adam's update of step t - 1 is ``-(theta_t - theta_{t-1}) / lr``, so its RMS per layer
+    group (from the modules' types) and its share of entries of magnitude 0.5 or more come from the
+    parameters; the surprise is the clipped gradient's squared norm over the sum of the reference's
+    own bias-corrected running mean of the clipped gradients' squares. The first step reads NaN."""
+    from benchmarks.divergence.adam_moments import GROUPS, SIGNALS, AdamMoments
+    from benchmarks.divergence.model import ModelConfig, TinyGPT
+
+    torch.manual_seed(seed)
+    lr, b2 = 0.05, 0.95
+    model = TinyGPT(ModelConfig(d_model=16, n_heads=2, seq_len=8, qk_layernorm=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, b2), weight_decay=0.0)
+    groups = _group_by_module(model)
+    probe, thetas, clipped = AdamMoments(clip=1.0), [], []
+    for _ in range(8):
+        x = torch.randint(0, 256, (4, 8))
+        model(x, x.roll(-1, 1))[1].backward()
+        probe(opt, model)
+        thetas.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clipped.append({n: p.grad.double().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+
+    def joined(values, group):  # noqa: ANN001, ANN202
+        return flat(v for n, v in values.items() if group in ("whole model", groups[n]))
+
+    v = {n: torch.zeros_like(g) for n, g in clipped[0].items()}
+    for t, row in enumerate(probe.rows):
+        assert row.shape == (len(SIGNALS), len(GROUPS))
+        if t == 0:
+            assert np.isnan(row).all()
+        else:
+            for g, group in enumerate(GROUPS):
+                r = joined({n: (thetas[t - 1][n] - thetas[t][n]) / lr for n in thetas[t]}, group)
+                v_hat = joined({n: x / (1 - b2**t) for n, x in v.items()}, group)
+                surprise = joined(clipped[t], group).square().sum() / v_hat.sum()
+                assert row[0, g] == pytest.approx(float(r.square().mean().sqrt()), rel=1e-3), (t, group)
+                assert abs(row[1, g] - float((r.abs() >= 0.5).double().mean())) <= 2 / r.numel(), (t, group)
+                assert row[2, g] == pytest.approx(float(surprise), rel=1e-6), (t, group)
+        v = {n: b2 * v[n] + (1 - b2) * clipped[t][n].square() for n in v}
+
+
+def test_the_adam_table_reads_each_signal_both_ways_and_fits_the_healthy_extreme():
+    """``adam_moments.markdown`` on generated runs whose answers are known: every reading 1 but where
+    a run departs; a constant-rate run whose output head's surprise rises to 5 at step 150 (samples
+    1.4 at 150, 5 from 160: held past 1 at 160) and which diverges at 300 is warned with a lead of
+    140 on that row's rise alone; a healthy run whose whole-model update RMS falls to 0.2 over steps
+    200-229 sets the bound of that fall to 0.2 (not the others' 1) and is not warned by it; a
+    hold-out run whose output-head surprise rises from step 60 is warned at 70 (judged from step 50),
+    in its own columns."""
+    from benchmarks.divergence import adam_moments as am
+
+    def run(name, diverged, turn=None, n=400):  # noqa: ANN001, ANN202
+        readings = np.full((n, len(am.SIGNALS), len(am.GROUPS)), 1.0)
+        if turn is not None:
+            (signal, group), (a, b), value = turn
+            readings[a:b, signal, group] = value
+        return {"name": name, "diverged": diverged, "lr": 0.5, "warmup": 100, "readings": readings}
+
+    head, whole = am.GROUPS.index("output head"), am.GROUPS.index("whole model")
+    text = am.markdown(
+        [
+            ("constant", run("c1", 300, ((2, head), (150, 400), 5.0))),
+            ("healthy", run("h1", None, ((0, whole), (200, 230), 0.2))),
+            ("healthy", run("h2", None, ((1, 0), (0, 49), 9.0))),  # before step 50: not judged
+            ("constant", run(am.RUNS[-1][1].name, 250, ((2, head), (60, 400), 5.0))),
+        ]
+    )
+    rows = {tuple(line.split(" | ")[:3]): line for line in text.splitlines() if line.startswith("| ")}
+    assert len(rows) == 1 + 2 * len(am.SIGNALS) * len(am.GROUPS), text  # and the header
+    assert rows[("| surprise", "rises", "output head")].endswith(
+        "| 1 (h1) | 1/1 | 140 | 0/2 | 1/1 | 180 | 0/0 |"
+    ), text
+    assert rows[("| surprise", "falls", "output head")].endswith("| 1 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |")
+    assert rows[("| update RMS", "falls", "whole model")].endswith(
+        "| 0.2 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |"
+    )
+    assert rows[("| update RMS", "rises", "whole model")].endswith(
+        "| 1 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |"
+    )
+    assert rows[("| sign-like share", "rises", "embeddings")].endswith(
+        "| 1 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |"
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_fluctuations_are_the_detrended_windows_size_and_lag_1_autocorrelation(seed):
+    """``slowing_down.sampled`` against a reference in plain Python: each window's line by the
+    closed-form least squares (covariance over variance), the residuals' standard deviation (over
+    the window's mean for the loss) and their sample autocorrelation at lag 1 (sum of r_t r_t+1
+    over sum of r_t^2), every 10 steps from step 50 (100 for a 100-step window)."""
+    from benchmarks.divergence.slowing_down import sampled
+
+    rng = np.random.default_rng(seed)
+    n, window = int(rng.integers(101, 260)), int(rng.choice([50, 100]))
+    values = 2.0 + np.cumsum(rng.normal(0, 0.05, n)) + rng.normal(0, rng.uniform(0.01, 0.5), n)
+    relative = bool(seed % 2)
+
+    def reference(xs):  # noqa: ANN001, ANN202
+        idx = list(range(len(xs)))
+        mi, mx = sum(idx) / len(xs), sum(xs) / len(xs)
+        slope = sum((i - mi) * (x - mx) for i, x in zip(idx, xs)) / sum((i - mi) ** 2 for i in idx)
+        res = [x - (mx + slope * (i - mi)) for i, x in zip(idx, xs)]
+        sd = math.sqrt(sum(r * r for r in res) / len(res))
+        ac1 = sum(a * b for a, b in zip(res, res[1:])) / sum(r * r for r in res)
+        return (sd / mx if relative else sd), ac1
+
+    steps, got = sampled(values, window, relative)
+    want_steps = [t for t in range(max(50, window), n) if t % 10 == 0]
+    assert steps.tolist() == want_steps
+    for t, (size, memory) in zip(want_steps, got):
+        ref_size, ref_memory = reference(values[t - window + 1 : t + 1].tolist())
+        assert size == pytest.approx(ref_size, rel=1e-9) and memory == pytest.approx(ref_memory, abs=1e-9), t
+
+
+def test_the_slowing_down_table_reads_each_series_both_ways_and_fits_the_healthy_extreme():
+    """``slowing_down.markdown`` on generated runs whose answers are known: losses alternating
+    2 +- 0.01 (size ~0.005), the healthy run's +- 0.02 from step 200 (~0.01): the loss's size rises
+    to a bound of ~0.01 and falls to one of ~0.005; a constant-rate run's loss alternating +- 0.2
+    from step 150 (its 50-step size past the healthy run's from the sample at 150, held at 160) and
+    diverging at 300 is warned with a lead of 140 on the rise alone; gradient norms 10 x e^(+-0.01)
+    (a size of ~0.01 in log units, ~0.1 without the log); a hold-out run's alternating x1.5 from
+    step 100 and diverging at 250 is warned at 110 on the gradient norm's 50-step size, in its own
+    columns."""
+    from benchmarks.divergence import slowing_down as sd
+
+    def run(name, diverged, loss_from=None, norm_from=None, loss_size=0.2, n=400):  # noqa: ANN001, ANN202
+        flip = np.where(np.arange(n) % 2 == 0, 1.0, -1.0)
+        loss = 2.0 + 0.01 * flip
+        norm = 10 * np.exp(0.01 * flip)
+        if loss_from is not None:
+            loss[loss_from:] = 2.0 + loss_size * flip[loss_from:]
+        if norm_from is not None:
+            norm[norm_from:] = 10 * np.exp(np.log(1.5) * flip[norm_from:])
+        return {"name": name, "diverged": diverged, "lr": 0.5, "warmup": 100, "loss": loss, "grad_norm": norm}
+
+    text = sd.markdown(
+        [
+            ("constant", run("c1", 300, loss_from=150)),
+            ("healthy", run("h1", None, loss_from=200, loss_size=0.02)),
+            ("constant", run(sd.RUNS[-1][1].name, 250, norm_from=100)),
+        ]
+    )
+    rows = {tuple(line.split(" | ")[:4]): line for line in text.splitlines() if line.startswith("| ")}
+    assert len(rows) == 1 + 2 * len(sd.SERIES) * len(sd.STATISTICS) * len(sd.WINDOWS), text  # and the header
+    assert rows[("| loss", "size", "50", "rises")].endswith("| 1/1 | 140 | 0/1 | 0/1 | - | 0/0 |"), text
+    assert rows[("| gradient norm", "size", "50", "rises")].endswith("| 0/1 | - | 0/1 | 1/1 | 140 | 0/0 |"), (
+        text
+    )
+    assert rows[("| loss", "size", "50", "falls")].endswith("| 0/1 | - | 0/1 | 0/1 | - | 0/0 |"), text
+
+    def bound(row):  # noqa: ANN001, ANN202
+        value, setter = rows[row].split(" | ")[4].split()
+        assert setter == "(h1)", text
+        return float(value)
+
+    assert bound(("| loss", "size", "50", "rises")) == pytest.approx(0.01, rel=0.05)
+    assert bound(("| loss", "size", "50", "falls")) == pytest.approx(0.005, rel=0.05)
+    assert bound(("| gradient norm", "size", "50", "rises")) == pytest.approx(0.01, rel=0.05)  # log units

@@ -95,16 +95,17 @@ def held_max(steps: np.ndarray, values: np.ndarray, start: int = FROM) -> float:
     return max((h for _, h in held(steps.tolist(), values.tolist(), False, start)), default=1.0)
 
 
+def probed(spec: RunSpec, rec: dict[str, object], **series: object) -> dict[str, object]:
+    """A run as the tables read it: its name, divergence step (None: healthy), peak rate and
+    warm-up from ``spec`` and ``train``'s recording ``rec``, and the probe's ``series``."""
+    return {"name": spec.name, "diverged": rec["diverged"], "lr": spec.lr, "warmup": spec.warmup, **series}
+
+
 def probe(spec: RunSpec) -> dict[str, object]:
-    """One run: its divergence step, its peak rate and warm-up, and its training losses."""
+    """One run: its divergence step, its peak rate and warm-up, its training losses and gradient
+    norms (before clipping)."""
     rec = train(spec, distmon_watch=False, record_every=10**9)
-    return {
-        "name": spec.name,
-        "diverged": rec["diverged"],
-        "lr": spec.lr,
-        "warmup": spec.warmup,
-        "loss": rec["loss"],
-    }
+    return probed(spec, rec, loss=rec["loss"], grad_norm=rec["grad_norm"])
 
 
 Series = Callable[[dict[str, object]], tuple[np.ndarray, np.ndarray]]  # a run -> (steps, values)
@@ -164,6 +165,32 @@ def fitted_runs(fit: list[dict[str, object]], strays: list[str]) -> str:
         f"{n_constant} diverging at (or near) a constant rate, {len(fit) - n_constant} healthy"
         + (f"; not as their class says, left out: {', '.join(strays)}" if strays else "")
         + "."
+    )
+
+
+def scored_once(fit: list[dict[str, object]], fresh: list[dict[str, object]], strays: list[str]) -> str:
+    """:func:`fitted_runs`' sentence and the one that counts the runs scored once (:data:`FRESH`)."""
+    n_constant = sum(r["diverged"] is not None for r in fresh)
+    return (
+        fitted_runs(fit, strays)
+        + f" Scored once: {n_constant} constant-rate and {len(fresh) - n_constant} healthy runs "
+        "recorded after the loss's bounds were fitted (`runs.late_holdout()`)."
+    )
+
+
+def fitted_and_scored(
+    fit: list[dict[str, object]],
+    fresh: list[dict[str, object]],
+    series: Series,
+    start: int,
+    sign: float = 1.0,
+) -> str:
+    """A row's cells: the bound fitted to the healthy runs of ``fit`` (times ``sign``: -1 for a
+    series negated so that it rises towards trouble) and the run that set it, then :func:`cells`
+    of ``fit`` and of ``fresh`` at that bound."""
+    edge, name = fitted_bound(fit, series, start)
+    return f"{sign * edge:.4g} ({name}) | " + " | ".join(
+        cells(runs, series, edge, start) for runs in (fit, fresh)
     )
 
 

@@ -49,7 +49,8 @@ from benchmarks.divergence.loss_regression import (  # noqa: E402
     RUNS,
     cells,
     fitted_bound,
-    fitted_runs,
+    probed,
+    scored_once,
     split,
     warned,
 )
@@ -154,13 +155,7 @@ def probe(spec: RunSpec) -> dict[str, object]:
     """One run: its divergence step, peak rate, warm-up, and :class:`LagCosines`' rows."""
     lags = LagCosines()
     rec = train(spec, distmon_watch=False, record_every=10**9, probe=lags)
-    return {
-        "name": spec.name,
-        "diverged": rec["diverged"],
-        "lr": spec.lr,
-        "warmup": spec.warmup,
-        "cosines": np.stack(lags.rows),
-    }
+    return probed(spec, rec, cosines=np.stack(lags.rows))
 
 
 def _series(run: dict[str, object], signal: int, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,7 +164,6 @@ def _series(run: dict[str, object], signal: int, group: int) -> tuple[np.ndarray
 
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     fit, fresh, strays = split(results)
-    f_constant = sum(r["diverged"] is not None for r in fresh)
     lines = [
         "# Oscillation two steps apart and Adam's update directions, per layer group",
         "",
@@ -180,9 +174,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "the diverging runs). The bound is fitted to the healthy runs the bounds are fitted to (the "
         "largest value any of them held: none warns), then scored once on the later runs.",
         "",
-        fitted_runs(fit, strays)
-        + f" Scored once: {f_constant} constant-rate and {len(fresh) - f_constant} healthy runs "
-        "recorded after the loss's bounds were fitted (`runs.late_holdout()`).",
+        scored_once(fit, fresh, strays),
         "",
         "| signal | layer group | fitted bound on 1 - cosine (set by) | fitted: constant-rate runs "
         "warned | median lead (steps) | healthy runs warned | late hold-out: constant-rate runs "
