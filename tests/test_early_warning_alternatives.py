@@ -646,7 +646,10 @@ def test_the_adam_table_reads_each_signal_both_ways_and_fits_the_healthy_extreme
     140 on that row's rise alone; a healthy run whose whole-model update RMS falls to 0.2 over steps
     200-229 sets the bound of that fall to 0.2 (not the others' 1) and is not warned by it; a
     hold-out run whose output-head surprise rises from step 60 is warned at 70 (judged from step 50),
-    in its own columns."""
+    in its own columns. Another constant-rate run whose whole-model surprise rises from step 200
+    ties that row with its own (one fitted run each): the timing line names the first, output
+    head's (warned at 160 and 70 after warm-ups of 100 steps: 60 steps after and 30 before their
+    end)."""
     from benchmarks.divergence import adam_moments as am
 
     def run(name, diverged, turn=None, n=400):  # noqa: ANN001, ANN202
@@ -660,6 +663,7 @@ def test_the_adam_table_reads_each_signal_both_ways_and_fits_the_healthy_extreme
     text = am.markdown(
         [
             ("constant", run("c1", 300, ((2, head), (150, 400), 5.0))),
+            ("constant", run("c2", 350, ((2, whole), (200, 400), 5.0))),
             ("healthy", run("h1", None, ((0, whole), (200, 230), 0.2))),
             ("healthy", run("h2", None, ((1, 0), (0, 49), 9.0))),  # before step 50: not judged
             ("constant", run(am.RUNS[-1][1].name, 250, ((2, head), (60, 400), 5.0))),
@@ -668,18 +672,20 @@ def test_the_adam_table_reads_each_signal_both_ways_and_fits_the_healthy_extreme
     rows = {tuple(line.split(" | ")[:3]): line for line in text.splitlines() if line.startswith("| ")}
     assert len(rows) == 1 + 2 * len(am.SIGNALS) * len(am.GROUPS), text  # and the header
     assert rows[("| surprise", "rises", "output head")].endswith(
-        "| 1 (h1) | 1/1 | 140 | 0/2 | 1/1 | 180 | 0/0 |"
+        "| 1 (h1) | 1/2 | 140 | 0/2 | 1/1 | 180 | 0/0 |"
     ), text
-    assert rows[("| surprise", "falls", "output head")].endswith("| 1 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |")
+    assert rows[("| surprise", "falls", "output head")].endswith("| 1 (h1) | 0/2 | - | 0/2 | 0/1 | - | 0/0 |")
     assert rows[("| update RMS", "falls", "whole model")].endswith(
-        "| 0.2 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |"
+        "| 0.2 (h1) | 0/2 | - | 0/2 | 0/1 | - | 0/0 |"
     )
     assert rows[("| update RMS", "rises", "whole model")].endswith(
-        "| 1 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |"
+        "| 1 (h1) | 0/2 | - | 0/2 | 0/1 | - | 0/0 |"
     )
     assert rows[("| sign-like share", "rises", "embeddings")].endswith(
-        "| 1 (h1) | 0/1 | - | 0/2 | 0/1 | - | 0/0 |"
+        "| 1 (h1) | 0/2 | - | 0/2 | 0/1 | - | 0/0 |"
     )
+    when = "(surprise rises, output head) warns: -30 to 60 steps (median 15) from the end of their warm-up"
+    assert when in text and text.endswith("it warns no healthy run.\n"), text
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -49,6 +49,7 @@ from benchmarks.divergence.loss_regression import (  # noqa: E402
     probed,
     scored_once,
     split,
+    timing,
 )
 from benchmarks.divergence.oscillation_lags import EVERY, GROUPS, START, layer_group  # noqa: E402
 from benchmarks.divergence.sharpness_probe import run_and_write  # noqa: E402
@@ -151,12 +152,15 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "warned | median lead (steps) | healthy runs warned |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []  # (label, series, bound) per row, for the timing line
     for s, signal in enumerate(SIGNALS):
         for sign, way in ((1.0, "rises"), (-1.0, "falls")):
             for g, group in enumerate(GROUPS):
                 series = partial(_series, signal=s, group=g, sign=sign)
-                scored = fitted_and_scored(fit, fresh, series, START, sign)
+                scored, edge = fitted_and_scored(fit, fresh, series, START, sign)
                 lines.append(f"| {signal} | {way} | {group} | {scored} |")
+                rows.append((f"{signal} {way}, {group}", series, edge))
+    lines += timing(fit, fresh, rows, START)
     return "\n".join(lines) + "\n"
 
 

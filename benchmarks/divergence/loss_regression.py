@@ -184,14 +184,48 @@ def fitted_and_scored(
     series: Series,
     start: int,
     sign: float = 1.0,
-) -> str:
-    """A row's cells: the bound fitted to the healthy runs of ``fit`` (times ``sign``: -1 for a
-    series negated so that it rises towards trouble) and the run that set it, then :func:`cells`
-    of ``fit`` and of ``fresh`` at that bound."""
+) -> tuple[str, float]:
+    """A row's cells and its bound: the bound fitted to the healthy runs of ``fit`` (printed times
+    ``sign``: -1 for a series negated so that it rises towards trouble) and the run that set it,
+    then :func:`cells` of ``fit`` and of ``fresh`` at that bound."""
     edge, name = fitted_bound(fit, series, start)
-    return f"{sign * edge:.4g} ({name}) | " + " | ".join(
-        cells(runs, series, edge, start) for runs in (fit, fresh)
-    )
+    scored = " | ".join(cells(runs, series, edge, start) for runs in (fit, fresh))
+    return f"{sign * edge:.4g} ({name}) | {scored}", edge
+
+
+def timing(
+    fit: list[dict[str, object]],
+    fresh: list[dict[str, object]],
+    rows: list[tuple[str, Series, float]],
+    start: int,
+) -> list[str]:
+    """The lines that say when the row (``(label, series, bound)``) warning the most constant-rate
+    runs of ``fit`` (the first of ties; none if no row warns one) warns them, over ``fit`` and
+    ``fresh``, in steps from the end of their warm-up, and which healthy runs it warns: a signal
+    that turns with the warm-up's shock warns near its end, in healthy runs warmed up as fast too."""
+    counts = [
+        sum(r["diverged"] is not None for r, _ in warned(fit, series, edge, start))
+        for _, series, edge in rows
+    ]
+    if not any(counts):
+        return []
+    label, series, edge = rows[counts.index(max(counts))]
+    hits = warned(fit + fresh, series, edge, start)
+    after = [w - r["warmup"] for r, w in hits if r["diverged"] is not None]
+    healthy = sorted({(r["warmup"], r["lr"]) for r, _ in hits if r["diverged"] is None})
+    return [
+        "",
+        f"When the row that warns the most constant-rate runs it was fitted to ({label}) warns: "
+        f"{min(after)} to {max(after)} steps (median {statistics.median(after):g}) from the end "
+        "of their warm-up, both sets (negative: before it ended); "
+        + (
+            "the healthy runs it warns were warmed up in "
+            + ", ".join(f"{wu} steps to {lr:g}" for wu, lr in healthy)
+            if healthy
+            else "it warns no healthy run"
+        )
+        + ".",
+    ]
 
 
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:

@@ -34,7 +34,6 @@ Writes ``benchmarks/results/oscillation_lags.md``; the runs are not cached.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 from collections import deque
 from functools import partial
@@ -52,7 +51,7 @@ from benchmarks.divergence.loss_regression import (  # noqa: E402
     probed,
     scored_once,
     split,
-    warned,
+    timing,
 )
 from benchmarks.divergence.sharpness_probe import run_and_write  # noqa: E402
 from benchmarks.divergence.train import RunSpec, train  # noqa: E402
@@ -181,34 +180,15 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "warned | median lead (steps) | healthy runs warned |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    best: tuple[int, str, str, float] | None = None  # the row warning the most fitted runs, first of ties
+    rows = []  # (label, series, bound) per row, for the timing line
     for s, signal in enumerate(SIGNALS):
         for g, group in enumerate(GROUPS):
             series = partial(_series, signal=s, group=g)
             edge, name = fitted_bound(fit, series, START)
             scored = " | ".join(cells(runs, series, edge, START) for runs in (fit, fresh))
             lines.append(f"| {signal} | {group} | {edge:.3f} ({name}) | {scored} |")
-            n = sum(r["diverged"] is not None for r, _ in warned(fit, series, edge, START))
-            if n and (best is None or n > best[0]):
-                best = (n, f"{signal}, {group}", series, edge)
-    if best is not None:
-        _, label, series, edge = best
-        hits = warned(fit + fresh, series, edge, START)
-        after = [w - r["warmup"] for r, w in hits if r["diverged"] is not None]
-        healthy = sorted({(r["warmup"], r["lr"]) for r, _ in hits if r["diverged"] is None})
-        lines += [
-            "",
-            f"When the row that warns the most constant-rate runs it was fitted to ({label}) warns: "
-            f"{min(after)} to {max(after)} steps (median {statistics.median(after):g}) from the end "
-            "of their warm-up, both sets (negative: before it ended); "
-            + (
-                "the healthy runs it warns were warmed up in "
-                + ", ".join(f"{wu} steps to {lr:g}" for wu, lr in healthy)
-                if healthy
-                else "it warns no healthy run"
-            )
-            + ".",
-        ]
+            rows.append((f"{signal}, {group}", series, edge))
+    lines += timing(fit, fresh, rows, START)
     return "\n".join(lines) + "\n"
 
 

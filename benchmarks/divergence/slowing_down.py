@@ -130,7 +130,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
             for window in WINDOWS:
                 for sign, way in ((1.0, "rises"), (-1.0, "falls")):
                     read = partial(_series, series=s, window=window, statistic=k, sign=sign)
-                    scored = fitted_and_scored(fit, fresh, read, START, sign)
+                    scored, _ = fitted_and_scored(fit, fresh, read, START, sign)
                     lines.append(f"| {series} | {statistic} | {window} | {way} | {scored} |")
     return "\n".join(lines) + "\n"
 
