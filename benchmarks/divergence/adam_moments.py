@@ -51,7 +51,13 @@ from benchmarks.divergence.loss_regression import (  # noqa: E402
     split,
     timing,
 )
-from benchmarks.divergence.oscillation_lags import EVERY, GROUPS, START, layer_group  # noqa: E402
+from benchmarks.divergence.oscillation_lags import (  # noqa: E402
+    EVERY,
+    GROUPS,
+    START,
+    layer_group,
+    trailing_means,
+)
 from benchmarks.divergence.sharpness_probe import run_and_write  # noqa: E402
 from benchmarks.divergence.train import RunSpec, train  # noqa: E402
 
@@ -107,19 +113,6 @@ class AdamMoments:
         self.rows.append(torch.stack([(r2 / n).sqrt(), sign_like / n, g2 / v]).numpy())
 
 
-def samples(readings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, mean of the last EVERY readings)`` at every EVERY-th step from :data:`START` on
-    (``readings``: one per step, from step 0).
-
-    Example:
-        >>> steps, values = samples(np.array([1.0] * 51 + [3.0] * 10))
-        >>> steps.tolist(), values.round(2).tolist()
-        ([50, 60], [1.0, 3.0])
-    """
-    steps = np.arange(START, len(readings), EVERY)
-    return steps, np.array([readings[t - EVERY + 1 : t + 1].mean() for t in steps])
-
-
 def probe(spec: RunSpec) -> dict[str, object]:
     """One run: its divergence step, peak rate, warm-up, and :class:`AdamMoments`' rows."""
     moments = AdamMoments(spec.clip)
@@ -128,7 +121,7 @@ def probe(spec: RunSpec) -> dict[str, object]:
 
 
 def _series(run: dict[str, object], signal: int, group: int, sign: float) -> tuple[np.ndarray, np.ndarray]:
-    steps, values = samples(run["readings"][:, signal, group])
+    steps, values = trailing_means(run["readings"][:, signal, group])
     return steps, sign * values
 
 

@@ -137,17 +137,30 @@ class LagCosines:
         self.rows.append(row)
 
 
+def trailing_means(readings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, mean of the last EVERY readings)`` at every EVERY-th step from :data:`START` on
+    (``readings``: one per step, from step 0).
+
+    Example:
+        >>> steps, values = trailing_means(np.array([1.0] * 51 + [3.0] * 10))
+        >>> steps.tolist(), values.round(2).tolist()
+        ([50, 60], [1.0, 3.0])
+    """
+    steps = np.arange(START, len(readings), EVERY)
+    return steps, np.array([readings[t - EVERY + 1 : t + 1].mean() for t in steps])
+
+
 def samples(cosines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, 1 - mean cosine of the last EVERY steps)`` at every EVERY-th step from :data:`START`
-    on (``cosines``: one per step, from step 0).
+    """``(steps, 1 - mean cosine of the last EVERY steps)`` (:func:`trailing_means`), rising with
+    trouble, in the oscillation rule's units.
 
     Example:
         >>> steps, values = samples(np.array([1.0] * 51 + [-1.0] * 10))
         >>> steps.tolist(), values.round(2).tolist()
         ([50, 60], [0.0, 2.0])
     """
-    steps = np.arange(START, len(cosines), EVERY)
-    return steps, np.array([1.0 - cosines[t - EVERY + 1 : t + 1].mean() for t in steps])
+    steps, means = trailing_means(cosines)
+    return steps, 1.0 - means
 
 
 def probe(spec: RunSpec) -> dict[str, object]:

@@ -71,7 +71,7 @@ def residuals(values: np.ndarray) -> np.ndarray:
 
 def fluctuations(values: np.ndarray, relative: bool) -> tuple[float, float]:
     """``(size, memory)`` of one window: the residuals' standard deviation (over the window's mean
-    if ``relative``) and their lag-1 autocorrelation (NaN for residuals all 0).
+    if ``relative``) and their sample autocorrelation at lag 1 (NaN for residuals all 0).
 
     Example:
         >>> size, memory = fluctuations(np.array([2.0, 4.0, 2.0, 4.0, 2.0, 4.0]), relative=True)
@@ -89,9 +89,8 @@ def sampled(values: np.ndarray, window: int, relative: bool) -> tuple[np.ndarray
     ``window`` steps ending there (from step ``window - 1`` on, where a window fits)."""
     first = -(-max(START, window - 1) // EVERY) * EVERY  # the first multiple of EVERY a window fits at
     steps = np.arange(first, len(values), EVERY)
-    return steps, np.array([fluctuations(values[t - window + 1 : t + 1], relative) for t in steps]).reshape(
-        -1, 2
-    )
+    read = [fluctuations(values[t - window + 1 : t + 1], relative) for t in steps]
+    return steps, np.array(read).reshape(-1, 2)
 
 
 def _series(
