@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.loss_regression import (  # noqa: E402
+    FITTED,
     RUNS,
     fitted_and_scored,
     probed,
@@ -135,8 +136,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "or more, and the clipped gradient's squared norm over the sum of v_hat; sampled as the mean "
         f"of the last {EVERY} steps every {EVERY} steps from step {START} on, read as a rise and as a "
         "fall; a warning once past the bound for 2 samples in a row (before the divergence, for the "
-        "diverging runs). The bound is fitted to the healthy runs the bounds are fitted to (the most "
-        "extreme value any of them held: none warns), then scored once on the later runs.",
+        "diverging runs). " + FITTED,
         "",
         scored_once(fit, fresh, strays),
         "",

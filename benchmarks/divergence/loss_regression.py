@@ -168,6 +168,12 @@ def fitted_runs(fit: list[dict[str, object]], strays: list[str]) -> str:
     )
 
 
+FITTED = (
+    "The bound is fitted to the healthy runs of the sets named below (the most extreme value any of them "
+    "held: none warns), then scored once on the later runs."
+)  # how the probe scripts' bounds are set, in their pages' words
+
+
 def scored_once(fit: list[dict[str, object]], fresh: list[dict[str, object]], strays: list[str]) -> str:
     """:func:`fitted_runs`' sentence and the one that counts the runs scored once (:data:`FRESH`)."""
     n_constant = sum(r["diverged"] is not None for r in fresh)

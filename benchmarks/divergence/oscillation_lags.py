@@ -45,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.loss_regression import (  # noqa: E402
+    FITTED,
     RUNS,
     cells,
     fitted_bound,
@@ -183,8 +184,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "cosine of the gradients (before clipping) and of the parameter updates, 1 and 2 steps apart; "
         f"sampled as 1 - cosine, the mean of the last {EVERY} steps every {EVERY} steps from step "
         f"{START} on; a warning once past the bound for 2 samples in a row (before the divergence, for "
-        "the diverging runs). The bound is fitted to the healthy runs the bounds are fitted to (the "
-        "largest value any of them held: none warns), then scored once on the later runs.",
+        "the diverging runs). " + FITTED,
         "",
         scored_once(fit, fresh, strays),
         "",

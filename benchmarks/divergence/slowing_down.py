@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.loss_regression import (  # noqa: E402
+    FITTED,
     RUNS,
     fitted_and_scored,
     probe,
@@ -113,9 +114,7 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "least-squares line: their size (the standard deviation; the loss's over its window's mean) "
         f"and their memory (lag-1 autocorrelation). Sampled every {EVERY} steps from step {START} on "
         "(once the window fits), read as a rise and as a fall; a warning once past the bound for 2 "
-        "samples in a row (before the divergence, for the diverging runs). The bound is fitted to the "
-        "healthy runs the bounds are fitted to (the most extreme value any of them held: none warns), "
-        "then scored once on the later runs.",
+        "samples in a row (before the divergence, for the diverging runs). " + FITTED,
         "",
         scored_once(fit, fresh, strays),
         "",
