@@ -79,7 +79,7 @@ class AdamMoments:
 
     @torch.no_grad()
     def __call__(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-        pairs = [(p, g) for g in opt.param_groups for p in g["params"]]
+        pairs = [(p, group) for group in opt.param_groups for p in group["params"]]
         if self.member is None:
             names = {id(p): n for n, p in model.named_parameters()}
             self.member = torch.tensor([layer_group(names[id(p)]) for p, _ in pairs])

@@ -190,13 +190,14 @@ def fitted_and_scored(
     series: Series,
     start: int,
     sign: float = 1.0,
+    form: str = ".4g",
 ) -> tuple[str, float]:
     """A row's cells and its bound: the bound fitted to the healthy runs of ``fit`` (printed times
-    ``sign``: -1 for a series negated so that it rises towards trouble) and the run that set it,
-    then :func:`cells` of ``fit`` and of ``fresh`` at that bound."""
+    ``sign``: -1 for a series negated so that it rises towards trouble, in the format ``form``)
+    and the run that set it, then :func:`cells` of ``fit`` and of ``fresh`` at that bound."""
     edge, name = fitted_bound(fit, series, start)
     scored = " | ".join(cells(runs, series, edge, start) for runs in (fit, fresh))
-    return f"{sign * edge:.4g} ({name}) | {scored}", edge
+    return f"{sign * edge:{form}} ({name}) | {scored}", edge
 
 
 def timing(

@@ -47,8 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from benchmarks.divergence.loss_regression import (  # noqa: E402
     FITTED,
     RUNS,
-    cells,
-    fitted_bound,
+    fitted_and_scored,
     probed,
     scored_once,
     split,
@@ -197,9 +196,8 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     for s, signal in enumerate(SIGNALS):
         for g, group in enumerate(GROUPS):
             series = partial(_series, signal=s, group=g)
-            edge, name = fitted_bound(fit, series, START)
-            scored = " | ".join(cells(runs, series, edge, START) for runs in (fit, fresh))
-            lines.append(f"| {signal} | {group} | {edge:.3f} ({name}) | {scored} |")
+            scored, edge = fitted_and_scored(fit, fresh, series, START, form=".3f")
+            lines.append(f"| {signal} | {group} | {scored} |")
             rows.append((f"{signal}, {group}", series, edge))
     lines += timing(fit, fresh, rows, START)
     return "\n".join(lines) + "\n"

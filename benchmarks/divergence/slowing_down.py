@@ -94,13 +94,22 @@ def sampled(values: np.ndarray, window: int, relative: bool) -> tuple[np.ndarray
     return steps, np.array(read).reshape(-1, 2)
 
 
+def _readings(run: dict[str, object]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """A run's :func:`sampled` fluctuations per ``(series, window)``: once per run, not per row."""
+    loss = (run["loss"].astype(np.float64), True)
+    log_norm = (np.log(run["grad_norm"].astype(np.float64)), False)
+    return {(s, w): sampled(x, w, rel) for s, (x, rel) in enumerate((loss, log_norm)) for w in WINDOWS}
+
+
 def _series(
-    run: dict[str, object], series: int, window: int, statistic: int, sign: float
+    run: dict[str, object],
+    readings: dict[str, dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]],
+    series: int,
+    window: int,
+    statistic: int,
+    sign: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    if series == 0:
-        steps, values = sampled(run["loss"].astype(np.float64), window, relative=True)
-    else:
-        steps, values = sampled(np.log(run["grad_norm"].astype(np.float64)), window, relative=False)
+    steps, values = readings[run["name"]][(series, window)]
     return steps, sign * values[:, statistic]
 
 
@@ -123,11 +132,14 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         "constant-rate runs warned | median lead (steps) | healthy runs warned |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    readings = {r["name"]: _readings(r) for r in fit + fresh}
     for s, series in enumerate(SERIES):
         for k, statistic in enumerate(STATISTICS):
             for window in WINDOWS:
                 for sign, way in ((1.0, "rises"), (-1.0, "falls")):
-                    read = partial(_series, series=s, window=window, statistic=k, sign=sign)
+                    read = partial(
+                        _series, readings=readings, series=s, window=window, statistic=k, sign=sign
+                    )
                     scored, _ = fitted_and_scored(fit, fresh, read, START, sign)
                     lines.append(f"| {series} | {statistic} | {window} | {way} | {scored} |")
     return "\n".join(lines) + "\n"
