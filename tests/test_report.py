@@ -19,7 +19,7 @@ import torch
 
 import distmon
 from distmon.export.jsonl_log import JsonlLog
-from distmon.snapshot import AnomalyEvent, Snapshot
+from distmon.snapshot import AnomalyEvent, Snapshot, to_jsonable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PICTURES = ("global_norm.png", "layer_heatmap.png", "rank_layer_at_worst.png", "rank_norms.png")
@@ -228,13 +228,22 @@ def test_a_restarted_job_s_log_is_reported_one_run_at_a_time(tmp_path):
         assert "steps 1..40 (40 logged)" in summary and "first non-finite step 30**" in summary, summary
 
 
-def test_a_restart_that_reuses_the_run_id_after_a_cut_line_is_a_new_run(tmp_path):
-    """A requeued job keeps its id and appends its first line to the crashed run's cut one."""
+def _older_write(path, snaps):
+    """Append as distmon releases before 0.2 did: straight after whatever the file ends with (a
+    crashed run's cut line swallowed the restarted run's first line)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps({**to_jsonable(s), "schema": 1}) + "\n" for s in snaps)
+
+
+@pytest.mark.parametrize("writer", [_write, _older_write], ids=["jsonl_log", "older_release"])
+def test_a_restart_that_reuses_the_run_id_after_a_cut_line_is_a_new_run(tmp_path, writer):
+    """A requeued job keeps its id and appends to the crashed run's log, whose last line was cut:
+    on a line of its own (JsonlLog), or, as older releases did, after the cut line."""
     log = tmp_path / "run.jsonl"
     _write(log, [_snap(s, run_id="job-7", nonfinite=s == 8) for s in range(1, 11)])
     with open(log, "r+b") as f:  # the crash: the last line cut mid-write
         f.truncate(os.path.getsize(log) - 30)
-    _write(log, [_snap(s, run_id="job-7") for s in range(1, 6)])
+    writer(log, [_snap(s, run_id="job-7") for s in range(1, 6)])
     proc = _report(log, tmp_path / "r")
     assert proc.returncode == 0, proc.stderr
     assert "holds 2 runs: #1 'job-7' steps 1..9 (9 lines), #2 'job-7' steps 1..5 (5 lines)" in proc.stdout
@@ -259,6 +268,42 @@ def test_a_resumed_run_is_one_run_its_rolled_back_steps_replaced_and_the_resume_
     assert "steps 1..60 (60 logged)" in summary, summary
     assert "resumed from a checkpoint 1 time: after step 30 (line 41)" in summary, summary
     assert "non-finite" not in summary, summary  # step 35 was rolled back with the checkpoint
+
+
+def test_a_run_resumed_after_a_kill_at_any_byte_writes_only_whole_lines(tmp_path):
+    """#30's kill and resume, the kill landing anywhere in the last export (steps 31..40, each line
+    cut at every kind of place over 60 generated offsets, and at line ends): every line the resumed
+    job writes is whole JSON, the file holds at most the one cut line, and the report reads one
+    run, steps 1..60, resumed after step 30 on the resumed job's first line."""
+    from dataclasses import replace
+
+    from distmon.report.log_reader import read_log
+
+    whole = tmp_path / "whole.jsonl"
+    for first in range(1, 41, 10):  # the killed job's four exports
+        _write(whole, [_snap(s, run_id="job-1", nonfinite=s == 35) for s in range(first, first + 10)])
+    data = whole.read_bytes()
+    ends = [i + 1 for i, byte in enumerate(data) if byte == ord("\n")]
+    rng = random.Random(30)
+    offsets = ends[29:] + [rng.randrange(ends[29], len(data)) for _ in range(60)]
+    resumed = [_snap(s, run_id="job-2") for s in range(31, 61)]
+    resumed[0] = replace(resumed[0], resumed_from=30)
+    assert JsonlLog(os.devnull)._fd is not None  # a device (no last line to mend) is written as is
+    for case, offset in enumerate(offsets):
+        log = tmp_path / f"killed-{case}.jsonl"
+        log.write_bytes(data[:offset])
+        _write(log, resumed)
+        lines = log.read_bytes().split(b"\n")
+        kept = sum(1 for end in ends if end <= offset)  # the killed job's whole lines
+        cut = offset not in ends
+        assert lines[-1] == b"" and len(lines) == kept + cut + len(resumed) + 1, (offset, lines[kept:])
+        assert [json.loads(line)["step"] for line in lines[kept + cut : -1]] == list(range(31, 61)), offset
+        if cut:
+            assert data[ends[kept - 1] : offset] == lines[kept], offset  # the cut line, on its own
+        read = read_log(str(log))
+        assert read.run_count == 1 and list(read.run.steps) == list(range(1, 61)), offset
+        assert read.run.restarts == [(30, kept + cut + 1)], offset
+        assert dict(read.skipped) == ({"cut line": 1} if cut else {}), (offset, read.skipped)
 
 
 def _wide_log(path, layers=3000, ranks=8, steps=30):

@@ -21,9 +21,11 @@ reason (with the number of its first line), never raised:
 
 - ``longer than N MiB``: never loaded; read past in 1 MiB pieces;
 - ``not UTF-8``, ``not JSON``;
-- ``cut line``: the last line, without its newline, is not JSON (a run stopped mid-write); or
-  a line whose tail is a whole snapshot (a restarted run appended its first line to the cut
-  one): the tail is kept, the cut head counted;
+- ``cut line``: the last line, without its newline, is not JSON (a run stopped mid-write); a
+  line that starts as a snapshot's (``{"step":``) and is not JSON (a run stopped mid-write and
+  the restarted run's log closed the line before its own: ``JsonlLog``); or a line whose tail is
+  a whole snapshot (a restarted run of an older distmon appended its first line to the cut one):
+  the tail is kept, the cut head counted;
 - ``not a JSON object``, ```step` missing or not an integer >= 0``, and one reason per field of
   the wrong type (```layer_grad_norms` is not an object of numbers``, ``an event's `value` is
   missing or of the wrong type``, ...). Every field but ``step`` may be absent.
@@ -127,6 +129,9 @@ def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, bool]]:
         line = after
 
 
+_LINE_START = b'{"step":'  # how every snapshot's line starts (JsonlLog)
+
+
 def _parse(raw: bytes, last: bool) -> tuple[object, str | None, bool]:
     """(the parsed line, the reason it is skipped or None, whether a cut head was dropped)."""
     try:
@@ -137,13 +142,17 @@ def _parse(raw: bytes, last: bool) -> tuple[object, str | None, bool]:
         return json.loads(text), None, False
     except (ValueError, RecursionError):
         pass
-    tail = text.rfind('{"step":', 1)  # a restarted run's first line appended to a cut one
+    tail = text.rfind(_LINE_START.decode(), 1)  # a restarted run's first line appended to a cut one
     if tail > 0:
         try:
             return json.loads(text[tail:]), None, True
         except (ValueError, RecursionError):
             pass
-    return None, "cut line" if last and not raw.endswith(b"\n") else "not JSON", False
+    # cut: the file's unfinished last line, or one a restarted writer closed with a newline (it
+    # starts as a snapshot's line does, as far as it goes)
+    head = raw.rstrip(b"\n")[: len(_LINE_START)]
+    cut = (last and not raw.endswith(b"\n")) or _LINE_START.startswith(head)
+    return None, "cut line" if cut else "not JSON", False
 
 
 @dataclass
