@@ -26,6 +26,7 @@ Writes ``benchmarks/results/loss_regression.md``; the runs are not cached.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -86,13 +87,16 @@ def first_warning(
 
 
 def held_max(steps: np.ndarray, values: np.ndarray, start: int = FROM) -> float:
-    """The largest value held 2 samples in a row from ``start`` on: the lowest bound that never warns.
+    """The largest value held 2 samples in a row from ``start`` on: the lowest bound that never warns
+    (-inf where no value is held: a run too short to warn sets no bound, whatever the series' units).
 
     Example:
         >>> held_max(np.array([100, 110, 120]), np.array([1.3, 1.05, 1.1]))   # 1.3 held only once
         1.05
+        >>> held_max(np.array([90, 100]), np.array([-0.5, -0.4]), start=110)
+        -inf
     """
-    return max((h for _, h in held(steps.tolist(), values.tolist(), False, start)), default=1.0)
+    return max((h for _, h in held(steps.tolist(), values.tolist(), False, start)), default=-math.inf)
 
 
 def probed(spec: RunSpec, rec: dict[str, object], **series: object) -> dict[str, object]:
