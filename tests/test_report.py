@@ -229,10 +229,10 @@ def test_a_restarted_job_s_log_is_reported_one_run_at_a_time(tmp_path):
 
 
 def _older_write(path, snaps):
-    """Append as distmon releases before 0.2 did: straight after whatever the file ends with (a
+    """Append as distmon 0.1.0 did: straight after whatever the file ends with (a
     crashed run's cut line swallowed the restarted run's first line)."""
     with open(path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps({**to_jsonable(s), "schema": 1}) + "\n" for s in snaps)
+        f.writelines(json.dumps(to_jsonable(s)) + "\n" for s in snaps)  # 0.1.0 wrote no "schema"
 
 
 @pytest.mark.parametrize("writer", [_write, _older_write], ids=["jsonl_log", "older_release"])
@@ -288,7 +288,7 @@ def test_a_run_resumed_after_a_kill_at_any_byte_writes_only_whole_lines(tmp_path
     offsets = ends[29:] + [rng.randrange(ends[29], len(data)) for _ in range(60)]
     resumed = [_snap(s, run_id="job-2") for s in range(31, 61)]
     resumed[0] = replace(resumed[0], resumed_from=30)
-    assert JsonlLog(os.devnull)._fd is not None  # a device (no last line to mend) is written as is
+    _write(os.devnull, resumed)  # a device (no last line to mend) is written as it is
     for case, offset in enumerate(offsets):
         log = tmp_path / f"killed-{case}.jsonl"
         log.write_bytes(data[:offset])

@@ -44,11 +44,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.loss_regression import (  # noqa: E402
-    FITTED,
     RUNS,
     fitted_and_scored,
+    page_head,
     probed,
-    scored_once,
     split,
     timing,
 )
@@ -128,23 +127,19 @@ def _series(run: dict[str, object], signal: int, group: int, sign: float) -> tup
 
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     fit, fresh, strays = split(results)
-    lines = [
-        "# Adam's state per layer group: update RMS, sign-like share, surprise",
-        "",
+    lines = page_head(
+        "Adam's state per layer group: update RMS, sign-like share, surprise",
         "`python benchmarks/divergence/adam_moments.py --write`. Per step, per layer group: the RMS of "
         f"Adam's update m_hat / (sqrt(v_hat) + eps), the share of its entries of magnitude {SIGN_LIKE} "
         "or more, and the clipped gradient's squared norm over the sum of v_hat; sampled as the mean "
         f"of the last {EVERY} steps every {EVERY} steps from step {START} on, read as a rise and as a "
         "fall; a warning once past the bound for 2 samples in a row (before the divergence, for the "
-        "diverging runs). " + FITTED,
-        "",
-        scored_once(fit, fresh, strays),
-        "",
-        "| signal | towards trouble | layer group | fitted bound (set by) | fitted: constant-rate runs "
-        "warned | median lead (steps) | healthy runs warned | late hold-out: constant-rate runs "
-        "warned | median lead (steps) | healthy runs warned |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        "diverging runs).",
+        fit,
+        fresh,
+        strays,
+        ("signal", "towards trouble", "layer group", "fitted bound (set by)"),
+    )
     rows = []  # (label, series, bound) per row, for the timing line
     for s, signal in enumerate(SIGNALS):
         for sign, way in ((1.0, "rises"), (-1.0, "falls")):

@@ -188,6 +188,45 @@ def scored_once(fit: list[dict[str, object]], fresh: list[dict[str, object]], st
     )
 
 
+SCORED = (
+    "fitted: constant-rate runs warned",
+    "median lead (steps)",
+    "healthy runs warned",
+    "late hold-out: constant-rate runs warned",
+    "median lead (steps)",
+    "healthy runs warned",
+)  # the columns of fitted_and_scored's cells after the bound's
+
+
+def page_head(
+    title: str,
+    intro: str,
+    fit: list[dict[str, object]],
+    fresh: list[dict[str, object]],
+    strays: list[str],
+    columns: tuple[str, ...],
+) -> list[str]:
+    """A probe script's page up to its table's first row: the title, what it measures (``intro``)
+    and how its bounds are fitted (:data:`FITTED`), :func:`scored_once`'s runs, and the table's
+    header: the row's own ``columns`` (the bound's last), then :data:`SCORED`.
+
+    Example:
+        >>> page_head("T", "Reads x.", [], [], [], ("signal", "bound"))[-1]
+        '|---|---|---|---|---|---|---|---|'
+    """
+    names = (*columns, *SCORED)
+    return [
+        f"# {title}",
+        "",
+        f"{intro} {FITTED}",
+        "",
+        scored_once(fit, fresh, strays),
+        "",
+        "| " + " | ".join(names) + " |",
+        "|" + "---|" * len(names),
+    ]
+
+
 def fitted_and_scored(
     fit: list[dict[str, object]],
     fresh: list[dict[str, object]],

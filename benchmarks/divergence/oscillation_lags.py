@@ -45,11 +45,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.loss_regression import (  # noqa: E402
-    FITTED,
     RUNS,
     fitted_and_scored,
+    page_head,
     probed,
-    scored_once,
     split,
     timing,
 )
@@ -176,22 +175,18 @@ def _series(run: dict[str, object], signal: int, group: int) -> tuple[np.ndarray
 
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     fit, fresh, strays = split(results)
-    lines = [
-        "# Oscillation two steps apart and Adam's update directions, per layer group",
-        "",
+    lines = page_head(
+        "Oscillation two steps apart and Adam's update directions, per layer group",
         f"`python benchmarks/divergence/oscillation_lags.py --write`. Per step, per layer group: the "
         "cosine of the gradients (before clipping) and of the parameter updates, 1 and 2 steps apart; "
         f"sampled as 1 - cosine, the mean of the last {EVERY} steps every {EVERY} steps from step "
         f"{START} on; a warning once past the bound for 2 samples in a row (before the divergence, for "
-        "the diverging runs). " + FITTED,
-        "",
-        scored_once(fit, fresh, strays),
-        "",
-        "| signal | layer group | fitted bound on 1 - cosine (set by) | fitted: constant-rate runs "
-        "warned | median lead (steps) | healthy runs warned | late hold-out: constant-rate runs "
-        "warned | median lead (steps) | healthy runs warned |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+        "the diverging runs).",
+        fit,
+        fresh,
+        strays,
+        ("signal", "layer group", "fitted bound on 1 - cosine (set by)"),
+    )
     rows = []  # (label, series, bound) per row, for the timing line
     for s, signal in enumerate(SIGNALS):
         for g, group in enumerate(GROUPS):

@@ -43,11 +43,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from benchmarks.divergence.loss_regression import (  # noqa: E402
-    FITTED,
     RUNS,
     fitted_and_scored,
+    page_head,
     probe,
-    scored_once,
     split,
 )
 from benchmarks.divergence.oscillation_lags import EVERY, START  # noqa: E402
@@ -115,23 +114,19 @@ def _series(
 
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
     fit, fresh, strays = split(results)
-    lines = [
-        "# Critical slowing down: the fluctuations of the loss and the gradient norm",
-        "",
+    lines = page_head(
+        "Critical slowing down: the fluctuations of the loss and the gradient norm",
         "`python benchmarks/divergence/slowing_down.py --write`. Over a trailing window, the residuals "
         "of the training loss and of the log gradient norm (before clipping) from their own "
         "least-squares line: their size (the standard deviation; the loss's over its window's mean) "
         f"and their memory (lag-1 autocorrelation). Sampled every {EVERY} steps from step {START} on "
         "(once the window fits), read as a rise and as a fall; a warning once past the bound for 2 "
-        "samples in a row (before the divergence, for the diverging runs). " + FITTED,
-        "",
-        scored_once(fit, fresh, strays),
-        "",
-        "| series | statistic | window (steps) | towards trouble | fitted bound (set by) | fitted: "
-        "constant-rate runs warned | median lead (steps) | healthy runs warned | late hold-out: "
-        "constant-rate runs warned | median lead (steps) | healthy runs warned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        "samples in a row (before the divergence, for the diverging runs).",
+        fit,
+        fresh,
+        strays,
+        ("series", "statistic", "window (steps)", "towards trouble", "fitted bound (set by)"),
+    )
     readings = {r["name"]: _readings(r) for r in fit + fresh}
     for s, series in enumerate(SERIES):
         for k, statistic in enumerate(STATISTICS):
