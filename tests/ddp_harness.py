@@ -26,6 +26,7 @@ Also here (the model, the float64 reference and the scrape are `helpers.py`'s):
 * `in_distmon_code()`: whether the caller's stack is attributed to distmon.
 """
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -522,3 +523,18 @@ class SyncRecorder:
 
     def describe(self, entries):
         return "\n".join(f"[{n} in thread {t}]\n{s}" for n, t, s in entries)
+
+
+def gloo_s_threads_last() -> None:
+    """Make every thread of this rank but the training thread run only when the training thread
+    does not (``SCHED_IDLE``, all on one CPU): gloo's worker thread, once it completed a
+    collective, drops it only after the training thread went on, as a thread the OS did not
+    schedule in time would."""
+    cpu = dist.get_rank() % os.cpu_count()
+    me = threading.get_native_id()
+    os.sched_setaffinity(0, {cpu})
+    for tid in map(int, os.listdir("/proc/self/task")):
+        if tid != me:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, {cpu})
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

@@ -28,8 +28,6 @@ Python comm hook when it is registered, and a string annotation fails that check
 import atexit
 import functools
 import itertools
-import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +50,7 @@ from ..compat import (
 from ..errors import logger
 from ..layout.grouping import Grouping
 from ..step.backward import BackwardSums
+from ..step.release import RELEASE_S, still_held, wait_released
 from ..step.sums import Runs, sparse_sq_sum, sq_sums
 from .base import OrderLearner, first_device
 from .grad_sums import GradSums
@@ -87,9 +86,6 @@ HOOKLESS_BACKENDS = {"nccl"}
 # Without a comm hook: how many of a forward's outputs (those that need a gradient, in order)
 # are marked; a backward that reaches none of them is not read (and said once, at the step).
 MARKED_OUTPUTS = 16
-# At exit, how long the interpreter waits for the backend's thread to drop the continuations it
-# ran (:class:`Handoff`): milliseconds on a busy machine; bounded, for a thread that is stuck.
-RELEASE_AT_EXIT_S = 10.0
 
 
 def ddp_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -204,25 +200,17 @@ class Handoff:
     def busy(self) -> bool:
         """Whether something besides this holds a continuation that ran: gloo's thread, until it
         drops it."""
-        alone = self._alone[0]
-        for reduced in itertools.chain(self._reduced, self._reduced_before):
-            if reduced.ran and sys.getrefcount(reduced) > sys.getrefcount(alone):
-                return True
-        return False
+        held = still_held(itertools.chain(self._reduced, self._reduced_before), self._alone[0])
+        return any(reduced.ran for reduced in held)
 
     def wait(self, timeout_s: float) -> bool:
         """Whether gloo's thread dropped every continuation it ran within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self.busy():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)  # gives the GIL up: the thread takes it to drop its reference
-        return True
+        return wait_released(self.busy, timeout_s)
 
 
 HANDOFF = Handoff()
 # registered when distmon is imported, before the monitor's exit guard: it runs after that guard
-atexit.register(HANDOFF.wait, RELEASE_AT_EXIT_S)
+atexit.register(HANDOFF.wait, RELEASE_S)
 
 
 def reduction_error(error: Exception, what: str) -> RuntimeError:

@@ -11,6 +11,7 @@
 ``ring.py``              the device ring of step rows and its non-blocking copy to the host
 ``exchange.py``          the step's collectives: which ones, and where what they bring lands
 ``crossrank.py``         the job's fixed-size reductions of every rank's figures
+``release.py``           the wait until gloo's thread let go of what the collectives were handed
 ``clip.py``              ``clip_grad_norm_`` with the norm already measured
 ``activations.py``       forward activation statistics (opt-in)
 ``attention_watch.py``   attention blocks' logit bounds on sampled forwards (the precursor's)

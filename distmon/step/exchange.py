@@ -41,6 +41,7 @@ from ..errors import ErrorCounter
 from . import sums
 from .backward import LayerOrder
 from .crossrank import CrossRank
+from .release import HandedViews
 from .ring import DeviceRing
 from .rows import Head, RowPlan
 
@@ -94,7 +95,11 @@ class RankBuffers:
         self._gathered = torch.zeros(len(self.node_ranks) * n_rows * f.width, **f32)
         # (errors, valid, reduced_ok, batch) as written in the send row
         self._sent_meta: tuple[int, float, bool, float] | None = None
-        self._works: list[dist.Work] = []
+        # each work with the views it was handed
+        self._works: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        # gloo's thread drops the tensors it was handed under the GIL (release.py): on CPU each
+        # collective gets a view that close() waits for it to let go of
+        self._handed = HandedViews() if device.type == "cpu" and group is not None else None
 
     def pack(
         self,
@@ -141,7 +146,8 @@ class RankBuffers:
         """Start the SUM all-reduce of the send row's :attr:`RankRow.reduced` floats, in :attr:`summed`."""
         self.wait()
         self.summed.copy_(self.send[self.fields.reduced])
-        self._start(dist.all_reduce(self.summed, group=self.group, async_op=True))
+        summed = self._hand(self.summed)
+        self._start(dist.all_reduce(summed, group=self.group, async_op=True), summed)
 
     def gather(self, first: int, last: int) -> torch.Tensor:
         """Start the all-gather of kept rows ``first..last`` (ring slots) over the node:
@@ -152,16 +158,23 @@ class RankBuffers:
         if self.node_group is None:
             return rows.unsqueeze(0)
         out = self._gathered[: len(self.node_ranks) * k * width]
-        self._start(all_gather(out, rows.reshape(-1), group=self.node_group, async_op=True))
+        into, sent = self._hand(out), self._hand(rows.reshape(-1))
+        self._start(all_gather(into, sent, group=self.node_group, async_op=True), into, sent)
         return out.view(len(self.node_ranks), k, width)
 
     def summarize(self, sums: torch.Tensor, keys: torch.Tensor) -> None:
         """Start the job's SUM of ``sums`` and MAX of ``keys`` (``crossrank.py``), after the node's gather."""
-        self._start(dist.all_reduce(sums, group=self.group, async_op=True))
-        self._start(dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        sums, keys = self._hand(sums), self._hand(keys)
+        self._start(dist.all_reduce(sums, group=self.group, async_op=True), sums)
+        self._start(dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self.group, async_op=True), keys)
 
-    def _start(self, work: dist.Work) -> None:
-        """Hold the work for :meth:`wait`; under ``torch.profiler`` complete it at once.
+    def _hand(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a collective is handed for ``tensor``: a view of it on CPU (gloo), else itself."""
+        return self._handed.hand(tensor) if self._handed is not None else tensor
+
+    def _start(self, work: dist.Work, *views: torch.Tensor) -> None:
+        """Hold the work, with the ``views`` it was handed, for :meth:`wait`; under ``torch.profiler``
+        complete it at once.
 
         A collective issued inside a profiler window and completed after the window closed
         crashes the process (SIGSEGV in torch 2.13 on gloo: the work's profiling callback runs
@@ -169,15 +182,23 @@ class RankBuffers:
         crashed, 0 of 10 with the wait inside), and a user's profiler window may close at any
         step end.
         """
-        self._works.append(work)
+        self._works.append((work, views))
         if profiler_enabled():
             self.wait()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Complete the pending collectives, if any (stream waits on NCCL); raise after ``timeout_s``."""
         works, self._works = self._works, []
-        for work in works:
+        for work, views in works:
             work.wait(timedelta(seconds=timeout_s)) if timeout_s else work.wait()
+            if self._handed is not None:  # not one that never completed: its views may stay held
+                self._handed.landed(views)
+
+    def let_go(self, timeout_s: float) -> bool:
+        """Whether the backend's thread let go of every tensor of the completed collectives within
+        ``timeout_s`` (on CPU; elsewhere at once): once it did, it has no GIL left to take for
+        distmon's, and the interpreter may finalize."""
+        return self._handed is None or self._handed.let_go(timeout_s)
 
 
 class LaggedVote:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import ErrorCounter
+from ..errors import ErrorCounter, logger
 from ..layout.verify import agrees, refusal
 from ..snapshot import SkipReason
 from ..sources.base import Source
@@ -49,6 +49,7 @@ from .attention_watch import AttentionWatch
 from .backward import BackwardSums, StepState
 from .exchange import Exchange
 from .grad_cosine import GradientCosine
+from .release import RELEASE_S
 from .ring import DeviceRing, ExportBatch, ExportQueue, StepInfo
 from .rows import LOCAL_NONFINITE_ONLY, Head, RowPlan
 from .update_ratio import UpdateRatio
@@ -181,7 +182,18 @@ class StepSchedule:
         return not self.sums.closed
 
     def close(self) -> None:
+        """Stop measuring; return once the backend's thread let go of the monitor's collectives
+        (``release.py``: the program may end right after, and that thread must not take the GIL
+        while the interpreter finalizes)."""
         self.sums.close()
+        if not self.exchange.buffers.let_go(RELEASE_S):
+            logger.warning(
+                "distmon: the process group's thread still holds the tensors of distmon's last "
+                "collective %.0f s after it completed; if the program ends now, the interpreter "
+                "may abort at exit (terminate called without an active exception): end it with "
+                "torch.distributed.destroy_process_group(), which waits for that thread",
+                RELEASE_S,
+            )
 
     def _new_step(self) -> None:
         self.sums.new_step()
