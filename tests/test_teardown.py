@@ -155,12 +155,16 @@ def _recording():
 def _use_counts(handed: list) -> list[int]:
     """Each recorded tensor's C++ use count: 1 when only its Python object holds it, 0 once freed
     (read from torch, not from distmon's reference counting)."""
-    return [ref()._use_count() if ref() is not None else 0 for ref in handed]
+    counts = []
+    for ref in handed:
+        tensor = ref()  # one strong reference while it is read, none after
+        counts.append(0 if tensor is None else tensor._use_count())
+    return counts
 
 
 def _held_after_wait_and_let_go(rank: int, world: int, rounds: int) -> list[tuple[list[int], list[int]]]:
-    """On real gloo ranks, each round's all-reduce of distmon's exchange, gloo's thread slow to drop
-    it: the use counts of what it was handed right after ``wait()`` returned, then after
+    """On real gloo ranks, each round's all-reduce of distmon's exchange, gloo's thread scheduled
+    late: the use counts of what it was handed right after ``wait()`` returned, then after
     ``let_go()``."""
     from distmon.step.exchange import RankBuffers
     from distmon.step.rows import RowPlan
@@ -182,8 +186,8 @@ def _held_after_wait_and_let_go(rank: int, world: int, rounds: int) -> list[tupl
 
 def test_gloo_s_thread_holds_a_handed_tensor_after_wait_and_let_go_waits_until_it_dropped_it():
     """The hazard on real gloo ranks, and the wait: after an exchange's all-reduce completed,
-    gloo's thread, scheduled late, may still hold the tensor it was handed (torch 2.11 on: it
-    then drops its Python object under the GIL); ``let_go()`` returns only once it dropped it.
+    gloo's thread, scheduled late, may still hold the tensor it was handed (torch 2.11 to 2.14:
+    it then drops its Python object under the GIL); ``let_go()`` returns only once it dropped it.
     (Without the wait this fails whenever a process shows the hazard: in most, not in all.)"""
     held = 0
     for _ in range(3):  # whether gloo's thread is still holding it varies by process: a few of them
@@ -232,8 +236,9 @@ def _exchange_tensors_let_go_at_close(rank: int, world: int, seed: int, cases: i
 
 def test_close_returns_once_gloo_s_thread_let_go_of_every_tensor_of_distmon_s_collectives():
     """In torch 2.11 to 2.14 gloo's thread drops a handed tensor's Python object under the GIL, and
-    aborts the process if the interpreter began to finalize (``distmon/step/release.py``; the bare
-    script below). Over generated runs, nothing distmon's exchange handed a collective is held
-    by anything but its Python object once ``close()`` returns, however the run ended."""
+    aborts the process if the interpreter began to finalize (``distmon/step/release.py``,
+    ``benchmarks/exit_aborts.py``). Over generated runs, nothing distmon's exchange handed a
+    collective is held by anything but its Python object once ``close()`` returns, however the
+    run ended."""
     for wrong in run_ranks(_exchange_tensors_let_go_at_close, 2, 7, 12):
         assert wrong == [], "\n".join(wrong)
