@@ -6,8 +6,8 @@
 Each run starts two ranks (plain processes, a TCP rendezvous on 127.0.0.1) of one of:
 
 * ``bare``: no distmon; one all-reduce of a tensor, then the script ends (torch's own hazard:
-  gloo's thread drops the tensor's Python object under the GIL, after the interpreter began to
-  finalize, in torch 2.11 to 2.14);
+  in torch 2.11 to 2.14 gloo's thread drops the tensor's Python object under the GIL, which
+  aborts once the interpreter began to finalize);
 * ``close`` / ``exit``: ``tests/jobs/teardown_job.py``, a DDP job with distmon ending right after
   ``GradMonitor.close()``, or closed by distmon's exit handler, every thread but the training
   thread scheduled only when it is idle (as a loaded machine schedules gloo's thread late).
@@ -15,8 +15,8 @@ Each run starts two ranks (plain processes, a TCP rendezvous on 127.0.0.1) of on
 ``--cost``: what the wait's bookkeeping adds to an ordinary step on CPU (one view handed to the
 step's all-reduce and counted once it completed), median of 7 rounds of 100,000.
 
-The counts in docs/deployment.md come from this script; the "before" ones from the commit
-before ``distmon/step/release.py`` (``git checkout <commit>~ -- distmon``).
+The counts in docs/deployment.md come from this script; the "before" ones with ``distmon/`` as
+of 712d6e3, before ``distmon/step/release.py`` (``git stash push -- distmon`` over that change).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def cost() -> float:
     for _ in range(7):
         start = time.perf_counter()
         for _ in range(n):
-            views.landed((views.hand(buf),))
+            views.landed((buf.view_as(buf),))  # RankBuffers._hand's view, then its wait's count
         rounds.append((time.perf_counter() - start) / n * 1e6)
     return statistics.median(rounds)
 

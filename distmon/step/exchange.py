@@ -169,8 +169,9 @@ class RankBuffers:
         self._start(dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=self.group, async_op=True), keys)
 
     def _hand(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What a collective is handed for ``tensor``: a view of it on CPU (gloo), else itself."""
-        return self._handed.hand(tensor) if self._handed is not None else tensor
+        """What a collective is handed for ``tensor``: on CPU (gloo) a view of it, its own to count
+        (one host allocation, the view's metadata), else itself."""
+        return tensor.view_as(tensor) if self._handed is not None else tensor
 
     def _start(self, work: dist.Work, *views: torch.Tensor) -> None:
         """Hold the work, with the ``views`` it was handed, for :meth:`wait`; under ``torch.profiler``

@@ -71,7 +71,7 @@ class HandedViews:
 
     Example:
         >>> views, buf = HandedViews(), torch.zeros(4)
-        >>> sent = views.hand(buf); work = [sent]       # a collective's work holds the view
+        >>> sent = buf.view_as(buf); work = [sent]      # a collective's work holds the view
         >>> views.landed([sent]); del sent
         >>> views.let_go(0.01), work.clear(), views.let_go(0.01)
         (False, None, True)
@@ -80,10 +80,6 @@ class HandedViews:
     def __init__(self) -> None:
         self._landed: list[torch.Tensor] = []  # views of completed collectives, perhaps still held
         self._alone = [torch.empty(0)]  # referenced as each view is: the count to compare with
-
-    def hand(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A view of ``tensor`` to hand a collective (one host allocation: the view's metadata)."""
-        return tensor.view_as(tensor)
 
     def landed(self, views: Sequence[torch.Tensor]) -> None:
         """``views``' collective completed: they are kept until let go; those already let go are dropped."""
