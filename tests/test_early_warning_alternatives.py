@@ -25,6 +25,30 @@ from benchmarks.divergence.recorder import ConsecutiveCosine  # noqa: E402
 from distmon.verdicts.precursor import PrecursorConfig  # noqa: E402
 
 
+def probe_run(
+    shape: tuple[int, int],
+    name: str,
+    diverged: int | None,
+    turn: tuple[tuple[int, int], tuple[int, int], float] | None = None,
+    *,
+    fill: float = 1.0,
+    n: int = 400,
+) -> dict[str, object]:
+    """A generated run as the benchmark probe scripts' tables read it: ``n`` steps of ``readings``
+    (``shape``: signals x groups) all ``fill``, but ``turn = ((signal, group), (from, to), value)``.
+
+    Example:
+        >>> run = probe_run((2, 3), "h1", None, ((1, 2), (5, 7), 9.0), n=8)
+        >>> run["readings"][:, 1, 2].tolist(), run["diverged"]
+        ([1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 9.0, 1.0], None)
+    """
+    readings = np.full((n, *shape), fill)
+    if turn is not None:
+        (signal, group), (a, b), value = turn
+        readings[a:b, signal, group] = value
+    return {"name": name, "diverged": diverged, "lr": 0.5, "warmup": 100, "readings": readings}
+
+
 def _lightning(loss):
     spike_mod = pytest.importorskip("lightning.fabric.utilities.spike")
     det = spike_mod.SpikeDetection()  # mode min, window 10, warmup 1, atol None, rtol 2, finite_only
@@ -77,6 +101,7 @@ def test_divergence_is_a_lasting_rise_or_a_non_finite_loss():
         "oscillation_lags",
         "adam_moments",
         "slowing_down",
+        "update_spectrum",
     ],
 )
 def test_the_benchmark_modules_examples_hold(name):
@@ -652,12 +677,8 @@ def test_the_adam_table_reads_each_signal_both_ways_and_fits_the_healthy_extreme
     end)."""
     from benchmarks.divergence import adam_moments as am
 
-    def run(name, diverged, turn=None, n=400):  # noqa: ANN001, ANN202
-        readings = np.full((n, len(am.SIGNALS), len(am.GROUPS)), 1.0)
-        if turn is not None:
-            (signal, group), (a, b), value = turn
-            readings[a:b, signal, group] = value
-        return {"name": name, "diverged": diverged, "lr": 0.5, "warmup": 100, "readings": readings}
+    def run(name, diverged, turn=None):  # noqa: ANN001, ANN202
+        return probe_run((len(am.SIGNALS), len(am.GROUPS)), name, diverged, turn, fill=1.0)
 
     head, whole = am.GROUPS.index("output head"), am.GROUPS.index("whole model")
     text = am.markdown(

@@ -120,9 +120,38 @@ def probe(spec: RunSpec) -> dict[str, object]:
     return probed(spec, rec, readings=np.stack(moments.rows))
 
 
-def _series(run: dict[str, object], signal: int, group: int, sign: float) -> tuple[np.ndarray, np.ndarray]:
+def signed_series(
+    run: dict[str, object], signal: int, group: int, sign: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """A run's ``readings[:, signal, group]`` sampled by :func:`.oscillation_lags.trailing_means`,
+    times ``sign`` (-1: a reading that falls towards trouble, read as a rise)."""
     steps, values = trailing_means(run["readings"][:, signal, group])
     return steps, sign * values
+
+
+WAYS = ((1.0, "rises"), (-1.0, "falls"))  # (sign, its word): a reading read both ways
+
+
+def both_ways(
+    fit: list[dict[str, object]],
+    fresh: list[dict[str, object]],
+    signals: tuple[str, ...],
+    groups: tuple[str, ...],
+    ways: tuple[tuple[float, str], ...] = WAYS,
+) -> tuple[list[str], list[tuple[str, object, float]]]:
+    """The table's rows of every reading of ``run["readings"]`` (steps x ``signals`` x ``groups``),
+    each way of ``ways``, per group: its bound fitted to the healthy runs of ``fit`` and scored on
+    ``fit`` and ``fresh`` (:func:`.loss_regression.fitted_and_scored`); and ``(label, series,
+    bound)`` per row, for :func:`.loss_regression.timing`."""
+    lines, rows = [], []
+    for s, signal in enumerate(signals):
+        for sign, way in ways:
+            for g, group in enumerate(groups):
+                series = partial(signed_series, signal=s, group=g, sign=sign)
+                scored, edge = fitted_and_scored(fit, fresh, series, START, sign)
+                lines.append(f"| {signal} | {way} | {group} | {scored} |")
+                rows.append((f"{signal} {way}, {group}", series, edge))
+    return lines, rows
 
 
 def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
@@ -140,15 +169,8 @@ def markdown(results: list[tuple[str, dict[str, object]]]) -> str:
         strays,
         ("signal", "towards trouble", "layer group", "fitted bound (set by)"),
     )
-    rows = []  # (label, series, bound) per row, for the timing line
-    for s, signal in enumerate(SIGNALS):
-        for sign, way in ((1.0, "rises"), (-1.0, "falls")):
-            for g, group in enumerate(GROUPS):
-                series = partial(_series, signal=s, group=g, sign=sign)
-                scored, edge = fitted_and_scored(fit, fresh, series, START, sign)
-                lines.append(f"| {signal} | {way} | {group} | {scored} |")
-                rows.append((f"{signal} {way}, {group}", series, edge))
-    lines += timing(fit, fresh, rows, START)
+    table, rows = both_ways(fit, fresh, SIGNALS, GROUPS)
+    lines += table + timing(fit, fresh, rows, START)
     return "\n".join(lines) + "\n"
 
 

@@ -215,8 +215,17 @@ def _child(spec_json: str, path: str) -> None:
     save(path, train(spec_of({"spec": json.loads(spec_json)})))
 
 
-def ensure(runs: Iterable[tuple[str, RunSpec]], cache: str, *, jobs: int = 2, log=print) -> None:  # noqa: ANN001
-    """Record every run not yet in ``cache``, ``jobs`` child processes at a time (one thread each)."""
+def ensure(
+    runs: Iterable[tuple[str, RunSpec]],
+    cache: str,
+    *,
+    jobs: int = 2,
+    log=print,  # noqa: ANN001
+    child: str = __name__,
+) -> None:
+    """Record every run not yet in ``cache``, ``jobs`` child processes at a time (one thread each):
+    ``_child(spec_json, path)`` of the module ``child`` records one (another module's may record
+    more beside it, as ``update_spectrum.py``'s does)."""
     os.makedirs(cache, exist_ok=True)
     todo = [spec for _, spec in runs if not os.path.exists(cache_path(cache, spec))]
     running: list[tuple[subprocess.Popen, RunSpec, float]] = []
@@ -224,7 +233,7 @@ def ensure(runs: Iterable[tuple[str, RunSpec]], cache: str, *, jobs: int = 2, lo
     while todo or running:
         while todo and len(running) < jobs:
             spec = todo.pop(0)
-            code = "import sys; from benchmarks.divergence.runs import _child; _child(*sys.argv[1:3])"
+            code = f"import sys; from {child} import _child; _child(*sys.argv[1:3])"
             args = [sys.executable, "-c", code, json.dumps(spec.as_dict()), cache_path(cache, spec)]
             running.append((subprocess.Popen(args, env=env, cwd=ROOT), spec, time.perf_counter()))
         time.sleep(0.5)
