@@ -177,6 +177,18 @@ def late_holdout() -> list[tuple[str, RunSpec]]:
     return runs
 
 
+def wider() -> list[tuple[str, RunSpec]]:
+    """Twice the width (d_model 128), qk-layernorm, warmed up in 100 steps to 0.05-0.5 (seeds 21-22):
+    recorded after ``update_spectrum.py`` fitted its bounds at d_model 64, to score them once at
+    another width. The class is ``wide``: whether a run diverges is the loss's verdict alone."""
+    model = replace(QKLN, d_model=128)
+    return [
+        ("wide", replace(BASE, lr=lr, warmup=100, seed=s, model=model))
+        for s in (21, 22)
+        for lr in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
+    ]
+
+
 def quick() -> list[tuple[str, RunSpec]]:
     """A smoke sweep (well under a minute): one short run per class, fast rates."""
     short = replace(BASE, steps=150, warmup=100)

@@ -5,6 +5,7 @@
     python benchmarks/divergence/update_spectrum.py --sets --write   # early_warning.py's 132 runs and
                                                                      # the late hold-out's 20: ~45 min
                                                                      # the first time, then seconds
+    python benchmarks/divergence/update_spectrum.py --wide --write   # 12 runs twice as wide: ~15 min
 
 The precursor is blind to runs warmed up quickly to a rate too high for them (``docs/detection.md``,
 "Where it is blind": the ``constant`` class). Huang et al. 2026 ("Mechanism-Driven Monitors for
@@ -38,8 +39,12 @@ precursor, and scored as that benchmark scores a detector. Those runs are record
 (``benchmarks/results/.divergence-cache/``, the same recordings, each with the probe's rows
 beside it), so that ``early_warning.py`` reads them afterwards.
 
-Writes ``benchmarks/results/update_spectrum.md`` (``--sets --write``: its last section); the runs of
-the first table are not cached.
+With ``--wide``, fc2's bound is scored once on runs of a model twice as wide (:func:`.runs.wider`),
+as the same share of the width and as the same effective rank: which of the two carries over is
+what a monitor's default would rest on.
+
+Writes ``benchmarks/results/update_spectrum.md`` (``--sets`` and ``--wide`` with ``--write``: their
+sections); the runs of the first table are not cached.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ QK = "query-key form, first order"
 GROUPS = tuple(dict.fromkeys(g for _, _, g in MATRICES)) + (QK,)
 PAGE = os.path.join(os.path.dirname(HERE), "results", "update_spectrum.md")
 SETS_HEADING = "## The MLP layers' participation on every set of runs"  # --sets' part
+WIDE_HEADING = "## fc2's bound on a model twice as wide"  # --wide's part
 
 
 def readings(s: torch.Tensor) -> torch.Tensor:
@@ -220,16 +226,11 @@ def _warnings(steps: np.ndarray, values: np.ndarray, bound: float) -> list[int]:
     return [int(st) for st, val in held(steps, values, falls=False, start=START) if val > bound]
 
 
-def on_every_set(cache: str, jobs: int) -> str:
-    """The page's second part: the falls of the MLP layers' participation (their bounds fitted as
-    the table fits them, to the same healthy runs; for fc2 also read at the sampled steps alone,
-    as a monitor that reads one step in 10 would) on every set of ``early_warning.py`` and on the
-    late hold-out, alone and beside the shipped precursor with ``peak_lr=``, as that benchmark
-    scores a detector."""
-    from benchmarks.divergence import detectors, runs
-    from benchmarks.early_warning import OSCILLATION, WITH_OSCILLATION
+def _plans() -> dict[str, list[tuple[str, RunSpec]]]:
+    """The sets of ``early_warning.py`` and the late hold-out, by name."""
+    from benchmarks.divergence import runs
 
-    plans = {
+    return {
         "sweep": runs.sweep(),
         "hold-out": runs.holdout(),
         "stress": runs.stress(),
@@ -237,9 +238,16 @@ def on_every_set(cache: str, jobs: int) -> str:
         "fast warm-ups": runs.fast_warmups(),
         "late hold-out": runs.late_holdout(),
     }
+
+
+def _recorded(plans: dict[str, list[tuple[str, RunSpec]]], cache: str, jobs: int) -> dict[str, list[tuple]]:
+    """Per set of ``plans``: ``(class, recording, divergence step, the probe's rows)`` of each run,
+    recorded into ``cache`` first where it is not yet (:func:`_child`)."""
+    from benchmarks.divergence import runs
+
     plan = [r for plan in plans.values() for r in plan]
     runs.ensure(plan, cache, jobs=jobs, child="benchmarks.divergence.update_spectrum")
-    loaded = {
+    return {
         name: [
             (cls, rec, divergence_step([float(v) for v in rec["loss"]]), np.load(rows_path(path)))
             for cls, spec in plan
@@ -248,12 +256,31 @@ def on_every_set(cache: str, jobs: int) -> str:
         ]
         for name, plan in plans.items()
     }
-    fit = [
+
+
+def _fit(loaded: dict[str, list[tuple]]) -> list[dict[str, object]]:
+    """The runs the bounds are fitted to, as the first table's: the healthy runs of the stress,
+    validation and fast warm-up sets of ``loaded`` (:func:`_recorded`)."""
+    return [
         {"name": rec["name"], "diverged": div, "readings": rows}
         for name in ("stress", "validation", "fast warm-ups")
         for cls, rec, div, rows in loaded[name]
         if cls == "healthy" and div is None
     ]
+
+
+def on_every_set(cache: str, jobs: int) -> str:
+    """The page's second part: the falls of the MLP layers' participation (their bounds fitted as
+    the table fits them, to the same healthy runs; for fc2 also read at the sampled steps alone,
+    as a monitor that reads one step in 10 would) on every set of ``early_warning.py`` and on the
+    late hold-out, alone and beside the shipped precursor with ``peak_lr=``, as that benchmark
+    scores a detector."""
+    from benchmarks.divergence import detectors
+    from benchmarks.early_warning import OSCILLATION, WITH_OSCILLATION
+
+    plans = _plans()
+    loaded = _recorded(plans, cache, jobs)
+    fit = _fit(loaded)
     rows_of = {rec["name"]: rows for plan in loaded.values() for _, rec, _, rows in plan}
     participation = SIGNALS.index("participation")
     rules: dict[str, object] = {}
@@ -309,31 +336,100 @@ def on_every_set(cache: str, jobs: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_sets(page: str, part: str) -> str:
-    """``page`` with its :data:`SETS_HEADING` section (the last) replaced by ``part`` (one that
-    starts with a blank line and that heading).
+def on_a_wider_model(cache: str, jobs: int) -> str:
+    """The page's third part: fc2's participation bound, fitted at d_model 64 as the first table fits
+    it, scored once on :func:`.runs.wider` (d_model 128) two ways: as the same share of the width, and
+    as the same effective rank (``participation x width``); the shipped precursor with ``peak_lr=``
+    beside it."""
+    from benchmarks.divergence import detectors, runs
+    from benchmarks.early_warning import OSCILLATION, WITH_OSCILLATION
+
+    sets = {n: plan for n, plan in _plans().items() if n in ("stress", "validation", "fast warm-ups")}
+    fit = _fit(_recorded(sets, cache, jobs))
+    wide = _recorded({"wider": runs.wider()}, cache, jobs)["wider"]
+    group, participation = GROUPS.index("mlp fc2"), SIGNALS.index("participation")
+    series = partial(signed_series, signal=participation, group=group, sign=-1.0)
+    share = -fitted_bound(fit, series, START)[0]
+    width = runs.wider()[0][1].model.d_model
+    rank = share * runs.BASE.model.d_model  # the fitted runs' width
+    bounds = {
+        f"the same share of the width: participation below {share:.4g}": share,
+        f"the same effective rank, {rank:.3g}: participation below {rank / width:.4g}": rank / width,
+    }
+    rows_of = {rec["name"]: rows for _, rec, _, rows in wide}
+    triples = [(cls, rec, div) for cls, rec, div, _ in wide]
+    table = {
+        label: partial(
+            lambda rec, edge: _warnings(*series({"readings": rows_of[rec["name"]]}), -edge), edge=edge
+        )
+        for label, edge in bounds.items()
+    }
+    table["precursor, peak_lr="] = partial(
+        detectors.precursor_steps, parts=WITH_OSCILLATION, cfg=OSCILLATION, schedule=True
+    )
+    lines = [
+        "",
+        WIDE_HEADING,
+        "",
+        f"`python benchmarks/divergence/update_spectrum.py --wide --write`. fc2's bound, fitted at d_model "
+        f"{runs.BASE.model.d_model} as above, scored once on runs of d_model {width} "
+        f"(`runs.wider()`, warmed up in 100 steps: {runs.describe(runs.wider())}); a run diverges or "
+        "not by its loss alone.",
+        "",
+        "| rule | detected / diverging | median lead (steps) | healthy runs warned |",
+        "|---|---|---|---|",
+    ]
+    for label, warn in table.items():
+        got = detectors.summarize(triples, warn)
+        lead = f"{got['median_lead_steps']:g}" if got["detected"] else "-"
+        healthy = sum(div is None and bool(warn(rec)) for _, rec, div in triples)
+        n_healthy = sum(div is None for _, _, div in triples)
+        lines.append(
+            f"| {label} | {got['detected']}/{got['diverging_runs']} | {lead} | {healthy}/{n_healthy} |"
+        )
+    lines += [
+        "",
+        "| run | diverged at | fc2 participation: lowest held (step), before any divergence |",
+        "|---|---|---|",
+    ]
+    for _, rec, div, rows in wide:
+        held_values = held(*series({"readings": rows}), falls=False, start=START)
+        before = [(st, -v) for st, v in held_values if div is None or st <= div]
+        low = min(before, key=lambda sv: sv[1]) if before else None
+        lines.append(f"| {rec['name']} | {div} | " + (f"{low[1]:.4f} ({low[0]})" if low else "-") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def with_section(page: str, heading: str, part: str) -> str:
+    """``page`` with its section under ``heading`` (up to the next ``## `` heading) replaced by
+    ``part`` (a blank line, ``heading``, its text), or with ``part`` added at its end.
 
     Example:
-        >>> part = "\\n" + SETS_HEADING + "\\n{}\\n"
-        >>> once = with_sets("# T\\n\\ntable\\n", part.format("old"))
-        >>> with_sets(once, part.format("new")) == "# T\\n\\ntable\\n" + part.format("new")
-        True
+        >>> page = with_section("# T\\n", "## A", "\\n## A\\nold\\n") + "\\n## B\\nb\\n"
+        >>> with_section(page, "## A", "\\n## A\\nnew\\n")
+        '# T\\n\\n## A\\nnew\\n\\n## B\\nb\\n'
     """
-    head = page.split("\n" + SETS_HEADING)[0].rstrip("\n") + "\n"
-    return head + part
+    before, found, after = page.partition("\n" + heading + "\n")
+    rest = ("\n## " + after.split("\n## ", 1)[1]) if found and "\n## " in after else ""
+    return before.rstrip("\n") + "\n" + part + rest
+
+
+PARTS = {"--sets": (SETS_HEADING, on_every_set), "--wide": (WIDE_HEADING, on_a_wider_model)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--sets" not in argv:
+    flag = next((f for f in PARTS if f in argv), None)
+    if flag is None:
         return run_and_write("update_spectrum", __doc__, RUNS, probe, markdown, argv)
     from benchmarks.divergence.runs import DEFAULT_CACHE
 
-    part = on_every_set(DEFAULT_CACHE, jobs=2)
+    heading, make = PARTS[flag]
+    part = make(DEFAULT_CACHE, jobs=2)
     print(part)
     if "--write" in argv:
         with open(PAGE) as f:
-            page = with_sets(f.read(), part)
+            page = with_section(f.read(), heading, part)
         with open(PAGE, "w") as f:
             f.write(page)
     return 0
