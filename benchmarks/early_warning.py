@@ -58,7 +58,7 @@ OSCILLATION_LABEL = (
     f"2 samples in a row while the peak rate is {OSCILLATION.rate_headroom} times the rate at the sample "
     "or more"
 )
-SETS = ("sweep", "hold-out", "stress", "validation", "fast warm-ups")
+SETS = tuple(runs.sets())
 AFTER = 50  # the alternatives' warm-up in steps (distmon's DetectorConfig.warmup_steps)
 
 
@@ -399,17 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cost", action="store_true", help="skip the cost measurement")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    plan = runs.quick() if args.quick else runs.sweep()
-    held = [] if args.quick else runs.holdout()
-    more = (
-        {}
-        if args.quick
-        else {
-            "stress": runs.stress(),
-            "validation": runs.validation(),
-            "fast warm-ups": runs.fast_warmups(),
-        }
-    )
+    named = {"sweep": runs.quick()} if args.quick else runs.sets()
+    plan, held = named["sweep"], named.get("hold-out", [])
+    more = {name: rs for name, rs in named.items() if name not in ("sweep", "hold-out")}
     every_plan = plan + held + [r for rs in more.values() for r in rs]
     runs.ensure(every_plan, args.cache, jobs=args.jobs, log=lambda m: print(m, flush=True))
 

@@ -177,6 +177,22 @@ def late_holdout() -> list[tuple[str, RunSpec]]:
     return runs
 
 
+def sets() -> dict[str, list[tuple[str, RunSpec]]]:
+    """The sets of runs ``early_warning.py`` scores, by name, in the order its tables give them.
+
+    Example:
+        >>> list(sets())
+        ['sweep', 'hold-out', 'stress', 'validation', 'fast warm-ups']
+    """
+    return {
+        "sweep": sweep(),
+        "hold-out": holdout(),
+        "stress": stress(),
+        "validation": validation(),
+        "fast warm-ups": fast_warmups(),
+    }
+
+
 def wider() -> list[tuple[str, RunSpec]]:
     """Twice the width (d_model 128), qk-layernorm, warmed up in 100 steps to 0.05-0.5 (seeds 21-22):
     recorded after ``update_spectrum.py`` fitted its bounds at d_model 64, to score them once at

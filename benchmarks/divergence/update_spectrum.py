@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -226,20 +227,6 @@ def _warnings(steps: np.ndarray, values: np.ndarray, bound: float) -> list[int]:
     return [int(st) for st, val in held(steps, values, falls=False, start=START) if val > bound]
 
 
-def _plans() -> dict[str, list[tuple[str, RunSpec]]]:
-    """The sets of ``early_warning.py`` and the late hold-out, by name."""
-    from benchmarks.divergence import runs
-
-    return {
-        "sweep": runs.sweep(),
-        "hold-out": runs.holdout(),
-        "stress": runs.stress(),
-        "validation": runs.validation(),
-        "fast warm-ups": runs.fast_warmups(),
-        "late hold-out": runs.late_holdout(),
-    }
-
-
 def _recorded(plans: dict[str, list[tuple[str, RunSpec]]], cache: str, jobs: int) -> dict[str, list[tuple]]:
     """Per set of ``plans``: ``(class, recording, divergence step, the probe's rows)`` of each run,
     recorded into ``cache`` first where it is not yet (:func:`_child`)."""
@@ -258,15 +245,32 @@ def _recorded(plans: dict[str, list[tuple[str, RunSpec]]], cache: str, jobs: int
     }
 
 
+FITTED_TO = ("stress", "validation", "fast warm-ups")  # the sets whose healthy runs set the bounds
+
+
 def _fit(loaded: dict[str, list[tuple]]) -> list[dict[str, object]]:
-    """The runs the bounds are fitted to, as the first table's: the healthy runs of the stress,
-    validation and fast warm-up sets of ``loaded`` (:func:`_recorded`)."""
+    """The runs the bounds are fitted to, as the first table's: the healthy runs of the
+    :data:`FITTED_TO` sets of ``loaded`` (:func:`_recorded`)."""
     return [
         {"name": rec["name"], "diverged": div, "readings": rows}
-        for name in ("stress", "validation", "fast warm-ups")
+        for name in FITTED_TO
         for cls, rec, div, rows in loaded[name]
         if cls == "healthy" and div is None
     ]
+
+
+def _rule(series: Callable, edge: float, rows_of: dict[str, np.ndarray]) -> Callable[[dict], list[int]]:
+    """A recording's warnings: the probe's rows of the run (``rows_of`` by name) sampled by
+    ``series``, past ``edge`` (:func:`_warnings`)."""
+    return lambda rec: _warnings(*series({"readings": rows_of[rec["name"]]}), edge)
+
+
+def _shipped() -> Callable[[dict], list[int]]:
+    """A recording's warnings by the shipped precursor with ``peak_lr=``, as ``early_warning.py`` scores."""
+    from benchmarks.divergence import detectors
+    from benchmarks.early_warning import OSCILLATION, WITH_OSCILLATION
+
+    return partial(detectors.precursor_steps, parts=WITH_OSCILLATION, cfg=OSCILLATION, schedule=True)
 
 
 def on_every_set(cache: str, jobs: int) -> str:
@@ -275,10 +279,9 @@ def on_every_set(cache: str, jobs: int) -> str:
     as a monitor that reads one step in 10 would) on every set of ``early_warning.py`` and on the
     late hold-out, alone and beside the shipped precursor with ``peak_lr=``, as that benchmark
     scores a detector."""
-    from benchmarks.divergence import detectors
-    from benchmarks.early_warning import OSCILLATION, WITH_OSCILLATION
+    from benchmarks.divergence import detectors, runs
 
-    plans = _plans()
+    plans = {**runs.sets(), "late hold-out": runs.late_holdout()}
     loaded = _recorded(plans, cache, jobs)
     fit = _fit(loaded)
     rows_of = {rec["name"]: rows for plan in loaded.values() for _, rec, _, rows in plan}
@@ -292,12 +295,8 @@ def on_every_set(cache: str, jobs: int) -> str:
     for group, sampled, how in readings:
         series = partial(sampled, signal=participation, group=GROUPS.index(group), sign=-1.0)
         edge, _ = fitted_bound(fit, series, START)
-        rules[f"{group} participation{how} below {-edge:.4g}"] = partial(
-            lambda rec, series, edge: _warnings(*series({"readings": rows_of[rec["name"]]}), edge),
-            series=series,
-            edge=edge,
-        )
-    precursor = partial(detectors.precursor_steps, parts=WITH_OSCILLATION, cfg=OSCILLATION, schedule=True)
+        rules[f"{group} participation{how} below {-edge:.4g}"] = _rule(series, edge, rows_of)
+    precursor = _shipped()
     table = {"precursor, peak_lr=": precursor}
     for label, rule in rules.items():
         table[label] = rule
@@ -342,38 +341,32 @@ def on_a_wider_model(cache: str, jobs: int) -> str:
     as the same effective rank (``participation x width``); the shipped precursor with ``peak_lr=``
     beside it."""
     from benchmarks.divergence import detectors, runs
-    from benchmarks.early_warning import OSCILLATION, WITH_OSCILLATION
 
-    sets = {n: plan for n, plan in _plans().items() if n in ("stress", "validation", "fast warm-ups")}
-    fit = _fit(_recorded(sets, cache, jobs))
-    wide = _recorded({"wider": runs.wider()}, cache, jobs)["wider"]
+    plans = {name: plan for name, plan in runs.sets().items() if name in FITTED_TO}
+    wider = runs.wider()
+    loaded = _recorded({**plans, "wider": wider}, cache, jobs)
+    fit = _fit(loaded)
     group, participation = GROUPS.index("mlp fc2"), SIGNALS.index("participation")
     series = partial(signed_series, signal=participation, group=group, sign=-1.0)
     share = -fitted_bound(fit, series, START)[0]
-    width = runs.wider()[0][1].model.d_model
+    width = wider[0][1].model.d_model
     rank = share * runs.BASE.model.d_model  # the fitted runs' width
     bounds = {
         f"the same share of the width: participation below {share:.4g}": share,
         f"the same effective rank, {rank:.3g}: participation below {rank / width:.4g}": rank / width,
     }
-    rows_of = {rec["name"]: rows for _, rec, _, rows in wide}
-    triples = [(cls, rec, div) for cls, rec, div, _ in wide]
-    table = {
-        label: partial(
-            lambda rec, edge: _warnings(*series({"readings": rows_of[rec["name"]]}), -edge), edge=edge
-        )
-        for label, edge in bounds.items()
-    }
-    table["precursor, peak_lr="] = partial(
-        detectors.precursor_steps, parts=WITH_OSCILLATION, cfg=OSCILLATION, schedule=True
-    )
+    rows_of = {rec["name"]: rows for _, rec, _, rows in loaded["wider"]}
+    # a run of no class: healthy if its loss did not diverge, as summarize counts healthy runs
+    triples = [("wide" if div is not None else "healthy", rec, div) for _, rec, div, _ in loaded["wider"]]
+    table = {label: _rule(series, -edge, rows_of) for label, edge in bounds.items()}
+    table["precursor, peak_lr="] = _shipped()
     lines = [
         "",
         WIDE_HEADING,
         "",
         f"`python benchmarks/divergence/update_spectrum.py --wide --write`. fc2's bound, fitted at d_model "
         f"{runs.BASE.model.d_model} as above, scored once on runs of d_model {width} "
-        f"(`runs.wider()`, warmed up in 100 steps: {runs.describe(runs.wider())}); a run diverges or "
+        f"(`runs.wider()`, warmed up in 100 steps: {runs.describe(wider)}); a run diverges or "
         "not by its loss alone.",
         "",
         "| rule | detected / diverging | median lead (steps) | healthy runs warned |",
@@ -382,17 +375,14 @@ def on_a_wider_model(cache: str, jobs: int) -> str:
     for label, warn in table.items():
         got = detectors.summarize(triples, warn)
         lead = f"{got['median_lead_steps']:g}" if got["detected"] else "-"
-        healthy = sum(div is None and bool(warn(rec)) for _, rec, div in triples)
-        n_healthy = sum(div is None for _, _, div in triples)
-        lines.append(
-            f"| {label} | {got['detected']}/{got['diverging_runs']} | {lead} | {healthy}/{n_healthy} |"
-        )
+        healthy = f"{got['healthy_runs_warned']}/{got['healthy_runs']}"
+        lines.append(f"| {label} | {got['detected']}/{got['diverging_runs']} | {lead} | {healthy} |")
     lines += [
         "",
         "| run | diverged at | fc2 participation: lowest held (step), before any divergence |",
         "|---|---|---|",
     ]
-    for _, rec, div, rows in wide:
+    for _, rec, div, rows in loaded["wider"]:
         held_values = held(*series({"readings": rows}), falls=False, start=START)
         before = [(st, -v) for st, v in held_values if div is None or st <= div]
         low = min(before, key=lambda sv: sv[1]) if before else None
